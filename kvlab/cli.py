@@ -1,0 +1,152 @@
+"""``python -m kvlab <command>``: the main job, its pieces, and the benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def positive_int(name: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer (> 0), got {v}")
+        return v
+    return parse
+
+
+def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> None:
+    p.add_argument("--prompts", type=positive_int("--prompts"), default=prompts, help="number of prompts")
+    p.add_argument("--tokens", type=positive_int("--tokens"), default=tokens, help="new tokens per run (N)")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="JSON Lines file, one {\"prompt\": ...} per line (default data/prompts.jsonl)")
+    p.add_argument("--out", type=Path, default=Path("figures"), help="where tables and figures go")
+    p.add_argument("--runs", type=Path, default=None, help="run store (default $KVLAB_RUNS or ./runs)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i for every policy")
+    p.add_argument("--teacher", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--student", default=None, help="hub id or folder (default: embedded pruned student)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _spec(args):
+    from .data import load_prompts
+    from .decode import Sampling
+    from .experiment import RunSpec
+
+    rows = load_prompts(args.prompts_file, n=args.prompts)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling)
+
+
+def _pair(args):
+    from .models import load_pair
+
+    return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
+
+
+def cmd_baselines(args) -> list[Path]:
+    from .baselines import baselines, write_baselines
+    from .figures import render
+    from .plots import baselines_figure  # noqa: F401  (registers the figure)
+    from .store import RunStore
+
+    spec = _spec(args)              # validates everything before any model loads
+    teacher, student = _pair(args)
+    table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress)
+    paths = write_baselines(table, per_run, args.out)
+    paths.append(render("baselines", args.out))
+    print((args.out / "baselines.md").read_text())
+    return paths
+
+
+def cmd_mc_sim(args) -> list[Path]:
+    from .figures import render
+    from .mcsim import simulate, write_outputs
+    from .plots import mc_entropy_figure  # noqa: F401  (registers the figures)
+
+    result = simulate()
+    info = write_outputs(result, args.out)
+    paths = [render(n, args.out) for n in ("mc_entropy", "mc_variance", "mc_triggers")]
+    print(json.dumps(info, indent=1))
+    return [p for p in paths if p is not None]
+
+
+def cmd_figures(args) -> list[Path]:
+    from .figures import render_all
+
+    paths = render_all(args.out)
+    for p in paths:
+        print(p)
+    return paths
+
+
+# The main job: every table/figure, in order. Each entry: (name, handler).
+JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim)]
+
+
+def cmd_all(args) -> list[Path]:
+    paths = []
+    for name, fn in JOBS:
+        print(f"== {name}", flush=True)
+        paths += fn(args)
+    paths += cmd_figures(args)
+    return paths
+
+
+def cmd_bench(args) -> None:
+    from .bench import bench_decode
+    from .data import load_prompts
+    from .models import load_model, load_teacher
+
+    if args.what == "decode":
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        prompt = load_prompts(n=1)[0]["prompt"]
+        print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens, repeats=args.repeats), indent=1))
+
+
+BENCHES = ("decode",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("baselines", help="Teacher / OverFill / Student table + figure")
+    _common(p)
+    p.set_defaults(fn=cmd_baselines)
+    p = sub.add_parser("mc-sim", help="the blog's MC-dropout simulation: CSVs + figures, thresholds as JSON")
+    p.add_argument("--out", type=Path, default=Path("figures"))
+    p.set_defaults(fn=cmd_mc_sim)
+    p = sub.add_parser("figures", help="render every registered figure from the tables in --out")
+    p.add_argument("--out", type=Path, default=Path("figures"))
+    p.set_defaults(fn=cmd_figures)
+    p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
+    _common(p)
+    p.set_defaults(fn=cmd_all)
+    p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
+    p.add_argument("what", choices=BENCHES)
+    p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher)")
+    p.add_argument("--tokens", type=positive_int("--tokens"), default=64)
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,256 @@
+"""The decode loop: one generator, one frozen :class:`StepRecord` per token.
+
+Modes (seed 000, "The OverFill Algorithm"):
+
+* ``teacher``  — the teacher prefills the prompt and decodes every token.
+* ``student``  — the student prefills and decodes.
+* ``overfill`` — the teacher prefills the prompt (``C_0 = Prefill_T(x)``); its prefill logits give
+  the first token; the student decodes every later token on a copy of that cache.
+
+Step ``t`` (1-based) picks ``y_t`` from logits computed over ``x, y_<t``: at step 1 those are the
+prefill's last logits, at step ``t > 1`` the decoder's forward on ``y_{t-1}``, which appends
+``y_{t-1}``'s K/V. So right after ``y_t`` is emitted, the decoding cache holds ``L + t - 1``
+entries — it lags the last emitted token by one entry. The loop owns positions: ``y_{t-1}`` is
+written at position ``L + t - 2`` taken from the cache's ``next_position``, never from its length.
+
+``Decoding`` is iterable (step it with ``next()`` in a notebook); :func:`run` drains it into a
+:class:`Trace`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from .cache import KVCache
+from .compat import IncompatiblePairError, kv_compat
+
+MODES = ("teacher", "student", "overfill")
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """``temperature == 0`` → greedy; otherwise seeded sampling with nucleus ``top_p``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    mode: str = "overfill"
+    max_new_tokens: int = 128
+    sampling: Sampling = field(default_factory=Sampling)
+    ignore_eos: bool = True       # the blog compares fixed-N runs
+    chat: bool = True             # apply the tokenizer's chat template to the prompt
+    keep_dists: bool = False      # keep every step's full log-distribution (for KL scoring)
+    rebuild_student_cache: bool = False  # overfill with an incompatible pair: student prefills from text
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive int (N > 0)")
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError("sampling must be a kvlab.Sampling(temperature=..., top_p=..., seed=...)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int            # 1-based index of the generated token
+    token_id: int
+    token: str
+    position: int        # absolute position of this token in the sequence
+    logprob: float       # log p(token) under the distribution it was drawn from (untempered)
+    entropy_bits: float  # entropy of that distribution, bits
+    top1_prob: float
+    margin: float        # p(top1) - p(top2)
+    cache_len: int       # decoding cache entries when the distribution was computed
+    source: str          # which model produced the distribution ("teacher"/"student")
+    refreshed: bool      # a refresh happened after this step
+    evicted: int         # cache entries evicted at this step
+    wall_s: float        # compute time of this step (excludes time the consumer held the generator)
+    elapsed_s: float     # cumulative compute time since the start of prefill
+
+
+def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
+    """``(logp, entropy_bits, top1_prob, margin)`` of a ``(V,)`` logit vector."""
+    logp = torch.log_softmax(logits.float(), dim=-1)          # (V,)
+    p = logp.exp()
+    ent = float(torch.special.entr(p).sum()) / LN2
+    top = torch.topk(p, 2).values
+    return logp, ent, float(top[0]), float(top[0] - top[1])
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Greedy argmax, or a seeded draw from ``softmax(logits / T)`` restricted to the top-p nucleus."""
+    if sampling.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)  # (V,)
+    if sampling.top_p < 1.0:
+        sp, idx = torch.sort(probs, descending=True)
+        keep = (torch.cumsum(sp, 0) - sp) < sampling.top_p   # smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sp[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoding:
+    """One generation, stepped token by token. Iterate it (or ``next(iter(d))``) for records.
+
+    All arguments are validated here, before any model work. After (or during) iteration:
+    ``cache`` is the decoding cache, ``teacher_cache`` the teacher's own prefix cache (overfill),
+    ``tokens`` the generated ids, ``ttft_s`` the time to first token, ``dists`` the kept
+    log-distributions.
+    """
+
+    def __init__(self, teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides):
+        config = config or DecodeConfig()
+        if overrides:
+            from dataclasses import replace
+
+            config = replace(config, **overrides)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt must be a non-empty string")
+        if config.mode in ("teacher", "overfill") and teacher is None:
+            raise ValueError(f"mode={config.mode!r} needs a teacher model")
+        if config.mode in ("student", "overfill") and student is None:
+            raise ValueError(f"mode={config.mode!r} needs a student model")
+        if config.mode == "overfill" and not config.rebuild_student_cache:
+            compat = kv_compat(teacher, student)
+            if not compat.ok:
+                raise IncompatiblePairError(compat)
+        self.config = config
+        self.teacher, self.student = teacher, student
+        self.prefiller = student if config.mode == "student" else teacher
+        self.decoder = teacher if config.mode == "teacher" else student
+        self.prefill_name = "student" if config.mode == "student" else "teacher"
+        self.decoder_name = "teacher" if config.mode == "teacher" else "student"
+        self.prompt = prompt
+        self.prompt_ids = self.prefiller.encode_prompt(prompt, chat=config.chat)
+        self.eos_ids = _eos_ids(self.decoder)
+        self.cache: KVCache | None = None
+        self.teacher_cache: KVCache | None = None
+        self.tokens: list[int] = []
+        self.dists: list[torch.Tensor] = []
+        self.ttft_s: float | None = None
+        self.elapsed_s = 0.0
+        self._it = None
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        if self._it is None:
+            self._it = self._steps()
+        return self._it
+
+    def __next__(self) -> StepRecord:
+        return next(iter(self))
+
+    def _steps(self) -> Iterator[StepRecord]:
+        cfg = self.config
+        dev = self.decoder.device
+        gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        tok = self.decoder.tokenizer
+        L = len(self.prompt_ids)
+
+        t0 = time.perf_counter()
+        cache, logits = KVCache.prefill(self.prefiller.model, self.prompt_ids, writer=self.prefill_name)
+        if cfg.mode == "overfill":
+            self.teacher_cache = cache
+            if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
+                cache, _ = KVCache.prefill(self.student.model, self.prompt_ids, writer="student")
+            else:
+                cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
+        self.cache = cache
+        source = self.prefill_name
+        for step in range(1, cfg.max_new_tokens + 1):
+            if step > 1:
+                t0 = time.perf_counter()
+                prev = self.tokens[-1]
+                logits = cache.forward(self.decoder.model, [prev], writer=self.decoder_name, step=step - 1)
+                source = self.decoder_name
+            logp, ent, top1, margin = token_stats(logits)
+            token_id = choose(logits, cfg.sampling, gen)
+            if cfg.keep_dists:
+                self.dists.append(logp.cpu())
+            _sync(dev)
+            wall = time.perf_counter() - t0
+            self.elapsed_s += wall
+            if step == 1:
+                self.ttft_s = wall
+            self.tokens.append(token_id)
+            rec = StepRecord(
+                step=step, token_id=token_id, token=tok.decode([token_id]), position=L + step - 1,
+                logprob=float(logp[token_id]), entropy_bits=ent, top1_prob=top1, margin=margin,
+                cache_len=len(cache), source=source, refreshed=False, evicted=0,
+                wall_s=wall, elapsed_s=self.elapsed_s)
+            yield rec
+            if token_id in self.eos_ids and not cfg.ignore_eos:
+                return
+
+
+def _eos_ids(lm) -> set[int]:
+    ids = set()
+    for src in (getattr(lm.model, "generation_config", None), lm.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.update(e if isinstance(e, (list, tuple)) else [e])
+    if lm.tokenizer.eos_token_id is not None:
+        ids.add(lm.tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class Trace:
+    """A finished generation: its records plus what scoring needs."""
+
+    records: list[StepRecord]
+    prompt: str
+    prompt_ids: list[int]
+    config: DecodeConfig
+    ttft_s: float
+    total_s: float
+    text: str
+    dists: torch.Tensor | None = None   # (N, V) log-probs of the distributions tokens were drawn from
+
+    @property
+    def tokens(self) -> list[int]:
+        return [r.token_id for r in self.records]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame([asdict(r) for r in self.records])
+
+
+def run(teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides) -> Trace:
+    """Drain a :class:`Decoding` into a :class:`Trace`."""
+    d = Decoding(teacher, student, prompt, config, **overrides)
+    records = list(d)
+    dists = torch.stack(d.dists) if d.dists else None
+    return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
+                 ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
+                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), dists=dists)

@@ -1,0 +1,121 @@
+"""Running and storing decode runs over a prompt set: the building block of every table.
+
+A *run* is one generation scored by the teacher. Its config (model fingerprints, prompt,
+decode settings, policy) keys it in the :class:`~kvlab.store.RunStore`, so a rerun of a table
+reuses finished runs and an interrupted one loses only the run in progress.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+
+from .decode import DecodeConfig, Sampling, run
+from .metrics import score
+from .store import RunStore
+
+# Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
+METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "repeat3",
+           "tail_logprob", "chars"]
+SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a table is run over: prompts, length, sampling (seed = base seed + prompt index)."""
+
+    prompts: tuple[str, ...]
+    tokens: int = 128
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=0.7, top_p=0.9, seed=0))
+
+    def __post_init__(self):
+        if not self.prompts:
+            raise ValueError("prompts must hold at least one prompt")
+        if not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"tokens={self.tokens!r} must be a positive int")
+
+    def sampling_for(self, i: int) -> Sampling:
+        """Paired seeds: prompt ``i`` uses the same seed under every policy."""
+        return replace(self.sampling, seed=self.sampling.seed + i)
+
+
+def run_config(teacher, student, prompt: str, cfg: DecodeConfig, extra: dict | None = None) -> dict:
+    """The full config that keys a stored run."""
+    return {"kind": "decode", "teacher": teacher.fingerprint if teacher is not None else None,
+            "student": student.fingerprint if student is not None else None, "prompt": prompt,
+            "decode": cfg.to_dict(), **(extra or {})}
+
+
+def records_columns(records) -> dict:
+    """Per-step records as compact columns (what figures of traces need)."""
+    keep = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source",
+            "refreshed", "evicted", "wall_s")
+    rows = [asdict(r) for r in records]
+    return {k: [r[k] for r in rows] for k in keep}
+
+
+def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore, **run_kwargs) -> dict:
+    """One stored, scored generation (computed only if the store lacks it)."""
+    cfg = replace(cfg, keep_dists=True)
+
+    def compute() -> dict:
+        trace = run(teacher, student, prompt, cfg, **run_kwargs)
+        result = score(trace, teacher)
+        result["text"] = trace.text
+        result["steps"] = records_columns(trace.records)
+        return result
+
+    return store.get_or_run(run_config(teacher, student, prompt, cfg), compute)
+
+
+def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConfig], store: RunStore,
+                 progress: bool = True) -> pd.DataFrame:
+    """Every (prompt, policy) run as one row of per-run metrics."""
+    from tqdm.auto import tqdm
+
+    jobs = [(i, p, name, cfg) for i, p in enumerate(spec.prompts) for name, cfg in policies.items()]
+    rows = []
+    for i, prompt, name, cfg in tqdm(jobs, disable=not progress, desc="runs", unit="run"):
+        cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
+        res = scored_run(teacher, student, prompt, cfg, store)
+        rows.append({"policy": name, "prompt_idx": i, **{k: res[k] for k in METRICS}})
+    return pd.DataFrame(rows)
+
+
+def summarize(per_run: pd.DataFrame, by: str = "policy", order: list | None = None) -> pd.DataFrame:
+    """Mean per group, with ``<metric>_std`` (per-prompt std) beside the quality/time columns."""
+    metrics = [c for c in METRICS if c in per_run]
+    g = per_run.groupby(by, sort=False)
+    out = g[metrics].mean()
+    for m in SPREAD:
+        if m in per_run:
+            out[f"{m}_std"] = g[m].std(ddof=1).fillna(0.0)
+    out["n_prompts"] = g.size()
+    out = out.reset_index()
+    if order is not None:
+        out = out.set_index(by).loc[[o for o in order if o in set(out[by])]].reset_index()
+    return out
+
+
+def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    """A GitHub-style Markdown table (no extra dependency)."""
+    def fmt(v):
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
+    """``<name>.csv`` and ``<name>.md`` under ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    csv, md = out / f"{name}.csv", out / f"{name}.md"
+    df.to_csv(csv, index=False)
+    md.write_text(to_markdown(df))
+    return [csv, md]

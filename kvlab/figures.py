@@ -1,0 +1,52 @@
+"""Figures registered by name. Each is a function of stored tables (CSV files written by the
+experiments into an output folder) that returns a matplotlib Figure; :func:`render_all` saves
+every figure whose inputs exist. Plot functions never call ``savefig`` themselves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+FIGURES: dict[str, tuple[tuple[str, ...], Callable]] = {}
+
+
+def figure(name: str, needs: tuple[str, ...]):
+    """Register ``fn(tables: dict[str, DataFrame]) -> Figure`` under ``name``; ``needs`` are CSV stems."""
+    def deco(fn):
+        FIGURES[name] = (needs, fn)
+        return fn
+    return deco
+
+
+def _mpl():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    return Figure
+
+
+def render(name: str, out) -> Path | None:
+    """Render one registered figure from the CSVs in ``out`` into ``out/<name>.png`` (None if inputs missing)."""
+    needs, fn = FIGURES[name]
+    out = Path(out)
+    paths = {n: out / f"{n}.csv" for n in needs}
+    if not all(p.is_file() for p in paths.values()):
+        return None
+    fig = fn({n: pd.read_csv(p) for n, p in paths.items()})
+    target = out / f"{name}.png"
+    fig.savefig(target, dpi=120, bbox_inches="tight")
+    return target
+
+
+def render_all(out) -> list[Path]:
+    _load_registrations()
+    return [p for name in FIGURES if (p := render(name, out)) is not None]
+
+
+def _load_registrations() -> None:
+    """Import the modules that register figures (kept lazy: no import-time side effects)."""
+    from . import plots  # noqa: F401

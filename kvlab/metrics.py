@@ -1,0 +1,73 @@
+"""Scoring a generation (seed 000, "Scoring" and "Variational lens").
+
+Teacher-PPL alone rewards repetition loops (a looping student can score a *lower* PPL than the
+teacher), so every table reports the mean per-step ``KL(p_T || q_S)`` — the blog's "mismatch"
+term — and repeat@3 beside it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+TAIL = 50  # tail log-prob: last 50 tokens under the teacher
+
+
+def kl_rows(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``KL(p || q)`` in nats for log-probabilities ``(N, V)`` → ``(N,)``."""
+    p_logp, q_logp = p_logp.float(), q_logp.float()
+    p = p_logp.exp()
+    # p * (log p - log q), with 0 * anything = 0 where p == 0
+    return torch.where(p > 0, p * (p_logp - q_logp), torch.zeros_like(p)).sum(-1)
+
+
+def repeat_at_n(tokens: Sequence[int], n: int = 3) -> float:
+    """Fraction of the sequence's n-grams that repeat an earlier n-gram: ``1 - unique/total``."""
+    if n <= 0:
+        raise ValueError(f"n={n!r} must be positive")
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 0.0 if not grams else 1.0 - len(set(grams)) / len(grams)
+
+
+@torch.inference_mode()
+def teacher_logprobs(teacher, prompt_ids: Sequence[int], gen_ids: Sequence[int]) -> torch.Tensor:
+    """Teacher log-distributions for every generated position: one uncached forward over
+    ``prompt + continuation``. Returns ``(N, V)`` float32 on CPU; row ``t`` is ``log p_T(· | x, y_<t)``."""
+    n = len(gen_ids)
+    if n == 0:
+        raise ValueError("gen_ids is empty: nothing to score")
+    ids = torch.tensor([list(prompt_ids) + list(gen_ids)], device=teacher.device)  # (1, L+N)
+    out = teacher.model(input_ids=ids, use_cache=False, logits_to_keep=n + 1)
+    logits = out.logits[0, :-1].float()                                          # (N, V)
+    return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def score(trace, teacher) -> dict:
+    """All per-run numbers of the blog's tables for one :class:`kvlab.decode.Trace`.
+
+    Needs the trace's ``dists`` (run with ``keep_dists=True``) for the KL term.
+    """
+    toks = trace.tokens
+    n = len(toks)
+    t_logp = teacher_logprobs(teacher, trace.prompt_ids, toks)                  # (N, V)
+    chosen = t_logp[torch.arange(n), torch.tensor(toks)]                        # (N,)
+    out = {
+        "tokens": n,
+        "teacher_ppl": math.exp(-float(chosen.mean())),
+        "tail_logprob": float(chosen[-TAIL:].mean()),
+        "repeat3": repeat_at_n(toks, 3),
+        "chars": len(trace.text),
+        "ttft_s": trace.ttft_s,
+        "total_s": trace.total_s,
+        "tps": (n - 1) / (trace.total_s - trace.ttft_s) if n > 1 and trace.total_s > trace.ttft_s else float("nan"),
+        "e2e_tps": n / trace.total_s if trace.total_s > 0 else float("nan"),
+    }
+    if trace.dists is not None:
+        kl = kl_rows(t_logp, trace.dists)
+        out["kl"] = float(kl.mean())
+        out["kl_steps"] = kl.tolist()
+    else:
+        out["kl"] = float("nan")
+    out["teacher_logprobs"] = chosen.tolist()
+    return out
