@@ -31,6 +31,8 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i for every policy")
     p.add_argument("--teacher", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
     p.add_argument("--student", default=None, help="hub id or folder (default: embedded pruned student)")
+    p.add_argument("--student-ratio", type=float, default=None,
+                   help="MLP pruning ratio of the embedded student (default: kvlab.models.DEFAULT_PRUNE)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -47,9 +49,10 @@ def _spec(args):
 
 
 def _pair(args):
-    from .models import load_pair
+    from .models import DEFAULT_PRUNE, load_pair
 
-    return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
+    ratio = DEFAULT_PRUNE if args.student_ratio is None else args.student_ratio
+    return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype, ratio=ratio)
 
 
 def cmd_baselines(args) -> list[Path]:

@@ -203,7 +203,7 @@ def load_teacher(device=None, dtype=None) -> LM:
     return LM(lm.model, lm.tokenizer, TEACHER_NAME)
 
 
-DEFAULT_PRUNE = 0.45  # fraction of MLP intermediate channels removed (see README for the numbers)
+DEFAULT_PRUNE = 0.30  # fraction of MLP intermediate channels removed (numbers in the README)
 
 
 def load_student(ratio: float = DEFAULT_PRUNE, device=None, dtype=None) -> LM:
