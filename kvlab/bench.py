@@ -87,13 +87,12 @@ def bench_surgery(lm, cache_len: int = 2048, pairs: int = 16, repeats: int = 3, 
     out = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "cache_len": cache_len,
            "pairs": pairs, "layers": base.num_layers, "cache_mb": round(base.nbytes() / 2**20, 1),
            "repeats": repeats, "identical": identical}
+    med = {mode: {k: statistics.median(getattr(r, k) if k != "tick_s" else t for _, r, t in rs)
+                  for k in ("tick_s", "compute_s", "splice_s")} for mode, rs in runs.items()}
     for mode, rs in runs.items():
-        out[mode] = {"tick_s": round(statistics.median(t for _, _, t in rs), 4),
-                     "compute_s": round(statistics.median(r.compute_s for _, r, _ in rs), 4),
-                     "splice_s": round(statistics.median(r.splice_s for _, r, _ in rs), 4),
-                     "splice_mb": round(rs[0][1].splice_bytes / 2**20, 1)}
-    g_, p_ = out["gather"], out["per_row"]
-    out["splice_speedup"] = round(p_["splice_s"] / g_["splice_s"], 2)
-    out["tick_speedup"] = round(p_["tick_s"] / g_["tick_s"], 2)
-    out["bytes_ratio"] = round(p_["splice_mb"] / g_["splice_mb"], 2)
+        out[mode] = {k: round(v, 5) for k, v in med[mode].items()}
+        out[mode]["splice_mb"] = round(rs[0][1].splice_bytes / 2**20, 2)
+    out["splice_speedup"] = round(med["per_row"]["splice_s"] / med["gather"]["splice_s"], 2)
+    out["tick_speedup"] = round(med["per_row"]["tick_s"] / med["gather"]["tick_s"], 2)
+    out["bytes_ratio"] = round(runs["per_row"][0][1].splice_bytes / runs["gather"][0][1].splice_bytes, 2)
     return out

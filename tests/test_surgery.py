@@ -463,3 +463,36 @@ def test_real_model_surgery(real_pair):
     assert len(c) == n - 3 + 1 + 1 and r.splice_bytes > 0
     recs = list(continue_from(c, teacher, logits=r.logits, max_new_tokens=3))
     assert [x.position for x in recs] == [c.next_position - 2, c.next_position - 1, c.next_position]
+
+
+# ---------------------------------------------------------------------------- figure, bench, CLI
+
+
+def test_live_map_figure(lm2):
+    from kvlab.livemap import live_map_figure
+
+    c, _ = KVCache.prefill(lm2.model, [5, 9, 13, 21], writer="t")
+    before = list(c.live)
+    c.apply([{"action": "delete", "pos": 1}, {"action": "insert", "pos": 3, "token_ids": [7]},
+             {"action": "add", "token_id": 8}], lm2.model, writer="t")
+    fig = live_map_figure(c.ledger_frame(), {"before": before, "after": c.live}, labels=str)
+    assert len(fig.axes) == 3
+    assert [len(col.get_offsets()) for col in fig.axes[1].collections][0] == len(c)
+
+
+def test_bench_surgery_tiny(lm2):
+    from kvlab.bench import bench_surgery
+
+    out = bench_surgery(lm2, cache_len=64, pairs=4, repeats=1)
+    assert out["identical"] is True
+    assert out["gather"]["splice_mb"] < out["per_row"]["splice_mb"]
+    with pytest.raises(ValueError, match="pairs="):
+        bench_surgery(lm2, cache_len=6, pairs=4)
+
+
+def test_cli_lists_surgery_bench():
+    from kvlab.cli import BENCHES, build_parser
+
+    assert "surgery" in BENCHES
+    args = build_parser().parse_args(["bench", "surgery", "--cache-len", "128", "--pairs", "3"])
+    assert (args.what, args.cache_len, args.pairs) == ("surgery", 128, 3)
