@@ -337,6 +337,16 @@ class KVCache:
             self.check()
         except AssertionError as e:
             raise ValueError(f"cache and live map disagree before the tick ({e}); rebuild the cache first") from e
+        geo = self.geometry()
+        if geo:
+            cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+            if getattr(cfg, "num_hidden_layers", geo["layers"]) != geo["layers"]:
+                raise ValueError(f"model has {cfg.num_hidden_layers} layers, the cache {geo['layers']}; surgery needs "
+                                 "the model that wrote this cache (or one with the same KV geometry)")
+            mdtype = str(next(model.parameters()).dtype)
+            if mdtype != geo["dtype"]:
+                raise ValueError(f"model dtype {mdtype} differs from the cache's {geo['dtype']}; load the model in "
+                                 f"{geo['dtype']}")
         plan = plan_actions(actions, len(self), _vocab_size(model))
         hook = fault_hook if fault_hook is not None else _no_fault
         tick = self.ticks
@@ -363,8 +373,10 @@ class KVCache:
                     self.events.append(tick, r, "added")
             t3 = time.perf_counter()
             t = {"compute": t1 - t0, "splice": t2 - t1, "add": t3 - t2}
-        except Exception as e:
+        except BaseException as e:   # incl. KeyboardInterrupt: never leave cache and map out of step
             self._rebuild(model, pre_live, pre_next, writer, step, tick)
+            if not isinstance(e, Exception):
+                raise
             raise SurgeryError(f"tick {tick} failed ({type(e).__name__}: {e}); the cache was rebuilt from the "
                                f"live map's {len(pre_live)} tokens and the tick discarded") from e
         return TickReport(tick=tick, actions=len(plan.actions), deleted=len(plan.deleted),

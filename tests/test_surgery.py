@@ -496,3 +496,23 @@ def test_cli_lists_surgery_bench():
     assert "surgery" in BENCHES
     args = build_parser().parse_args(["bench", "surgery", "--cache-len", "128", "--pairs", "3"])
     assert (args.what, args.cache_len, args.pairs) == ("surgery", 128, 3)
+
+
+def test_model_must_match_cache(lm2, lm1):
+    c, _ = KVCache.prefill(lm2.model, [5, 9, 13], writer="t")
+    with pytest.raises(ValueError, match="model has 1 layers, the cache 2"):
+        c.apply([{"action": "delete", "pos": 0}], lm1.model, writer="t")
+    assert len(c) == 3
+
+
+def test_interrupt_mid_tick_still_rebuilds(lm2):
+    c, _ = KVCache.prefill(lm2.model, [5, 9, 13, 21], writer="t")
+
+    def hook(stage):
+        if stage == "splice:1":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        c.apply([{"action": "delete", "pos": 0}], lm2.model, writer="t", fault_hook=hook)
+    c.check()
+    assert c.token_ids == [5, 9, 13, 21]
