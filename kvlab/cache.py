@@ -12,11 +12,15 @@ Every edit (prefill/append via :meth:`KVCache.forward`, :meth:`splice_last`, :me
 changes the tensors and the live map in the same call, and restores both if it fails, so
 ``len(live) == cache length`` on every layer at all times (:meth:`check`). Nothing outside
 this module reads ``cache.layers[i].keys``: a transformers cache-API change breaks one file.
+
+Surgery (seed 004, "Step 4"): :meth:`KVCache.apply` executes an action list — ``delete``,
+``insert``, ``replace_pair``, ``add`` — as one tick; :meth:`delete`, :meth:`insert`,
+:meth:`append` are one-action ticks. See :meth:`KVCache.apply` for the position semantics.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -84,6 +88,8 @@ class KVCache:
         self.ledger = ledger if ledger is not None else Ledger()
         self.live: list[int] = live if live is not None else []
         self.next_position = int(next_position)
+        self.events = EventLog()   # append-only surgery history (see ledger_status)
+        self.ticks = 0             # surgery ticks attempted
         self.check()
 
     # ------------------------------------------------------------------ introspection
@@ -269,7 +275,239 @@ class KVCache:
         """A deep copy: new tensors, new ledger, new live map."""
         kvs = [(layer.keys.clone(), layer.values.clone()) for layer in self._hf.layers]
         hf = DynamicCache(ddp_cache_data=kvs) if kvs and len(self) else DynamicCache()
-        return KVCache(hf, self.ledger.copy(), list(self.live), self.next_position)
+        new = KVCache(hf, self.ledger.copy(), list(self.live), self.next_position)
+        new.events, new.ticks = self.events.copy(), self.ticks
+        return new
+
+    # ------------------------------------------------------------------ surgery (seed 004, "Step 4")
+
+    @torch.inference_mode()
+    def apply(self, actions: Sequence[Mapping], model, *, writer: str, step: int = -1,
+              splice: str = "gather", fault_hook: Callable[[str], None] | None = None) -> "TickReport":
+        """Execute an action list as one tick; tensors and live map are cut by the same layout.
+
+        Actions (every position is a slot of the cache as it is *before* the tick):
+
+        * ``{'action': 'delete', 'pos': s}`` — drop slot ``s``;
+        * ``{'action': 'insert', 'pos': s, 'token_ids': [...]}`` — new tokens right before slot
+          ``s`` (``s == len(cache)``: at the end, before any ``add``);
+        * ``{'action': 'replace_pair', 'original_pos1': p1, 'original_pos2': p2, 'new_token_ids': [...]}``
+          — drop ``p1 < p2``, put the new tokens where ``p1`` was (slots between stay, after them);
+        * ``{'action': 'add', 'token_id': t}`` — append ``t`` (adds run last, in list order).
+
+        The meaning is the seed's sequential algorithm: actions run in descending slot order
+        (at one slot, the removal before the insert), a replace_pair as delete ``p2``, delete
+        ``p1``, insert at ``p1``, then the adds. The whole list is validated first
+        (:func:`plan_actions`: ranges, ``p1 < p2``, overlapping spans, vocabulary, cache == map
+        length); an invalid list raises ``ValueError`` and changes nothing. Because descending
+        order never moves a slot left of the current action, every inserted block sees the
+        *original* left context ``[0, s)``; so the K/V of all blocks are computed first (reads
+        only), then each layer is rebuilt with ONE ``torch.cat`` of kept runs and new blocks
+        (``splice="per_row"``: the seed's naive per-row ``torch.cat`` sequence, kept for the
+        benchmark), then the adds run as one forward over the edited cache.
+
+        Positions (no-shift): surviving entries keep the RoPE position they were written at —
+        nothing is re-rotated, the ledger is never rewritten, so deleting leaves a gap in
+        positions. A block inserted at slot ``s`` gets consecutive positions starting right
+        after its left neighbour's (``positions[s-1] + 1``; 0 at slot 0); at the end
+        (``s == len``) it starts at ``next_position``, exactly where decoding would put it, so
+        an insert at the end equals decoding those tokens. Positions of a long interior insert
+        may reach or pass those of its right neighbours (RoPE sees only relative distance);
+        ``next_position`` becomes ``max(next_position, newest + 1)``, so decoding continues
+        above every live position.
+
+        Failure after validation (OOM, a model error, ``fault_hook``): no VRAM snapshot is
+        kept; the live map is reset to its pre-tick content (a list of ints, the mirror) and
+        every layer is recomputed from those tokens at their recorded positions, then
+        :class:`SurgeryError` is raised. The tick is all-or-nothing; cache and map agree.
+
+        ``fault_hook`` is for tests: it is called with a stage name (``"compute:j"``,
+        ``"splice:i"``, ``"map"``, ``"add"``) before each stage; raising there injects a failure.
+        Returns a :class:`TickReport` (``logits``: next-token logits after the last ``add``).
+        """
+        import time
+
+        if splice not in SPLICE_MODES:
+            raise ValueError(f"splice={splice!r} must be one of {SPLICE_MODES}")
+        if not isinstance(writer, str) or not writer:
+            raise ValueError(f"writer={writer!r} must be a non-empty string naming the model that computes new K/V")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"step={step!r} must be an int (decode step; -1 for none)")
+        try:
+            self.check()
+        except AssertionError as e:
+            raise ValueError(f"cache and live map disagree before the tick ({e}); rebuild the cache first") from e
+        geo = self.geometry()
+        if geo:
+            cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+            if getattr(cfg, "num_hidden_layers", geo["layers"]) != geo["layers"]:
+                raise ValueError(f"model has {cfg.num_hidden_layers} layers, the cache {geo['layers']}; surgery needs "
+                                 "the model that wrote this cache (or one with the same KV geometry)")
+            mdtype = str(next(model.parameters()).dtype)
+            if mdtype != geo["dtype"]:
+                raise ValueError(f"model dtype {mdtype} differs from the cache's {geo['dtype']}; load the model in "
+                                 f"{geo['dtype']}")
+        plan = plan_actions(actions, len(self), _vocab_size(model))
+        hook = fault_hook if fault_hook is not None else _no_fault
+        tick = self.ticks
+        self.ticks += 1
+        pre_live, pre_next = list(self.live), self.next_position
+        t = {"compute": 0.0, "splice": 0.0, "add": 0.0}
+        nbytes = 0
+        logits = None
+        try:
+            t0 = time.perf_counter()
+            blocks = []                                   # per block: (positions, [(K, V) per layer])
+            for j, b in enumerate(plan.blocks):
+                hook(f"compute:{j}")
+                pos = self._block_positions(b.anchor, len(b.token_ids), plan.length)
+                blocks.append((pos, self._kv_over_prefix(model, b.anchor, b.token_ids, pos)))
+            t1 = time.perf_counter()
+            if plan.deleted or plan.blocks:
+                nbytes = self._splice(plan, blocks, writer, step, tick, hook, splice)
+            t2 = time.perf_counter()
+            if plan.adds:
+                hook("add")
+                logits = self.forward(model, plan.adds, writer=writer, step=step, logits="last")
+                for r in self.live[-len(plan.adds):]:
+                    self.events.append(tick, r, "added")
+            t3 = time.perf_counter()
+            t = {"compute": t1 - t0, "splice": t2 - t1, "add": t3 - t2}
+        except BaseException as e:   # incl. KeyboardInterrupt: never leave cache and map out of step
+            self._rebuild(model, pre_live, pre_next, writer, step, tick)
+            if not isinstance(e, Exception):
+                raise
+            raise SurgeryError(f"tick {tick} failed ({type(e).__name__}: {e}); the cache was rebuilt from the "
+                               f"live map's {len(pre_live)} tokens and the tick discarded") from e
+        return TickReport(tick=tick, actions=len(plan.actions), deleted=len(plan.deleted),
+                          inserted=sum(len(b.token_ids) for b in plan.blocks), added=len(plan.adds),
+                          length=len(self), next_position=self.next_position, splice=splice,
+                          splice_bytes=nbytes, compute_s=t["compute"], splice_s=t["splice"], add_s=t["add"],
+                          logits=logits)
+
+    def delete(self, pos: int, model, *, writer: str, step: int = -1) -> "TickReport":
+        """Drop slot ``pos`` (one-action tick; ``model`` is needed only to rebuild on failure)."""
+        return self.apply([{"action": "delete", "pos": pos}], model, writer=writer, step=step)
+
+    def insert(self, pos: int, token_ids: Sequence[int], model, *, writer: str, step: int = -1) -> "TickReport":
+        """Insert ``token_ids`` right before slot ``pos``, K/V computed over slots ``[0, pos)``."""
+        return self.apply([{"action": "insert", "pos": pos, "token_ids": list(token_ids)}], model,
+                          writer=writer, step=step)
+
+    def append(self, token_id: int, model, *, writer: str, step: int = -1) -> "TickReport":
+        """Append one token at ``next_position`` (same K/V as a decode step)."""
+        return self.apply([{"action": "add", "token_id": token_id}], model, writer=writer, step=step)
+
+    def ledger_status(self) -> list[str]:
+        """Status of every ledger row, derived (rows are never edited): ``live`` if in the live map,
+        else its last removal event (``deleted``/``replaced``/``superseded``), else ``dropped``."""
+        status = ["dropped"] * len(self.ledger)
+        for r, ev in zip(self.events.row, self.events.event):
+            if ev in _REMOVAL_EVENTS:
+                status[r] = _REMOVAL_EVENTS[ev]
+        for r in self.live:
+            status[r] = "live"
+        return status
+
+    def ledger_frame(self):
+        """The whole ledger as a DataFrame with a derived ``status`` and the ``origin`` event of each row."""
+        import pandas as pd
+
+        led = self.ledger
+        origin = ["written"] * len(led)
+        for r, ev in zip(self.events.row, self.events.event):
+            if ev in _ORIGIN_EVENTS:
+                origin[r] = ev
+        return pd.DataFrame({"row": range(len(led)), "token_id": led.token_id, "position": led.position,
+                             "writer": led.writer, "step": led.step, "origin": origin,
+                             "status": self.ledger_status()})
+
+    def _block_positions(self, anchor: int, n: int, length: int) -> list[int]:
+        if anchor == length:
+            start = self.next_position
+        elif anchor == 0:
+            start = 0
+        else:
+            start = self.ledger.position[self.live[anchor - 1]] + 1
+        return list(range(start, start + n))
+
+    def _kv_over_prefix(self, model, s: int, token_ids: Sequence[int], positions: list[int]):
+        """K/V of ``token_ids`` at ``positions`` attending to slots ``[0, s)``; ``self`` is only read."""
+        tmp = DynamicCache()
+        if self.num_layers:
+            views = [(lay.keys[:, :, :s, :], lay.values[:, :, :s, :]) for lay in self._hf.layers]  # (1, H_kv, s, D)
+            tmp = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in views])
+            for lay, (k, v) in zip(tmp.layers, views):
+                lay.keys, lay.values = k, v          # no copy; the forward's update cats onto them
+        device = next(model.parameters()).device
+        n = len(token_ids)
+        model(input_ids=torch.tensor([list(token_ids)], device=device),               # (1, n)
+              position_ids=torch.tensor([positions], device=device),                  # (1, n)
+              past_key_values=tmp, use_cache=True, logits_to_keep=1)
+        return [(lay.keys[:, :, -n:, :], lay.values[:, :, -n:, :]) for lay in tmp.layers]  # (1, H_kv, n, D)
+
+    def _splice(self, plan: "TickPlan", blocks, writer: str, step: int, tick: int, hook, mode: str) -> int:
+        """The coupled edit: every layer's K and V and the live map, by the same plan. Returns bytes written."""
+        if not self.num_layers:                       # never written: create empty layers shaped like the blocks
+            self._hf = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in blocks[0][1]])
+        nbytes = 0
+        if mode == "gather":
+            for i, lay in enumerate(self._hf.layers):
+                hook(f"splice:{i}")
+                for name in ("keys", "values"):
+                    old = getattr(lay, name)                                          # (1, H_kv, T, D)
+                    parts = [old[:, :, a:b, :] if kind == "old" else blocks[a][1][i][name == "values"]
+                             for kind, a, b in plan.layout]
+                    new = torch.cat(parts, dim=2) if parts else old[:, :, :0, :]      # (1, H_kv, T', D)
+                    setattr(lay, name, new)
+                    nbytes += new.numel() * new.element_size()
+        else:                                         # the seed's naive sequence: one torch.cat per row op
+            for k, (op, slot, j) in enumerate(plan.steps):
+                for i, lay in enumerate(self._hf.layers):
+                    hook(f"splice:{i}")
+                    for name in ("keys", "values"):
+                        old = getattr(lay, name)
+                        if op == "delete":
+                            new = torch.cat([old[:, :, :slot, :], old[:, :, slot + 1:, :]], dim=2)
+                        else:
+                            blk = blocks[j][1][i][name == "values"]
+                            new = torch.cat([old[:, :, :slot, :], blk, old[:, :, slot:, :]], dim=2)
+                        setattr(lay, name, new)
+                        nbytes += new.numel() * new.element_size()
+        hook("map")
+        new_rows = []
+        for b, (pos, _) in zip(plan.blocks, blocks):
+            new_rows.append(self.ledger.append(b.token_ids, pos, writer, step))
+        removed = {s: self.live[s] for s in plan.deleted}
+        self.live = plan.apply_to_list(self.live, new_rows)
+        for s in sorted(removed):
+            self.events.append(tick, removed[s], plan.deleted[s])
+        for b, rows in zip(plan.blocks, new_rows):
+            for r in rows:
+                self.events.append(tick, r, "inserted" if b.kind == "insert" else "replacement")
+        if new_rows:
+            self.next_position = max(self.next_position, max(p for pos, _ in blocks for p in pos) + 1)
+        self.check()
+        return nbytes
+
+    def _rebuild(self, model, live: list[int], next_position: int, writer: str, step: int, tick: int) -> None:
+        """Recompute every layer from the tokens of ``live`` at their recorded positions (no snapshot)."""
+        led = self.ledger
+        tokens = [led.token_id[r] for r in live]
+        positions = [led.position[r] for r in live]
+        stale = list(dict.fromkeys(live + self.live))
+        self._hf, self.live, self.next_position = DynamicCache(), [], next_position
+        if tokens:
+            try:
+                self.forward(model, tokens, writer=writer, step=step, positions=positions)
+            except Exception as e:      # forward rolled itself back: the cache is empty and consistent
+                raise SurgeryError(f"tick {tick} failed and so did the rebuild ({type(e).__name__}: {e}); the cache "
+                                   f"is now empty; its tokens were {tokens} at positions {positions}") from e
+        for r in stale:
+            self.events.append(tick, r, "superseded")
+        for r in self.live:
+            self.events.append(tick, r, "rebuilt")
+        self.check()
 
     # ------------------------------------------------------------------ internals
 
@@ -285,3 +523,249 @@ def _layer_len(layer) -> int:
     if keys is None or not getattr(layer, "is_initialized", True) or keys.dim() != 4:
         return 0
     return int(keys.shape[-2])
+
+
+
+# ---------------------------------------------------------------------- surgery plans (pure Python)
+
+ACTIONS = {  # action -> its keys besides 'action'
+    "delete": ("pos",),
+    "insert": ("pos", "token_ids"),
+    "replace_pair": ("original_pos1", "original_pos2", "new_token_ids"),
+    "add": ("token_id",),
+}
+SPLICE_MODES = ("gather", "per_row")
+_REMOVAL_EVENTS = {"deleted": "deleted", "replaced": "replaced", "superseded": "superseded"}
+_ORIGIN_EVENTS = ("inserted", "replacement", "added", "rebuilt")
+
+
+class SurgeryError(RuntimeError):
+    """A validated tick failed while running; the cache was rebuilt from its live map (or emptied)."""
+
+
+class EventLog:
+    """Append-only surgery history: (tick, ledger row, event). Ledger rows themselves are never edited."""
+
+    __slots__ = ("tick", "row", "event")
+
+    def __init__(self):
+        self.tick: list[int] = []
+        self.row: list[int] = []
+        self.event: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def append(self, tick: int, row: int, event: str) -> None:
+        self.tick.append(int(tick))
+        self.row.append(int(row))
+        self.event.append(event)
+
+    def copy(self) -> "EventLog":
+        new = EventLog()
+        new.tick, new.row, new.event = list(self.tick), list(self.row), list(self.event)
+        return new
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame({"tick": self.tick, "row": self.row, "event": self.event})
+
+
+@dataclass(frozen=True)
+class Block:
+    """New tokens placed right before original slot ``anchor`` (kind ``insert``) or in place of ``anchor``
+    (kind ``replace``, a replace_pair's ``original_pos1``)."""
+
+    anchor: int
+    token_ids: tuple[int, ...]
+    kind: str
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    """A validated action list, as data. ``layout`` cuts tensors and live map alike: a list of
+    ``("old", a, b)`` (original slots ``a:b``) and ``("new", j, 0)`` (``blocks[j]``), left to right."""
+
+    length: int                         # cache length before the tick
+    actions: tuple[Mapping, ...]
+    deleted: dict[int, str]             # original slot -> "deleted" | "replaced"
+    blocks: tuple[Block, ...]           # in slot order
+    adds: tuple[int, ...]
+    layout: tuple[tuple[str, int, int], ...]
+    steps: tuple[tuple[str, int, int], ...]  # the seed's sequential ops: ("delete", slot, -1) / ("insert", slot, j)
+
+    def apply_to_list(self, seq: Sequence, new_items: Sequence[Sequence]) -> list:
+        """The layout applied to a Python list of length ``length`` (``new_items[j]`` fills block ``j``)."""
+        if len(seq) != self.length:
+            raise ValueError(f"list has {len(seq)} items, the plan was made for {self.length}")
+        out: list = []
+        for kind, a, b in self.layout:
+            out.extend(seq[a:b] if kind == "old" else new_items[a])
+        return out
+
+    @property
+    def new_length(self) -> int:
+        return self.length - len(self.deleted) + sum(len(b.token_ids) for b in self.blocks) + len(self.adds)
+
+
+def _as_int(value, what: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{what}={value!r} must be an int")
+    return int(value.__index__())
+
+
+def _as_tokens(value, what: str, vocab_size: int, allow_empty: bool = False) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{what}={value!r} must be a list of token ids")
+    ids = tuple(_as_int(v, f"{what}[{k}]") for k, v in enumerate(value))
+    if not ids and not allow_empty:
+        raise ValueError(f"{what} is empty; give at least one token id (use 'delete' to only remove)")
+    for k, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what}[{k}]={t} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def plan_actions(actions: Sequence[Mapping], length: int, vocab_size: int) -> TickPlan:
+    """Validate a whole action list against a cache of ``length`` entries and lay it out.
+
+    Raises ``ValueError`` naming the action and the fix. Rules: positions are slots of the
+    pre-tick cache; ``delete``/``replace_pair`` slots in ``[0, length)``, ``insert`` in
+    ``[0, length]``; ``original_pos1 < original_pos2``; a replace_pair claims every slot of
+    ``[pos1, pos2]``, so no other action may touch a slot (or an insert gap) inside it; a slot is
+    removed by at most one action and a gap gets at most one insert; token ids within the vocabulary.
+    """
+    if isinstance(actions, (str, bytes, Mapping)) or not hasattr(actions, "__iter__"):
+        raise ValueError("actions must be a list of dicts like {'action': 'add', 'token_id': 5}")
+    actions = tuple(actions)
+    claimed: dict[int, int] = {}      # slot -> index of the action that removes/spans it
+    gaps: dict[int, int] = {}         # insert slot -> action index
+    deleted: dict[int, str] = {}
+    blocks: dict[tuple[int, int], Block] = {}   # (anchor, 0 for replace / 1 for insert) -> block
+    spans: list[tuple[int, int, int]] = []
+    adds: list[int] = []
+
+    def claim(slot: int, i: int) -> None:
+        if slot in claimed:
+            raise ValueError(f"actions[{claimed[slot]}] and actions[{i}] overlap at slot {slot}; "
+                             "each slot may be touched by one action per tick")
+        claimed[slot] = i
+
+    for i, a in enumerate(actions):
+        if not isinstance(a, Mapping):
+            raise ValueError(f"actions[{i}]={a!r} must be a dict with an 'action' key")
+        kind = a.get("action")
+        if kind not in ACTIONS:
+            raise ValueError(f"actions[{i}]['action']={kind!r} must be one of {tuple(ACTIONS)}")
+        need = ACTIONS[kind]
+        missing = [k for k in need if k not in a]
+        extra = [k for k in a if k not in need and k != "action"]
+        if missing or extra:
+            raise ValueError(f"actions[{i}] ({kind}) has keys {sorted(a)}; a {kind} takes exactly "
+                             f"{('action',) + need}" + (f" (missing {missing})" if missing else "")
+                             + (f" (unknown {extra})" if extra else ""))
+        if kind == "add":
+            adds.append(_as_tokens([a["token_id"]], f"actions[{i}]['token_id']", vocab_size)[0])
+        elif kind == "delete":
+            s = _as_int(a["pos"], f"actions[{i}]['pos']")
+            if not 0 <= s < length:
+                raise ValueError(f"actions[{i}]['pos']={s} is outside the cache slots [0, {length})")
+            claim(s, i)
+            deleted[s] = "deleted"
+        elif kind == "insert":
+            s = _as_int(a["pos"], f"actions[{i}]['pos']")
+            if not 0 <= s <= length:
+                raise ValueError(f"actions[{i}]['pos']={s} must be in [0, {length}] (the slot to insert before; "
+                                 f"{length} = at the end)")
+            ids = _as_tokens(a["token_ids"], f"actions[{i}]['token_ids']", vocab_size)
+            if s in gaps:
+                raise ValueError(f"actions[{gaps[s]}] and actions[{i}] both insert before slot {s}; "
+                                 "merge them into one insert")
+            gaps[s] = i
+            blocks[(s, 1)] = Block(s, ids, "insert")
+        else:
+            p1 = _as_int(a["original_pos1"], f"actions[{i}]['original_pos1']")
+            p2 = _as_int(a["original_pos2"], f"actions[{i}]['original_pos2']")
+            if not 0 <= p1 < p2 < length:
+                raise ValueError(f"actions[{i}]: need 0 <= original_pos1 < original_pos2 < {length}, got "
+                                 f"({p1}, {p2})")
+            ids = _as_tokens(a["new_token_ids"], f"actions[{i}]['new_token_ids']", vocab_size)
+            for s in range(p1, p2 + 1):
+                claim(s, i)
+            deleted[p1] = deleted[p2] = "replaced"
+            spans.append((p1, p2, i))
+            blocks[(p1, 0)] = Block(p1, ids, "replace")
+    for p1, p2, i in spans:             # an insert inside a pair's span would interleave with it
+        for s, k in gaps.items():
+            if p1 < s <= p2:
+                raise ValueError(f"actions[{k}] inserts before slot {s}, inside actions[{i}]'s pair "
+                                 f"({p1}, {p2}); insert before {p1} or after {p2} instead")
+
+    # layout: for each original slot s, the insert anchored before it, then the slot itself
+    # (kept, removed, or replaced by its block)
+    order = sorted(blocks, key=lambda key: (key[0], -key[1]))  # insert before a replace at one anchor
+    index = {key: j for j, key in enumerate(order)}
+    layout: list[tuple[str, int, int]] = []
+    run = None
+    for s in range(length + 1):
+        if (s, 1) in blocks:
+            if run is not None:
+                layout.append(("old", run, s))
+                run = None
+            layout.append(("new", index[(s, 1)], 0))
+        if s == length:
+            break
+        if s in deleted:
+            if run is not None:
+                layout.append(("old", run, s))
+                run = None
+            if (s, 0) in blocks:
+                layout.append(("new", index[(s, 0)], 0))
+        elif run is None:
+            run = s
+    if run is not None:
+        layout.append(("old", run, length))
+
+    # the seed's sequential order: descending anchor; at one anchor the removal before the insert
+    steps: list[tuple[str, int, int]] = []
+    ops = [(s, 1, "delete") for s, ev in deleted.items() if ev == "deleted"]
+    ops += [(b.anchor, 1, "replace") for b in blocks.values() if b.kind == "replace"]
+    ops += [(b.anchor, 0, "insert") for b in blocks.values() if b.kind == "insert"]
+    for anchor, _, op in sorted(ops, reverse=True):
+        if op == "delete":
+            steps.append(("delete", anchor, -1))
+        elif op == "insert":
+            steps.append(("insert", anchor, index[(anchor, 1)]))
+        else:
+            p2 = next(q2 for q1, q2, _ in spans if q1 == anchor)
+            steps += [("delete", p2, -1), ("delete", anchor, -1), ("insert", anchor, index[(anchor, 0)])]
+    return TickPlan(length=length, actions=actions, deleted=deleted, blocks=tuple(blocks[k] for k in order),
+                    adds=tuple(adds), layout=tuple(layout), steps=tuple(steps))
+
+
+def _vocab_size(model) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def _no_fault(stage: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """What one tick did and cost. ``splice_bytes``: bytes of K/V tensors written by the splice."""
+
+    tick: int
+    actions: int
+    deleted: int
+    inserted: int
+    added: int
+    length: int
+    next_position: int
+    splice: str
+    splice_bytes: int
+    compute_s: float
+    splice_s: float
+    add_s: float
+    logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) next-token logits after the last add

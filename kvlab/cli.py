@@ -113,9 +113,14 @@ def cmd_bench(args) -> None:
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens, repeats=args.repeats), indent=1))
+    if args.what == "surgery":
+        from .bench import bench_surgery
+
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
 
 
-BENCHES = ("decode",)
+BENCHES = ("decode", "surgery")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher)")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=64)
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
+    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery: cache entries")
+    p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.set_defaults(fn=cmd_bench)
