@@ -102,17 +102,24 @@ def cmd_all(args) -> list[Path]:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench_decode
+    from .bench import bench_decode, bench_mc
     from .data import load_prompts
-    from .models import load_model, load_teacher
+    from .models import load_model, load_student, load_teacher
 
     if args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens, repeats=args.repeats), indent=1))
+    elif args.what == "mc":
+        from .mc import check_n_passes, check_p
+
+        check_n_passes(args.passes), check_p(args.dropout)   # before any model loads
+        lm = load_student(device=args.device, dtype=args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        prompt = load_prompts(n=1)[0]["prompt"]
+        print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens, n_passes=args.passes, p=args.dropout), indent=1))
 
 
-BENCHES = ("decode",)
+BENCHES = ("decode", "mc")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
-    p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher)")
+    p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=64)
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
+    p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
+    p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.set_defaults(fn=cmd_bench)
