@@ -79,6 +79,24 @@ def cmd_mc_sim(args) -> list[Path]:
     return [p for p in paths if p is not None]
 
 
+def cmd_mc_real(args) -> list[Path]:
+    """Real MC dropout on the student: per-step U / MI / flip vs entropy; correlations as JSON."""
+    from .experiment import write_table
+    from .mc import check_n_passes, check_p, correlation_study
+
+    check_n_passes(args.passes)
+    ps = [check_p(p) for p in args.dropout]
+    prompts = list(_spec(args).prompts)   # validates prompts and sampling before any model loads
+    teacher, student = _pair(args)
+    traces, table = correlation_study(teacher, student, prompts, ps=ps, tokens=args.tokens, n_passes=args.passes,
+                                      sampling=_spec(args).sampling)
+    args.out.mkdir(parents=True, exist_ok=True)
+    traces.to_csv(args.out / "mc_real_traces.csv", index=False)
+    paths = [args.out / "mc_real_traces.csv"] + list(write_table(table, args.out, "mc_real_correlations") or [])
+    print(json.dumps(table.round(4).to_dict(orient="records"), indent=1))
+    return paths
+
+
 def cmd_figures(args) -> list[Path]:
     from .figures import render_all
 
@@ -131,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mc-sim", help="the blog's MC-dropout simulation: CSVs + figures, thresholds as JSON")
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.set_defaults(fn=cmd_mc_sim)
+    p = sub.add_parser("mc-real", help="real MC dropout on the student: U/MI/flip vs entropy correlations")
+    _common(p, prompts=8, tokens=64)
+    p.add_argument("--passes", type=int, default=8, help="N noisy passes per step (>= 2)")
+    p.add_argument("--dropout", type=float, nargs="+", default=[0.1], help="dropout probabilities p in [0, 1)")
+    p.set_defaults(fn=cmd_mc_real)
     p = sub.add_parser("figures", help="render every registered figure from the tables in --out")
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.set_defaults(fn=cmd_figures)

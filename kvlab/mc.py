@@ -306,13 +306,18 @@ def mc_trace(teacher, student, prompt: str, *, tokens: int = 64, n_passes: int =
 
 
 def mc_traces(teacher, student, prompts: Sequence[str], **kw):
-    """:func:`mc_trace` over several prompts (prompt i uses seed ``kw['seed'] + i``), with a prompt column."""
+    """:func:`mc_trace` over several prompts, with a prompt column. Prompt i uses dropout seed
+    ``seed + i`` and, if ``sampling`` is given, sampling seed ``sampling.seed + i`` (paired seeds)."""
     import pandas as pd
 
+    from dataclasses import replace
+
     base = kw.pop("seed", 0)
+    sampling = kw.pop("sampling", None)
     frames = []
     for i, prompt in enumerate(prompts):
-        df = mc_trace(teacher, student, prompt, seed=base + i, **kw)
+        samp = None if sampling is None else replace(sampling, seed=sampling.seed + i)
+        df = mc_trace(teacher, student, prompt, seed=base + i, sampling=samp, **kw)
         df.insert(0, "prompt", i)
         frames.append(df)
     return pd.concat(frames, ignore_index=True)
@@ -366,3 +371,55 @@ def replay_gate(gate: MCGate, df) -> list[int]:
         if gate.should_refresh(rec):
             fires.append(int(row.step))
     return fires
+
+
+# ----------------------------------------------------------------------------- study + plot
+
+
+def correlation_study(teacher, student, prompts: Sequence[str], *, ps: Sequence[float] = (DEFAULT_P,),
+                      tokens: int = 64, n_passes: int = DEFAULT_PASSES, seed: int = 0, mode: str = "overfill",
+                      sampling=None):
+    """MC traces for each dropout ``p`` over ``prompts`` (every student step probed; greedy unless
+    ``sampling`` is given — the same decode for every ``p``).
+
+    Returns ``(traces, table)``: all trace rows with a ``p`` column, and one row per ``p`` with the
+    Pearson r of u / mi / flip against the student's entropy, and the number of steps pooled.
+    """
+    import pandas as pd
+
+    ps = [check_p(p) for p in ps]
+    check_n_passes(n_passes)
+    frames, rows = [], []
+    for p in ps:
+        df = mc_traces(teacher, student, prompts, tokens=tokens, n_passes=n_passes, p=p, seed=seed, mode=mode,
+                       sampling=sampling)
+        df.insert(0, "p", p)
+        frames.append(df)
+        r = correlations(df)
+        rows.append({"p": p, "n_passes": n_passes, "steps": len(df), "prompts": len(prompts),
+                     **{f"r_{k}": v for k, v in r.items()},
+                     **{f"mean_{k}": float(df[k].mean()) for k in SIGNALS}})
+    return pd.concat(frames, ignore_index=True), pd.DataFrame(rows)
+
+
+def plot_real_trace(df, fires: Mapping[str, Sequence[int]] | None = None, title: str = ""):
+    """Student entropy, U(t), MI and flip rate of one MC trace on stacked axes; gate fires marked."""
+    from matplotlib.figure import Figure
+
+    panels = [("entropy", "student entropy (nats)"), ("u", "U(t): mean logit var"), ("mi", "MI (nats)"),
+              ("flip", "argmax-flip rate")]
+    fig = Figure(figsize=(10, 7))
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    steps = df["step"].to_numpy()
+    for ax, (col, label) in zip(axes, panels):
+        ax.plot(steps, df[col].to_numpy(), lw=1)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(True, linestyle=":", linewidth=0.6)
+        for sig, fired in (fires or {}).items():
+            if sig == col:
+                for t in fired:
+                    ax.axvline(t, color="crimson", lw=1, ls="--")
+    axes[-1].set_xlabel("step t")
+    fig.suptitle(title or "MC dropout on the student: entropy vs U(t) vs MI vs flip rate")
+    fig.tight_layout()
+    return fig
