@@ -331,10 +331,19 @@ def correlations(df, against: str = "entropy", signals: Sequence[str] = SIGNALS)
 def calibrate(teacher, student, *, percentile: float, signal: str = "mi", prompts: Iterable[str] | None = None,
               tokens: int = 32, n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, probe_every: int = 1) -> float:
     """The ``percentile``-th percentile of ``signal`` over MC traces of the calibration prompts."""
+    return calibration_thresholds(teacher, student, percentile=percentile, signals=(signal,), prompts=prompts,
+                                  tokens=tokens, n_passes=n_passes, p=p, probe_every=probe_every)[signal]
+
+
+def calibration_thresholds(teacher, student, *, percentile: float, signals: Sequence[str] = SIGNALS,
+                           prompts: Iterable[str] | None = None, tokens: int = 32, n_passes: int = DEFAULT_PASSES,
+                           p: float = DEFAULT_P, probe_every: int = 1) -> dict[str, float]:
+    """``{signal: percentile-th percentile}`` over one set of MC traces of the calibration prompts
+    (default: all of ``data/calibration.jsonl``), greedy OverFill decodes of ``tokens`` tokens."""
     import numpy as np
 
     percentile = check_percentile(percentile)
-    signal = check_signal(signal)
+    signals = [check_signal(s) for s in signals]
     check_n_passes(n_passes), check_p(p)
     if prompts is None:
         from .data import calibration_file, load_prompts
@@ -346,7 +355,7 @@ def calibrate(teacher, student, *, percentile: float, signal: str = "mi", prompt
     df = mc_traces(teacher, student, prompts, tokens=tokens, n_passes=n_passes, p=p, probe_every=probe_every)
     if df.empty:
         raise ValueError(f"tokens={tokens} produced no probed student steps; raise tokens")
-    return float(np.percentile(df[signal].to_numpy(), percentile))
+    return {s: float(np.percentile(df[s].to_numpy(), percentile)) for s in signals}
 
 
 @dataclass(frozen=True)

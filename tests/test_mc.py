@@ -305,3 +305,15 @@ def test_real_pair_probe_matches_clean_and_cache_intact(real_pair):
             sig = mc_step(student.model, d.cache, d.dists[-1], n_passes=4, p=0.1, seed=0)
             assert sig["u"] > 0 and sig["mi"] > 0
             assert _same(before, _snapshot(d.cache))
+
+
+def test_calibration_is_the_percentile_of_the_traces(tiny_teacher, tiny_student):
+    prompts = ["abc def", "hello"]
+    taus = mc.calibration_thresholds(tiny_teacher, tiny_student, percentile=70, prompts=prompts, tokens=5,
+                                     n_passes=3, p=0.2)
+    df = mc.mc_traces(tiny_teacher, tiny_student, prompts, tokens=5, n_passes=3, p=0.2)
+    for sig in mc.SIGNALS:
+        assert taus[sig] == pytest.approx(float(np.percentile(df[sig], 70)))
+    gate = MCGate.calibrated(tiny_teacher, tiny_student, percentile=70, signal="u", prompts=prompts, tokens=5,
+                             n_passes=3, dropout_p=0.2, refractory=4)
+    assert gate.threshold == pytest.approx(taus["u"]) and gate.refractory == 4 and gate.signal == "u"
