@@ -48,6 +48,7 @@ REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 # refractory gap; thresholds are the 90th (entropy) and 70th (MC variance) percentiles.
 
 # %%
+# %matplotlib inline
 from kvlab import mcsim
 
 sim = mcsim.simulate()
@@ -92,14 +93,17 @@ corr.round(3)
 
 # %% [markdown]
 # `r_*` are Pearson correlations with the student's entropy over all probed steps (greedy
-# OverFill decodes; step 1 comes from the teacher's prefill and is not probed). On the full
-# setting (8 prompts × 64 tokens, N = 8) we measured r_U ≈ 0.01, r_MI ≈ 0.42 and r_flip ≈ 0.65 at
-# p = 0.1 (sampled decoding, `python -m kvlab mc-real --dropout 0.05 0.1 0.2`; see the report
-# for p = 0.05 and 0.2). **$U(t)$ is essentially uncorrelated with entropy**: the logit variance
-# is dominated by the tens of thousands of irrelevant tail logits, which dropout shakes no
-# matter how peaked the head of the distribution is. MI and flip rate look at probabilities
-# and the argmax, and they move with the student's uncertainty. That is a warning, not a
-# verdict: a signal that *only* tracked entropy would add nothing over the entropy gate.
+# OverFill decodes here; step 1 comes from the teacher's prefill and is not probed). In the full
+# setting of this notebook (8 prompts × 64 tokens, N = 8, p = 0.1, greedy) we measured
+# r_U ≈ 0.06, r_MI ≈ 0.50, r_flip ≈ 0.71; with the lab's sampled decoding (T = 0.7, top-p 0.9;
+# `python -m kvlab mc-real --dropout 0.05 0.1 0.2`) r_U ≈ −0.01 / 0.01 / 0.05,
+# r_MI ≈ 0.47 / 0.42 / 0.36, r_flip ≈ 0.63 / 0.65 / 0.54 for p = 0.05 / 0.1 / 0.2.
+# **The seed's $U(t)$ is essentially uncorrelated with entropy.** A plausible reason (not tested
+# here): it averages the variance of all 49 152 logits, so it is dominated by the tail that
+# dropout shakes whatever the head of the distribution looks like. MI and the flip rate look at
+# probabilities and the argmax, and they move with the student's uncertainty. That is a
+# warning, not a verdict: a signal that *only* tracked entropy would add nothing over the
+# entropy gate.
 
 # %%
 first = traces[traces["prompt"] == 0]
@@ -149,9 +153,9 @@ mc.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (
                                        "dashed = gate fires")
 
 # %% [markdown]
-# **Reading.** On this student, the seed's $U(t)$ is not the clean epistemic signal the
-# simulation suggests: it is nearly flat relative to its own noise and does not follow the
-# student's uncertainty, so a $U$-gate's fires land almost at random. MI is the better-behaved
-# MC signal. Whether MI fires *where refreshing helps* (low KL to the teacher afterwards) is a
-# question for the refresh loop: with `PROBES["mc"]` wired in, `MCGate` runs against the entropy
-# gate at equal cost.
+# **Reading.** On this student the seed's $U(t)$ is not the clean epistemic signal the
+# simulation suggests: it does not follow the student's uncertainty, so a $U$-gate's fires are
+# unrelated to where the student is unsure. MI and the flip rate are the better-behaved MC
+# signals. Whether they fire *where refreshing helps* (lower KL to the teacher afterwards) is a
+# question for the refresh loop: with `PROBES["mc"]` wired in, `MCGate` can be compared with the
+# entropy gate at equal cost (its N extra student passes per probe are counted).
