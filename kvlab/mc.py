@@ -32,13 +32,23 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-try:  # the refresh loop's probe result type (issue 3); a local twin until that branch merges
-    from .refresh import ProbeResult  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - exercised until refresh.py exists
-    @dataclass(frozen=True)
-    class ProbeResult:
-        signals: dict
-        cost: dict
+
+@dataclass(frozen=True)
+class _LocalProbeResult:
+    """Same fields as ``kvlab.refresh.ProbeResult``; used only while that module does not exist."""
+
+    signals: dict
+    cost: dict
+
+
+def probe_result(signals: dict, cost: dict):
+    """A ``kvlab.refresh.ProbeResult`` (imported lazily, so ``refresh.py`` may import this module)."""
+    try:
+        from .refresh import ProbeResult
+    except ModuleNotFoundError:
+        return _LocalProbeResult(signals, cost)
+    return ProbeResult(signals=signals, cost=cost)
+
 
 SIGNALS = ("u", "mi", "flip")
 DEFAULT_PASSES = 8
@@ -176,7 +186,7 @@ def _step_seed(base: int, step: int) -> int:
 
 
 def make_mc_probe(n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, seed: int | None = None):
-    """A probe ``fn(ctx) -> ProbeResult`` with fixed MC parameters (validated now).
+    """A probe ``fn(ctx) -> ProbeResult`` (see :func:`probe_result`) with fixed MC parameters.
 
     ``ctx`` is the refresh loop's ``ProbeContext``; the probe uses ``ctx.student``,
     ``ctx.cache`` (the decoding cache the step's logits came from: its last entry is the token
@@ -186,18 +196,18 @@ def make_mc_probe(n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, seed: in
     """
     n_passes, p = check_n_passes(n_passes), check_p(p)
 
-    def probe(ctx) -> ProbeResult:
+    def probe(ctx):
         base = seed if seed is not None else getattr(getattr(ctx.config, "sampling", None), "seed", 0)
         lm = ctx.student
         model = getattr(lm, "model", lm)
         sig = mc_step(model, ctx.cache, ctx.logits, n_passes=n_passes, p=p, seed=_step_seed(base, ctx.step))
-        return ProbeResult(signals={f"mc_{k}": v for k, v in sig.items()}, cost={"student_passes": float(n_passes)})
+        return probe_result({f"mc_{k}": v for k, v in sig.items()}, {"student_passes": float(n_passes)})
 
     probe.n_passes, probe.p = n_passes, p
     return probe
 
 
-def mc_probe(ctx) -> ProbeResult:
+def mc_probe(ctx):
     """``PROBES["mc"]``: MC-dropout signals at a due step.
 
     N and p come from the run's refresh policy when the loop's config carries it as
@@ -213,6 +223,16 @@ def mc_probe(ctx) -> ProbeResult:
 # ----------------------------------------------------------------------------- the gate
 
 
+def _since_refresh(record):
+    """Steps since the last refresh, from the loop's record (``since_refresh``; ``steps_since_refresh``
+    accepted too). ``None`` means "no refresh to count from"."""
+    for name in ("since_refresh", "steps_since_refresh"):
+        if hasattr(record, name):
+            return getattr(record, name)
+    raise AttributeError("MCGate needs record.since_refresh (steps since the last refresh) for its refractory "
+                         "gap; the refresh loop must set it on every record")
+
+
 @dataclass(frozen=True)
 class MCGate:
     """Refresh when the chosen MC signal exceeds ``threshold`` at a probe step, at least
@@ -221,8 +241,9 @@ class MCGate:
     Protocol (refresh loop, issue 3): ``probe == "mc"`` — the loop runs ``PROBES["mc"](ctx)``
     every ``probe_every`` steps and puts its signals on the record (``record.signals``), and
     adds its cost (``n_passes`` student passes) to the run's. The loop must also expose
-    ``record.steps_since_refresh`` (steps since the last refresh, ``None`` if none yet): the
-    gate keeps no state. Steps without MC signals never fire.
+    ``record.since_refresh`` (steps since the last refresh; the refresh loop counts from the
+    prefill, i.e. ``step`` before any refresh; ``None`` = never, the seed's convention): the gate
+    keeps no state. Steps without MC signals never fire.
     """
 
     threshold: float
@@ -253,10 +274,7 @@ class MCGate:
         value = (getattr(record, "signals", None) or {}).get(self.key)
         if value is None:
             return False
-        if not hasattr(record, "steps_since_refresh"):
-            raise AttributeError("MCGate needs record.steps_since_refresh (steps since the last refresh, None if "
-                                 "none) for its refractory gap; the refresh loop must set it")
-        since = record.steps_since_refresh
+        since = _since_refresh(record)
         if since is not None and since < self.refractory:
             return False
         return float(value) > self.threshold
@@ -364,18 +382,26 @@ class ReplayRecord:
 
     step: int
     signals: Mapping[str, float]
-    steps_since_refresh: int | None
+    since_refresh: int | None
 
 
-def replay_gate(gate: MCGate, df) -> list[int]:
+def replay_gate(gate: MCGate, df, *, count_from_prefill: bool = True) -> list[int]:
     """Steps at which ``gate`` fires over a stored trace (rows: step + signal columns), probing
     every ``gate.probe_every`` steps — the counterfactual "the trace does not change after a fire"
-    (the loop itself would refresh and continue from the new cache)."""
+    (the loop itself would refresh and continue from the new cache).
+
+    ``count_from_prefill``: before the first fire, ``since_refresh = step`` as in the refresh loop
+    (the teacher-built prefix counts as a refresh at step 0); ``False``: ``None`` as in the seed's
+    ``count_triggers`` (the first probe above threshold fires whatever the refractory gap).
+    """
     fires: list[int] = []
     for row in df.itertuples(index=False):
         if row.step % gate.probe_every:
             continue
-        since = None if not fires else row.step - fires[-1]
+        if fires:
+            since = row.step - fires[-1]
+        else:
+            since = row.step if count_from_prefill else None
         rec = ReplayRecord(row.step, {gate.key: float(getattr(row, gate.signal))}, since)
         if gate.should_refresh(rec):
             fires.append(int(row.step))

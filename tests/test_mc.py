@@ -212,32 +212,46 @@ def test_gate_protocol_attributes():
 
 
 def test_gate_fires_per_scripted_sequence_with_refractory():
-    """Probe every 4 steps; the loop refreshes whenever the gate says so; refractory 8."""
-    gate = MCGate(threshold=0.5, signal="mi", probe_every=4, refractory=8)
+    """Probe every 4 steps; the loop refreshes whenever the gate says so; since_refresh counts from
+    the prefill (step 0) as in the refresh loop; refractory 4 then 8."""
+    gate = MCGate(threshold=0.5, signal="mi", probe_every=4, refractory=4)
     script = {4: 0.9, 8: 0.9, 12: 0.9, 16: 0.1, 20: 0.6, 24: 0.51, 28: 0.5, 32: 0.7}
     fires, last = [], None
     for step in range(1, 34):
         signals = {"mc_mi": script[step]} if step in script else {}
-        rec = SimpleNamespace(step=step, signals=signals,
-                              steps_since_refresh=None if last is None else step - last)
+        rec = SimpleNamespace(step=step, signals=signals, since_refresh=step if last is None else step - last)
         if gate.should_refresh(rec):
             fires.append(step)
             last = step
-    # 4 fires; 8 is 4 after (refractory); 12 is 8 after -> fires; 16 below; 20 is 8 after 12 -> fires;
-    # 24 only 4 after; 28 not > threshold; 32 fires
-    assert fires == [4, 12, 20, 32]
+    # refractory 4: every probe above threshold fires (4, 8, 12, 20, 24, 32; 16 and 28 are not > 0.5)
+    assert fires == [4, 8, 12, 20, 24, 32]
+    gate8 = MCGate(threshold=0.5, signal="mi", probe_every=4, refractory=8)
+    fires, last = [], 0
+    for step in range(1, 34):
+        rec = SimpleNamespace(step=step, signals={"mc_mi": script[step]} if step in script else {},
+                              since_refresh=step - last)
+        if gate8.should_refresh(rec):
+            fires.append(step)
+            last = step
+    # 4 is only 4 after the prefill; 8 fires; 12 only 4 after; 16 below; 20 is 12 after 8 -> fires;
+    # 24 only 4 after; 28 not > threshold; 32 is 12 after 20 -> fires
+    assert fires == [8, 20, 32]
+    # the seed's convention (None = no refresh yet): the first probe may fire
+    assert gate8.should_refresh(SimpleNamespace(signals={"mc_mi": 0.9}, since_refresh=None))
+    # the older name is accepted too
+    assert not gate8.should_refresh(SimpleNamespace(signals={"mc_mi": 0.9}, steps_since_refresh=3))
 
 
 def test_gate_ignores_steps_without_mc_signals_and_other_signals():
     gate = MCGate(threshold=0.1, signal="u", refractory=0)
-    assert not gate.should_refresh(SimpleNamespace(signals={}, steps_since_refresh=None))
-    assert not gate.should_refresh(SimpleNamespace(signals={"mc_mi": 9.0}, steps_since_refresh=None))
-    assert gate.should_refresh(SimpleNamespace(signals={"mc_u": 0.2}, steps_since_refresh=None))
+    assert not gate.should_refresh(SimpleNamespace(signals={}, since_refresh=5))
+    assert not gate.should_refresh(SimpleNamespace(signals={"mc_mi": 9.0}, since_refresh=5))
+    assert gate.should_refresh(SimpleNamespace(signals={"mc_u": 0.2}, since_refresh=5))
 
 
 def test_gate_requires_steps_since_refresh():
     gate = MCGate(threshold=0.1, signal="u")
-    with pytest.raises(AttributeError, match="steps_since_refresh"):
+    with pytest.raises(AttributeError, match="since_refresh"):
         gate.should_refresh(SimpleNamespace(signals={"mc_u": 0.2}))
 
 
@@ -251,7 +265,10 @@ def test_replay_gate_matches_seed_count_triggers():
     series = rng.random(200)
     df = pd.DataFrame({"step": np.arange(200), "mi": series})
     gate = MCGate(threshold=0.6, signal="mi", probe_every=8, refractory=16)
-    assert mc.replay_gate(gate, df) == count_triggers(series, 0.6, M=8, refractory=16)
+    assert mc.replay_gate(gate, df, count_from_prefill=False) == count_triggers(series, 0.6, M=8, refractory=16)
+    loop = mc.replay_gate(gate, df)        # the refresh loop's convention: no fire before step 16
+    assert loop and min(loop) >= 16
+    assert all(b - a >= 16 for a, b in zip(loop, loop[1:]))
 
 
 # ------------------------------------------------------------------ the probe the refresh loop calls
@@ -317,3 +334,21 @@ def test_calibration_is_the_percentile_of_the_traces(tiny_teacher, tiny_student)
     gate = MCGate.calibrated(tiny_teacher, tiny_student, percentile=70, signal="u", prompts=prompts, tokens=5,
                              n_passes=3, dropout_p=0.2, refractory=4)
     assert gate.threshold == pytest.approx(taus["u"]) and gate.refractory == 4 and gate.signal == "u"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "mc", "--passes", "1"], "n_passes"),
+    (["bench", "mc", "--dropout", "1.0"], "p="),
+    (["mc-real", "--dropout", "0.1", "-0.2"], "p="),
+    (["mc-real", "--passes", "0"], "n_passes"),
+])
+def test_cli_bad_mc_input_fails_before_loading_models(argv, needle, capsys, monkeypatch):
+    from kvlab import cli, models
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before validation")
+
+    monkeypatch.setattr(models, "load_pair", boom)
+    monkeypatch.setattr(models, "load_student", boom)
+    assert cli.main(argv) == 2
+    assert needle in capsys.readouterr().err
