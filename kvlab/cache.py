@@ -221,6 +221,39 @@ class KVCache:
         out_logits = out.logits[0]                                                 # (n or 1, V)
         return out_logits if logits == "all" else out_logits[-1]
 
+    @torch.inference_mode()
+    def probe_last(self, model, n_copies: int) -> torch.Tensor:
+        """Re-run the last live entry as a batch of ``n_copies`` over the other entries; ``(n, V)`` logits.
+
+        The last entry's token is fed again at its ledger position, attending to the first
+        ``len - 1`` entries — the computation that produced the current step's logits — with the
+        batch dimension expanded to ``n_copies`` (e.g. N Monte-Carlo-dropout passes in one
+        forward). This cache is NOT modified: the batch runs on a throwaway ``DynamicCache``
+        whose layers are ``expand`` views of this cache's prefix (no copy until the model's own
+        append concatenates the new entry); the N new K/V entries die with it. Tensors, ledger,
+        live map and ``next_position`` are bit-identical before and after.
+        """
+        if isinstance(n_copies, bool) or not isinstance(n_copies, int) or n_copies < 1:
+            raise ValueError(f"n_copies={n_copies!r} must be a positive int (batch of passes)")
+        if not len(self):
+            raise ValueError("probe_last needs a non-empty cache (prefill first)")
+        row = self.live[-1]
+        token, position = self.ledger.token_id[row], self.ledger.position[row]
+        n_prefix = len(self) - 1
+        tmp = DynamicCache()
+        if n_prefix:
+            for src in self._hf.layers:
+                lay = DynamicLayer()
+                lay.lazy_initialization(src.keys, src.values)
+                lay.keys = src.keys[:, :, :n_prefix, :].expand(n_copies, -1, -1, -1)      # (n, H_kv, T-1, D) view
+                lay.values = src.values[:, :, :n_prefix, :].expand(n_copies, -1, -1, -1)
+                tmp.layers.append(lay)
+        device = next(model.parameters()).device
+        out = model(input_ids=torch.full((n_copies, 1), token, dtype=torch.long, device=device),  # (n, 1)
+                    position_ids=torch.full((n_copies, 1), position, dtype=torch.long, device=device),
+                    past_key_values=tmp, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]                                                            # (n, V)
+
     @classmethod
     def prefill(cls, model, token_ids, *, writer: str, logits: str = "last"):
         """A new cache holding ``token_ids`` at positions 0..n-1; returns ``(cache, logits)``."""

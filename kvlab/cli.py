@@ -82,6 +82,24 @@ def cmd_mc_sim(args) -> list[Path]:
     return [p for p in paths if p is not None]
 
 
+def cmd_mc_real(args) -> list[Path]:
+    """Real MC dropout on the student: per-step U / MI / flip vs entropy; correlations as JSON."""
+    from .experiment import write_table
+    from .mc import check_n_passes, check_p, correlation_study
+
+    check_n_passes(args.passes)
+    ps = [check_p(p) for p in args.dropout]
+    prompts = list(_spec(args).prompts)   # validates prompts and sampling before any model loads
+    teacher, student = _pair(args)
+    traces, table = correlation_study(teacher, student, prompts, ps=ps, tokens=args.tokens, n_passes=args.passes,
+                                      sampling=_spec(args).sampling)
+    args.out.mkdir(parents=True, exist_ok=True)
+    traces.to_csv(args.out / "mc_real_traces.csv", index=False)
+    paths = [args.out / "mc_real_traces.csv"] + list(write_table(table, args.out, "mc_real_correlations") or [])
+    print(json.dumps(table.round(4).to_dict(orient="records"), indent=1))
+    return paths
+
+
 def cmd_figures(args) -> list[Path]:
     from .figures import render_all
 
@@ -105,22 +123,29 @@ def cmd_all(args) -> list[Path]:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench_decode
+    from .bench import bench_decode, bench_mc
     from .data import load_prompts
-    from .models import load_model, load_teacher
+    from .models import load_model, load_student, load_teacher
 
     if args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens, repeats=args.repeats), indent=1))
-    if args.what == "surgery":
+    elif args.what == "surgery":
         from .bench import bench_surgery
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
+    elif args.what == "mc":
+        from .mc import check_n_passes, check_p
+
+        check_n_passes(args.passes), check_p(args.dropout)   # before any model loads
+        lm = load_student(device=args.device, dtype=args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        prompt = load_prompts(n=1)[0]["prompt"]
+        print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens, n_passes=args.passes, p=args.dropout), indent=1))
 
 
-BENCHES = ("decode", "surgery")
+BENCHES = ("decode", "surgery", "mc")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mc-sim", help="the blog's MC-dropout simulation: CSVs + figures, thresholds as JSON")
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.set_defaults(fn=cmd_mc_sim)
+    p = sub.add_parser("mc-real", help="real MC dropout on the student: U/MI/flip vs entropy correlations")
+    _common(p, prompts=8, tokens=64)
+    p.add_argument("--passes", type=int, default=8, help="N noisy passes per step (>= 2)")
+    p.add_argument("--dropout", type=float, nargs="+", default=[0.1], help="dropout probabilities p in [0, 1)")
+    p.set_defaults(fn=cmd_mc_real)
     p = sub.add_parser("figures", help="render every registered figure from the tables in --out")
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.set_defaults(fn=cmd_figures)
@@ -140,11 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
-    p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher)")
+    p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=64)
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
     p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery: cache entries")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
+    p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
+    p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.set_defaults(fn=cmd_bench)
