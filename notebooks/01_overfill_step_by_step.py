@@ -31,6 +31,7 @@ N_PROMPTS = 1 if SMOKE else 8           # prompts in the baselines table
 TABLE_TOKENS = 8 if SMOKE else 128      # tokens per run in the table
 
 # %%
+# %matplotlib inline
 import kvlab
 from kvlab.models import load_pair
 
