@@ -61,3 +61,42 @@ def mc_triggers_figure(tables):
     from .mcsim import plot_triggers
 
     return plot_triggers(_mc_result(tables))
+
+
+REFRESH_COLORS = {"none": "#7570b3", "periodic": "#1b9e77", "entropy": "#d95f02", "probe_kl": "#e7298a",
+                  "speculative": "#66a61e"}
+
+
+@figure("refresh_pareto", needs=("refresh_all",))
+def refresh_pareto_figure(tables):
+    """Quality (KL, teacher-PPL) vs latency overhead % for every refresh policy and setting.
+
+    Points are means over prompts; error bars are per-prompt std of the paired overhead and the
+    bootstrap 95 % interval of ΔKL / Δteacher-PPL against no refresh (shifted onto the mean).
+    """
+    df = tables["refresh_all"]
+    Figure = _mpl()
+    fig = Figure(figsize=(12, 4.4))
+    axes = fig.subplots(1, 2)
+    for ax, m, label in zip(axes, ["kl", "teacher_ppl"], ["KL(p_T‖q) nats ↓", "teacher-PPL ↓"]):
+        for r in df.itertuples():
+            lo, hi = getattr(r, f"d_{m}_lo"), getattr(r, f"d_{m}_hi")
+            d = getattr(r, f"d_{m}")
+            y = getattr(r, m)
+            yerr = [[max(d - lo, 0)], [max(hi - d, 0)]]
+            marker = {"teacher": "s", "student": "^"}.get(r.refresh_next, "o")
+            ax.errorbar(r.overhead_pct, y, xerr=r.overhead_pct_std, yerr=yerr, fmt=marker,
+                        color=REFRESH_COLORS.get(r.family, "gray"), capsize=2, ms=6, alpha=0.9,
+                        label=r.family if r.refresh_next in ("", "rerun") else f"{r.family} (next={r.refresh_next})")
+            ax.annotate(r.policy, (r.overhead_pct, y), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("latency overhead % vs no refresh (paired)")
+        ax.set_title(label)
+        ax.grid(linestyle=":", linewidth=0.6)
+    handles, labels = axes[0].get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    axes[1].legend(uniq.values(), uniq.keys(), fontsize=7, loc="best")
+    n = int(df["n_prompts"].iloc[0])
+    fig.suptitle(f"Refresh policies on OverFill: quality vs overhead ({n} prompts × {int(df['tokens'].iloc[0])} tokens; "
+                 "bars: per-prompt std of overhead, 95% bootstrap CI of the paired Δ)")
+    fig.tight_layout()
+    return fig
