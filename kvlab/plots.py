@@ -100,3 +100,46 @@ def refresh_pareto_figure(tables):
                  "bars: per-prompt std of overhead, 95% bootstrap CI of the paired Δ)")
     fig.tight_layout()
     return fig
+
+
+def plot_entropy_trace(records, tau_bits: float, title: str = ""):
+    """Student entropy per step with the gate's τ line and the steps after which a refresh fired
+    (a live trace's records; not a registered figure)."""
+    Figure = _mpl()
+    fig = Figure(figsize=(11, 3.2))
+    ax = fig.subplots()
+    steps = [r.step for r in records]
+    ax.plot(steps, [r.entropy_bits for r in records], lw=0.9, color="#444", label="entropy of q (bits)")
+    ax.axhline(tau_bits, color="#d95f02", ls="--", lw=1, label=f"τ = {tau_bits:.2f} bits")
+    fired = [r for r in records if r.refreshed]
+    ax.scatter([r.step for r in fired], [r.entropy_bits for r in fired], color="#d95f02", zorder=3, s=22,
+               label=f"refresh ({len(fired)})")
+    teacher_steps = [r.step for r in records if r.source == "teacher"]
+    if teacher_steps:
+        ax.scatter(teacher_steps, [0] * len(teacher_steps), marker="|", color="#1b9e77", label="token from teacher")
+    ax.set_xlabel("step t")
+    ax.set_ylabel("bits")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(title or "Entropy-gated refresh")
+    ax.grid(linestyle=":", linewidth=0.6)
+    fig.tight_layout()
+    return fig
+
+
+def plot_provenance(matrix, prompt_len: int, every: int = 1, title: str = ""):
+    """Which model wrote each cache slot over time: rows = decode steps, columns = slots
+    (green teacher, orange student, white empty); from :func:`kvlab.refresh.provenance`."""
+    from matplotlib.colors import ListedColormap
+
+    Figure = _mpl()
+    fig = Figure(figsize=(11, 3.6))
+    ax = fig.subplots()
+    cmap = ListedColormap(["white", "#d95f02", "#1b9e77"])
+    ax.imshow(np.asarray(matrix) + 1, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
+              extent=(-0.5, matrix.shape[1] - 0.5, matrix.shape[0] * every + 0.5, 0.5))
+    ax.axvline(prompt_len - 0.5, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("cache slot (prompt | generated)")
+    ax.set_ylabel("after step t")
+    ax.set_title(title or "Cache provenance: teacher (green) vs student (orange)")
+    fig.tight_layout()
+    return fig
