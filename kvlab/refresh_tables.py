@@ -122,6 +122,7 @@ def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     for m in ("teacher_ppl", "kl", "repeat3", "total_s", "refreshes"):
         s[f"{m}_std"] = g[m].std(ddof=1).fillna(0.0)
     s["n_prompts"] = g.size()
+    s["refreshes_per_1k"] = 1000.0 * s["refreshes"] / s["tokens"]
     s = s.reset_index().merge(paired(per_run), on="policy")
     return info.merge(s, on="policy")
 
@@ -129,7 +130,7 @@ def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
 PERIODIC_COLS = ["policy", "T", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi",
                  "repeat3", "repeat3_std", "refreshes", "teacher_tokens", "overhead_pct", "overhead_pct_std",
                  "teacher_pct", "n_prompts"]
-ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "teacher_ppl", "teacher_ppl_std",
+ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", "teacher_ppl", "teacher_ppl_std",
                 "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "total_s", "total_s_std", "tps", "teacher_tokens",
                 "overhead_pct", "overhead_pct_std", "n_prompts"]
 METHODS_COLS = ["policy", "family", "refresh_next", "refreshes", "teacher_tokens", "probe_tokens", "max_delta",
