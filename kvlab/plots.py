@@ -84,10 +84,11 @@ def refresh_pareto_figure(tables):
             d = getattr(r, f"d_{m}")
             y = getattr(r, m)
             yerr = [[max(d - lo, 0)], [max(hi - d, 0)]]
-            marker = {"teacher": "s", "student": "^"}.get(r.refresh_next, "o")
+            nxt = r.refresh_next if isinstance(r.refresh_next, str) else ""   # CSV reads "" back as NaN
+            marker = {"teacher": "s", "student": "^"}.get(nxt, "o")
             ax.errorbar(r.overhead_pct, y, xerr=r.overhead_pct_std, yerr=yerr, fmt=marker,
                         color=REFRESH_COLORS.get(r.family, "gray"), capsize=2, ms=6, alpha=0.9,
-                        label=r.family if r.refresh_next in ("", "rerun") else f"{r.family} (next={r.refresh_next})")
+                        label=r.family if nxt in ("", "rerun") else f"{r.family} (next={nxt})")
             ax.annotate(r.policy, (r.overhead_pct, y), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("latency overhead % vs no refresh (paired)")
         ax.set_title(label)
