@@ -296,6 +296,83 @@ class KVCache:
         return list(range(len(self) - k, len(self)))
 
     @torch.inference_mode()
+    def splice_positions(self, src: "KVCache", positions: Sequence[int]) -> list[int]:
+        """Overwrite this cache's entries at absolute ``positions`` with ``src``'s entries there.
+
+        Unlike :meth:`splice_last` the caches may end at different points (a refresh splices
+        from a teacher cache that is one entry ahead). Both must hold each position with the same
+        token (checked before any tensor is touched). The ledger gains one row per position with
+        ``src``'s writer and step. Returns the slots rewritten.
+        """
+        positions = [int(p) for p in positions]
+        if not positions:
+            return []
+        if len(set(positions)) != len(positions):
+            raise ValueError("positions must be distinct")
+        mine, theirs = _slots_of(self, positions, "this cache"), _slots_of(src, positions, "src")
+        led, sled = self.ledger, src.ledger
+        for a, b in zip(mine, theirs):
+            if led.token_id[self.live[a]] != sled.token_id[src.live[b]]:
+                raise ValueError(f"splice_positions: token {led.token_id[self.live[a]]} vs "
+                                 f"{sled.token_id[src.live[b]]} at position {led.position[self.live[a]]}; "
+                                 "both caches must hold the same tokens there")
+        self._check_geometry(src)
+        di = torch.tensor(mine)
+        si = torch.tensor(theirs)
+        for dst, s in zip(self._hf.layers, src._hf.layers):
+            dst.keys[:, :, di, :] = s.keys[:, :, si.to(s.keys.device), :].to(dst.keys)   # (1, H_kv, n, D)
+            dst.values[:, :, di, :] = s.values[:, :, si.to(s.values.device), :].to(dst.values)
+        for a, b in zip(mine, theirs):
+            r = src.live[b]
+            self.live[a] = led.append([sled.token_id[r]], [sled.position[r]], sled.writer[r], sled.step[r])[0]
+        return mine
+
+    @torch.inference_mode()
+    def append_from(self, src: "KVCache", n: int) -> list[int]:
+        """Append ``src``'s entries at positions ``next_position .. next_position + n - 1``.
+
+        The K/V are copied (not recomputed); the ledger rows carry ``src``'s writer, token and
+        step, and ``next_position`` advances by ``n``. Returns the new slots.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"n={n!r} must be a positive int (entries to append)")
+        positions = list(range(self.next_position, self.next_position + n))
+        theirs = _slots_of(src, positions, "src")
+        if len(self):
+            self._check_geometry(src)
+        si = torch.tensor(theirs)
+        before, n_rows = len(self.live), len(self.ledger)
+        try:
+            for i, s in enumerate(src._hf.layers):
+                k = s.keys[:, :, si.to(s.keys.device), :]                                   # (1, H_kv, n, D)
+                v = s.values[:, :, si.to(s.values.device), :]
+                if i < len(self._hf.layers) and _layer_len(self._hf.layers[i]):
+                    dst = self._hf.layers[i]
+                    dst.keys = torch.cat([dst.keys, k.to(dst.keys)], dim=-2)
+                    dst.values = torch.cat([dst.values, v.to(dst.values)], dim=-2)
+                else:
+                    self._hf.update(k.clone(), v.clone(), i)
+            for b in theirs:
+                r = src.live[b]
+                self.live += self.ledger.append([src.ledger.token_id[r]], [src.ledger.position[r]],
+                                                src.ledger.writer[r], src.ledger.step[r])
+            self.check()
+        except BaseException:
+            self._truncate_tensors(before)
+            self.ledger.truncate(n_rows)
+            del self.live[before:]
+            raise
+        self.next_position += n
+        return list(range(before, len(self)))
+
+    def _check_geometry(self, src: "KVCache") -> None:
+        if self.num_layers != src.num_layers:
+            raise ValueError(f"src has {src.num_layers} layers, this cache {self.num_layers}")
+        for dst, s in zip(self._hf.layers, src._hf.layers):
+            if dst.keys.shape[1:2] + dst.keys.shape[3:] != s.keys.shape[1:2] + s.keys.shape[3:]:
+                raise ValueError(f"KV geometry differs: {tuple(dst.keys.shape)} vs {tuple(s.keys.shape)}")
+
+    @torch.inference_mode()
     def crop(self, n: int) -> None:
         """Keep the first ``n`` entries (``n >= 0``); ``next_position`` is unchanged."""
         if not isinstance(n, int) or not 0 <= n <= len(self):
@@ -802,3 +879,14 @@ class TickReport:
     splice_s: float
     add_s: float
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) next-token logits after the last add
+
+def _slots_of(cache: KVCache, positions: Sequence[int], name: str) -> list[int]:
+    """Live slots holding each absolute position (ValueError naming the first one missing)."""
+    pos = cache.ledger.position
+    where = {pos[r]: s for s, r in enumerate(cache.live)}
+    out = []
+    for p in positions:
+        if p not in where:
+            raise ValueError(f"{name} holds no entry at position {p}")
+        out.append(where[p])
+    return out

@@ -100,6 +100,28 @@ def cmd_mc_real(args) -> list[Path]:
     return paths
 
 
+def cmd_refresh(args) -> list[Path]:
+    from dataclasses import replace as _replace
+
+    from .data import calibration_file, load_prompts
+    from .experiment import RunSpec
+    from .figures import render
+    from .plots import refresh_pareto_figure  # noqa: F401  (registers the figure)
+    from .refresh_tables import refresh_tables, write_refresh
+    from .store import RunStore
+
+    spec = _spec(args)              # validates everything before any model loads
+    calib_rows = load_prompts(calibration_file(), n=min(getattr(args, "calib_prompts", 4), 32))
+    calib = _replace(spec, prompts=tuple(r["prompt"] for r in calib_rows))
+    teacher, student = _pair(args)
+    tables = refresh_tables(teacher, student, spec, RunStore(args.runs), calib, progress=not args.no_progress)
+    paths = write_refresh(tables, args.out)
+    paths.append(render("refresh_pareto", args.out))
+    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
+        print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+    return paths
+
+
 def cmd_figures(args) -> list[Path]:
     from .figures import render_all
 
@@ -110,7 +132,7 @@ def cmd_figures(args) -> list[Path]:
 
 
 # The main job: every table/figure, in order. Each entry: (name, handler).
-JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim)]
+JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("refresh", cmd_refresh)]
 
 
 def cmd_all(args) -> list[Path]:
@@ -130,7 +152,7 @@ def cmd_bench(args) -> None:
     if args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
-        print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens, repeats=args.repeats), indent=1))
+        print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats), indent=1))
     elif args.what == "surgery":
         from .bench import bench_surgery
 
@@ -142,10 +164,18 @@ def cmd_bench(args) -> None:
         check_n_passes(args.passes), check_p(args.dropout)   # before any model loads
         lm = load_student(device=args.device, dtype=args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
-        print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens, n_passes=args.passes, p=args.dropout), indent=1))
+        print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens or 64, n_passes=args.passes, p=args.dropout), indent=1))
+    elif args.what == "refresh":
+        from .bench import bench_refresh
+        from .models import load_pair
+
+        teacher, student = load_pair(device=args.device, dtype=args.dtype)
+        prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
+        res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
+        print(res.to_string(index=False))
 
 
-BENCHES = ("decode", "surgery", "mc")
+BENCHES = ("decode", "refresh", "surgery", "mc")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,14 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("figures", help="render every registered figure from the tables in --out")
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.set_defaults(fn=cmd_figures)
+    p = sub.add_parser("refresh", help="refresh policies: periodic / entropy / methods tables + Pareto figure")
+    _common(p)
+    p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
+                   help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
+    p.set_defaults(fn=cmd_refresh)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
     _common(p)
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")
-    p.add_argument("--tokens", type=positive_int("--tokens"), default=64)
+    p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
+                   help="default: decode 64, refresh 256, mc 64")
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
+    p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
     p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery: cache entries")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")

@@ -13,6 +13,39 @@ prefill's last logits, at step ``t > 1`` the decoder's forward on ``y_{t-1}``, w
 entries — it lags the last emitted token by one entry. The loop owns positions: ``y_{t-1}`` is
 written at position ``L + t - 2`` taken from the cache's ``next_position``, never from its length.
 
+Refresh (overfill only; seed 000 "KV Cache Refresh"). ``DecodeConfig.refresh`` is a policy (see
+:mod:`kvlab.refresh` for the protocol, :mod:`kvlab.policies` for Periodic / EntropyGate / ProbeKL /
+Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is due, then asks
+``policy.should_refresh(record)``. A refresh at step ``t`` (never after the last step):
+
+1. **Teacher, on its own cache.** The teacher cache holds ``x, y_≤s`` (``s`` = its sync point: the
+   last refresh, or a probe that caught it up). It prefills only ``Δ = y_{s+1..t}`` — which
+   includes ``y_t`` — and now holds ``x, y_≤t``; its last logits are ``p_T(· | x, y_≤t)``.
+   Teacher tokens of the refresh = ``|Δ|``.
+2. **Rewritten positions.** ``k = min(W, t - t_prev)`` where ``t_prev`` is the previous refresh
+   step (0 at the start): the positions ``P = L+t-k .. L+t-1`` of ``y_{t-k+1} .. y_t`` — the
+   entries the student wrote since the last refresh, capped by the window.
+3. **Splice + next token**, by ``DecodeConfig.refresh_next``. Because the student cache lags by
+   one entry (it holds ``x, y_<t`` when ``y_t`` is emitted), the three variants differ on ``y_t``:
+
+   * ``"teacher"`` — the student cache gets the teacher's entries at ``P`` (``splice_positions``
+     for ``y_{t-k+1..t-1}``, ``append_from`` for ``y_t``) and ``y_{t+1}`` is drawn from the
+     teacher's delta-prefill logits (free). The student skips its forward on ``y_t``.
+   * ``"student"`` — the student runs its ordinary step on ``y_t`` first (over the unrefreshed
+     cache), then ``splice_last(teacher_cache, k)`` rewrites all of ``P``; ``y_{t+1}`` is drawn
+     from those (pre-refresh) student logits.
+   * ``"rerun"`` (default; the blog's loop with its off-by-one fixed) — the teacher's entries are
+     spliced at ``P`` minus ``y_t``'s position; the student's next step runs on ``y_t`` over the
+     refreshed prefix, so ``y_t``'s entry is the student's and ``y_{t+1}`` comes from fresh
+     student logits. (Identical to splicing all of ``P`` and re-running the student on ``y_t``,
+     without the discarded pass.) ``k - 1`` entries are rewritten.
+
+   In ``"teacher"`` and ``"student"`` the student cache equals the teacher cache over ``P``
+   entry by entry afterwards, and the ledger says ``writer="teacher"`` there.
+
+Each record carries the cost: ``teacher_tokens`` (probe + refresh prefill at this step),
+``probe_tokens``, ``spliced`` (entries rewritten), ``teacher_s``; ``wall_s`` includes them.
+
 ``Decoding`` is iterable (step it with ``next()`` in a notebook); :func:`run` drains it into a
 :class:`Trace`.
 """
@@ -20,15 +53,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from .cache import KVCache
 from .compat import IncompatiblePairError, kv_compat
+from .refresh import PROBES, ProbeContext, policy_dict, validate_policy
 
 MODES = ("teacher", "student", "overfill")
+REFRESH_NEXT = ("rerun", "student", "teacher")
 LN2 = math.log(2.0)
 
 
@@ -62,6 +97,8 @@ class DecodeConfig:
     chat: bool = True             # apply the tokenizer's chat template to the prompt
     keep_dists: bool = False      # keep every step's full log-distribution (for KL scoring)
     rebuild_student_cache: bool = False  # overfill with an incompatible pair: student prefills from text
+    refresh: Any = None           # a refresh policy (kvlab.policies) or None; overfill only
+    refresh_next: str = "rerun"   # who picks the token after a refresh: "rerun" | "student" | "teacher"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -70,9 +107,50 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive int (N > 0)")
         if not isinstance(self.sampling, Sampling):
             raise ValueError("sampling must be a kvlab.Sampling(temperature=..., top_p=..., seed=...)")
+        if self.refresh_next not in REFRESH_NEXT:
+            raise ValueError(f"refresh_next={self.refresh_next!r} must be one of {REFRESH_NEXT}")
+        if self.refresh is not None:
+            if self.mode != "overfill":
+                raise ValueError(f"refresh needs mode='overfill' (got mode={self.mode!r}): only overfill "
+                                 "has a student cache for the teacher to correct")
+            if self.rebuild_student_cache:
+                raise ValueError("refresh splices teacher K/V into the student cache, which needs the same KV "
+                                 "geometry; rebuild_student_cache=True means it differs")
+            validate_policy(self.refresh)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(replace(self, refresh=None))
+        d["refresh"] = policy_dict(self.refresh)
+        return d
+
+
+class Signals(tuple):
+    """Read-only ``(name, value)`` pairs with mapping-style ``get`` (hashable, frozen)."""
+
+    def __new__(cls, items=()):
+        if isinstance(items, Mapping):
+            items = items.items()
+        return super().__new__(cls, tuple(sorted((str(k), float(v)) for k, v in items)))
+
+    def get(self, name: str, default=None):
+        for k, v in self:
+            if k == name:
+                return v
+        return default
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            v = self.get(key, _MISSING)
+            if v is _MISSING:
+                raise KeyError(key)
+            return v
+        return super().__getitem__(key)
+
+    def to_dict(self) -> dict:
+        return dict(self)
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -91,6 +169,16 @@ class StepRecord:
     evicted: int         # cache entries evicted at this step
     wall_s: float        # compute time of this step (excludes time the consumer held the generator)
     elapsed_s: float     # cumulative compute time since the start of prefill
+    since_refresh: int = 0       # t - (step of the last refresh, 0 if none): steps the student ran alone
+    signals: Signals = Signals()  # probe signals of this step (name, value) pairs; .get(name)
+    probed: bool = False         # a probe ran at this step
+    spliced: int = 0             # student-cache entries rewritten with the teacher's at this step
+    teacher_tokens: int = 0      # teacher tokens processed at this step (probe + refresh delta)
+    probe_tokens: int = 0        # of which for the probe
+    teacher_s: float = 0.0       # teacher compute time at this step
+    probe_cost: tuple = ()       # the probe's cost counters, (name, value) pairs
+
+
 
 
 def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:
@@ -175,41 +263,105 @@ class Decoding:
         gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
         tok = self.decoder.tokenizer
         L = len(self.prompt_ids)
+        policy = cfg.refresh
+        probe = getattr(policy, "probe", None) if policy is not None else None
+        probe_every = getattr(policy, "probe_every", 1)
 
         t0 = time.perf_counter()
         cache, logits = KVCache.prefill(self.prefiller.model, self.prompt_ids, writer=self.prefill_name)
         if cfg.mode == "overfill":
             self.teacher_cache = cache
+            self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
             if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
                 cache, _ = KVCache.prefill(self.student.model, self.prompt_ids, writer="student")
             else:
                 cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
         self.cache = cache
         source = self.prefill_name
+        pending = None       # (logits, source) for the next step, left by a refresh
+        last_refresh = 0
         for step in range(1, cfg.max_new_tokens + 1):
             if step > 1:
                 t0 = time.perf_counter()
-                prev = self.tokens[-1]
-                logits = cache.forward(self.decoder.model, [prev], writer=self.decoder_name, step=step - 1)
-                source = self.decoder_name
+                if pending is not None:
+                    logits, source = pending
+                    pending = None
+                else:
+                    prev = self.tokens[-1]
+                    logits = cache.forward(self.decoder.model, [prev], writer=self.decoder_name, step=step - 1)
+                    source = self.decoder_name
             logp, ent, top1, margin = token_stats(logits)
             token_id = choose(logits, cfg.sampling, gen)
             if cfg.keep_dists:
                 self.dists.append(logp.cpu())
-            _sync(dev)
-            wall = time.perf_counter() - t0
-            self.elapsed_s += wall
-            if step == 1:
-                self.ttft_s = wall
             self.tokens.append(token_id)
             rec = StepRecord(
                 step=step, token_id=token_id, token=tok.decode([token_id]), position=L + step - 1,
                 logprob=float(logp[token_id]), entropy_bits=ent, top1_prob=top1, margin=margin,
                 cache_len=len(cache), source=source, refreshed=False, evicted=0,
-                wall_s=wall, elapsed_s=self.elapsed_s)
+                wall_s=0.0, elapsed_s=0.0, since_refresh=step - last_refresh)
+            self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+            if policy is not None:
+                if probe is not None and step % probe_every == 0:
+                    res = PROBES[probe](ProbeContext(
+                        teacher=self.teacher, student=self.student, cache=cache, teacher_cache=self.teacher_cache,
+                        prompt_ids=tuple(self.prompt_ids), tokens=tuple(self.tokens), logits=logits, step=step,
+                        config=cfg, teacher_logits=self._teacher_upto))
+                    rec = replace(rec, probed=True, signals=Signals(res.signals),
+                                  probe_tokens=self._acc["teacher_tokens"],
+                                  probe_cost=tuple(sorted((str(k), float(v)) for k, v in res.cost.items())))
+                if step < cfg.max_new_tokens and policy.should_refresh(rec):
+                    spliced, pending = self._refresh(step, last_refresh)
+                    last_refresh = step
+                    rec = replace(rec, refreshed=True, spliced=spliced)
+            _sync(dev)
+            wall = time.perf_counter() - t0
+            self.elapsed_s += wall
+            if step == 1:
+                self.ttft_s = wall
+            rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
+                          teacher_s=self._acc["teacher_s"])
             yield rec
             if token_id in self.eos_ids and not cfg.ignore_eos:
                 return
+
+    def _teacher_upto(self, n: int) -> torch.Tensor:
+        """Extend the teacher's own cache to hold ``x, y_≤n`` (prefilling only what it lacks) and
+        return ``p_T(· | x, y_≤n)``'s logits ``(V,)``. Teacher tokens and time go to this step's tally."""
+        tc = self.teacher_cache
+        have = tc.next_position - len(self.prompt_ids)      # the teacher's sync point s: it holds y_≤s
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"n={n} must be in [0, {len(self.tokens)}] (tokens generated so far)")
+        if n < have:
+            raise ValueError(f"the teacher cache already holds y_≤{have}; its logits for n={n} are gone")
+        if n > have:
+            t0 = time.perf_counter()
+            self._teacher_logits = tc.forward(self.teacher.model, self.tokens[have:n], writer="teacher",
+                                              step=len(self.tokens))
+            _sync(self.teacher.device)
+            self._acc["teacher_s"] += time.perf_counter() - t0
+            self._acc["teacher_tokens"] += n - have
+        return self._teacher_logits
+
+    def _refresh(self, t: int, last_refresh: int):
+        """Refresh after ``y_t`` (see the module docstring). Returns (entries rewritten, pending)."""
+        cfg, cache, tc = self.config, self.cache, self.teacher_cache
+        L = len(self.prompt_ids)
+        window = getattr(cfg.refresh, "window", None)
+        since = t - last_refresh
+        k = since if window is None else min(window, since)
+        t_logits = self._teacher_upto(t)                          # Δ = y_{s+1..t}; teacher holds x, y_≤t
+        span = list(range(L + t - k, L + t))                      # positions of y_{t-k+1} .. y_t
+        if cfg.refresh_next == "teacher":
+            cache.splice_positions(tc, span[:-1])
+            cache.append_from(tc, 1)                              # y_t: the entry the student lacked
+            return k, (t_logits, "teacher")
+        if cfg.refresh_next == "student":
+            logits = cache.forward(self.student.model, [self.tokens[-1]], writer="student", step=t)
+            cache.splice_last(tc, k)                              # both caches end on y_t now
+            return k, (logits, "student")
+        cache.splice_positions(tc, span[:-1])                     # "rerun": y_t's entry comes next step
+        return k - 1, None
 
 
 def _eos_ids(lm) -> set[int]:

@@ -13,12 +13,15 @@ import pandas as pd
 
 from .decode import DecodeConfig, Sampling, run
 from .metrics import score
+from .refresh import run_costs
 from .store import RunStore
 
 # Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
 METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "repeat3",
            "tail_logprob", "chars"]
 SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]
+# Refresh cost per run (kvlab.refresh.run_costs); zero for runs without a refresh policy.
+COSTS = ["refreshes", "teacher_tokens", "probe_tokens", "delta_tokens", "spliced", "teacher_s", "teacher_pct"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,11 @@ def run_config(teacher, student, prompt: str, cfg: DecodeConfig, extra: dict | N
 def records_columns(records) -> dict:
     """Per-step records as compact columns (what figures of traces need)."""
     keep = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source",
-            "refreshed", "evicted", "wall_s")
+            "refreshed", "evicted", "wall_s", "spliced", "teacher_tokens", "probe_tokens", "probed")
     rows = [asdict(r) for r in records]
-    return {k: [r[k] for r in rows] for k in keep}
+    out = {k: [r[k] for r in rows] for k in keep}
+    out["signals"] = [dict(r.signals) for r in records]
+    return out
 
 
 def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore, **run_kwargs) -> dict:
@@ -62,6 +67,7 @@ def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore
     def compute() -> dict:
         trace = run(teacher, student, prompt, cfg, **run_kwargs)
         result = score(trace, teacher)
+        result.update(run_costs(trace.records))
         result["text"] = trace.text
         result["steps"] = records_columns(trace.records)
         return result
@@ -79,7 +85,8 @@ def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConf
     for i, prompt, name, cfg in tqdm(jobs, disable=not progress, desc="runs", unit="run"):
         cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
         res = scored_run(teacher, student, prompt, cfg, store)
-        rows.append({"policy": name, "prompt_idx": i, **{k: res[k] for k in METRICS}})
+        rows.append({"policy": name, "prompt_idx": i, **{k: res[k] for k in METRICS},
+                     **{k: res.get(k, float("nan")) for k in COSTS}})
     return pd.DataFrame(rows)
 
 

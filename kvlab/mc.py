@@ -32,22 +32,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class _LocalProbeResult:
-    """Same fields as ``kvlab.refresh.ProbeResult``; used only while that module does not exist."""
-
-    signals: dict
-    cost: dict
-
-
-def probe_result(signals: dict, cost: dict):
-    """A ``kvlab.refresh.ProbeResult`` (imported lazily, so ``refresh.py`` may import this module)."""
-    try:
-        from .refresh import ProbeResult
-    except ModuleNotFoundError:
-        return _LocalProbeResult(signals, cost)
-    return ProbeResult(signals=signals, cost=cost)
+from .refresh import ProbeResult, register_probe
 
 
 SIGNALS = ("u", "mi", "flip")
@@ -186,7 +171,7 @@ def _step_seed(base: int, step: int) -> int:
 
 
 def make_mc_probe(n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, seed: int | None = None):
-    """A probe ``fn(ctx) -> ProbeResult`` (see :func:`probe_result`) with fixed MC parameters.
+    """A probe ``fn(ctx) -> ProbeResult`` with fixed MC parameters.
 
     ``ctx`` is the refresh loop's ``ProbeContext``; the probe uses ``ctx.student``,
     ``ctx.cache`` (the decoding cache the step's logits came from: its last entry is the token
@@ -201,14 +186,15 @@ def make_mc_probe(n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, seed: in
         lm = ctx.student
         model = getattr(lm, "model", lm)
         sig = mc_step(model, ctx.cache, ctx.logits, n_passes=n_passes, p=p, seed=_step_seed(base, ctx.step))
-        return probe_result({f"mc_{k}": v for k, v in sig.items()}, {"student_passes": float(n_passes)})
+        return ProbeResult(signals={f"mc_{k}": v for k, v in sig.items()}, cost={"student_passes": float(n_passes)})
 
     probe.n_passes, probe.p = n_passes, p
     return probe
 
 
+@register_probe("mc")
 def mc_probe(ctx):
-    """``PROBES["mc"]``: MC-dropout signals at a due step.
+    """``PROBES["mc"]`` (registered when this module is imported — constructing an MCGate does): MC-dropout signals at a due step.
 
     N and p come from the run's refresh policy when the loop's config carries it as
     ``ctx.config.refresh`` with ``n_passes`` / ``dropout_p`` attributes (an :class:`MCGate` does),

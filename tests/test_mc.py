@@ -352,3 +352,19 @@ def test_cli_bad_mc_input_fails_before_loading_models(argv, needle, capsys, monk
     monkeypatch.setattr(models, "load_student", boom)
     assert cli.main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_mcgate_runs_in_the_refresh_loop(tiny_teacher, tiny_student):
+    """The "mc" probe is registered and the decode loop drives MCGate through the generic protocol."""
+    from kvlab import run
+    from kvlab.refresh import PROBES, run_costs
+
+    assert "mc" in PROBES
+    gate = MCGate(threshold=-1.0, signal="mi", probe_every=3, refractory=0, n_passes=2, dropout_p=0.2)
+    tr = run(tiny_teacher, tiny_student, "abc def", mode="overfill", max_new_tokens=10, refresh=gate)
+    probed = [r.step for r in tr.records if r.probed]
+    assert probed == [3, 6, 9]
+    assert all(r.signals.get("mc_mi") is not None for r in tr.records if r.probed)
+    assert [r.step for r in tr.records if r.refreshed] == probed      # threshold -1: fires at every probe
+    costs = run_costs(tr.records)
+    assert costs["probe_student_passes"] == 2 * len(probed) and costs["refreshes"] == 3

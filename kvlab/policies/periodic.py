@@ -1,0 +1,28 @@
+"""Periodic refresh every T tokens, optionally windowed (seed 000, "Periodic Refresh")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._check import positive_int
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """Refresh after steps T, 2T, …; each refresh rewrites the last ``min(W, T)`` entries.
+
+    ``W=None`` rewrites everything the student wrote since the last refresh (sliding window off).
+    """
+
+    T: int
+    W: int | None = None
+
+    def __post_init__(self):
+        positive_int("T", self.T)
+        positive_int("W", self.W, allow_none=True)
+
+    @property
+    def window(self) -> int | None:
+        return self.W
+
+    def should_refresh(self, record) -> bool:
+        return record.step % self.T == 0

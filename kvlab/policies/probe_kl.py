@@ -1,0 +1,34 @@
+"""Probe-KL refresh (seed 000, "Optional (probe-KL every M steps)")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._check import nonneg_float, positive_int
+
+
+@dataclass(frozen=True)
+class ProbeKL:
+    """Every M steps the teacher catches up on its own cache (the probe's cost, in teacher
+    tokens) and gives ``p_T``; refresh when ``KL(p_T || p_S) > kappa`` nats."""
+
+    M: int
+    kappa: float
+    W: int | None = None
+    probe: str = "teacher_kl"
+
+    def __post_init__(self):
+        positive_int("M", self.M)
+        nonneg_float("kappa", self.kappa)
+        positive_int("W", self.W, allow_none=True)
+
+    @property
+    def probe_every(self) -> int:
+        return self.M
+
+    @property
+    def window(self) -> int | None:
+        return self.W
+
+    def should_refresh(self, record) -> bool:
+        kl = record.signals.get("kl")
+        return kl is not None and kl > self.kappa

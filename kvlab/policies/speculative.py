@@ -1,0 +1,25 @@
+"""Speculative refresh: fixed bursts of k student tokens, then a k-token teacher correction
+(seed 000, "Speculative Refresh")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._check import positive_int
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Every k tokens the teacher prefills exactly the k new tokens and the last k entries are
+    spliced: constant teacher work per refresh. Same post-refresh KV as ``Periodic(T=k, W=k)``."""
+
+    k: int
+
+    def __post_init__(self):
+        positive_int("k", self.k)
+
+    @property
+    def window(self) -> int:
+        return self.k
+
+    def should_refresh(self, record) -> bool:
+        return record.since_refresh >= self.k
