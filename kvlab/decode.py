@@ -219,8 +219,6 @@ class Decoding:
     def __init__(self, teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides):
         config = config or DecodeConfig()
         if overrides:
-            from dataclasses import replace
-
             config = replace(config, **overrides)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("prompt must be a non-empty string")
@@ -247,7 +245,61 @@ class Decoding:
         self.dists: list[torch.Tensor] = []
         self.ttft_s: float | None = None
         self.elapsed_s = 0.0
+        self.first_step = 1
+        self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
+
+    @classmethod
+    def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
+               role: str = "teacher", first_step: int = 1, config: DecodeConfig | None = None,
+               **overrides) -> "Decoding":
+        """Continue decoding ``lm`` on an existing (e.g. surgically edited) ``cache``, in place.
+
+        Give exactly one of ``last_token`` (emitted but not yet in the cache — what a
+        ``Decoding`` leaves: ``d.cache`` + ``d.tokens[-1]``; it is written first, at the cache's
+        ``next_position``) or ``logits`` (the cache already holds everything and these are its
+        next-token logits, e.g. ``TickReport.logits``). Positions come from the cache's mirror
+        (``next_position``), never from its length. ``role`` names ``lm`` in the ledger
+        ("teacher" or "student"); ``first_step`` numbers the records so they can follow an earlier
+        run. Refresh is not available here (there is no teacher cache to sync).
+        """
+        if role not in ("teacher", "student"):
+            raise ValueError(f"role={role!r} must be 'teacher' or 'student'")
+        config = replace(config or DecodeConfig(), mode=role, **overrides)
+        if config.refresh is not None:
+            raise ValueError("refresh is not available when resuming from a cache (no teacher cache to sync); "
+                             "pass refresh=None")
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a kvlab KVCache, got {type(cache).__name__}")
+        if (last_token is None) == (logits is None):
+            raise ValueError("pass exactly one of last_token (emitted, not yet in the cache) or logits "
+                             "(the cache's next-token logits, e.g. TickReport.logits)")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 1:
+            raise ValueError(f"first_step={first_step!r} must be an int >= 1")
+        vocab = int(lm.model.get_input_embeddings().weight.shape[0])
+        if last_token is not None and (isinstance(last_token, bool) or not isinstance(last_token, int)
+                                       or not 0 <= last_token < vocab):
+            raise ValueError(f"last_token={last_token!r} must be a token id in [0, {vocab})")
+        if logits is not None and tuple(logits.shape) != (vocab,):
+            raise ValueError(f"logits has shape {tuple(logits.shape)}; expected ({vocab},)")
+        if last_token is None and not len(cache):
+            raise ValueError("the cache is empty; pass last_token to start from a token")
+        cache.check()
+        self = cls.__new__(cls)
+        self.config = config
+        self.teacher, self.student = (lm, None) if role == "teacher" else (None, lm)
+        self.prefiller = self.decoder = lm
+        self.prefill_name = self.decoder_name = role
+        self.prompt = None
+        self.prompt_ids = cache.token_ids          # the context the continuation conditions on
+        self.eos_ids = _eos_ids(lm)
+        self.cache, self.teacher_cache = cache, None
+        self.tokens, self.dists = [], []
+        self.ttft_s, self.elapsed_s = None, 0.0
+        self.first_step = first_step
+        self._resume = (cache, last_token, logits)
+        self._it = None
+        return self
 
     def __iter__(self) -> Iterator[StepRecord]:
         if self._it is None:
@@ -262,13 +314,18 @@ class Decoding:
         dev = self.decoder.device
         gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
         tok = self.decoder.tokenizer
-        L = len(self.prompt_ids)
         policy = cfg.refresh
         probe = getattr(policy, "probe", None) if policy is not None else None
         probe_every = getattr(policy, "probe_every", 1)
 
         t0 = time.perf_counter()
-        cache, logits = KVCache.prefill(self.prefiller.model, self.prompt_ids, writer=self.prefill_name)
+        first = self.first_step
+        if self._resume is not None:        # continue on an existing cache (see Decoding.resume)
+            cache, last_token, logits = self._resume
+            if last_token is not None:
+                logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1)
+        else:
+            cache, logits = KVCache.prefill(self.prefiller.model, self.prompt_ids, writer=self.prefill_name)
         if cfg.mode == "overfill":
             self.teacher_cache = cache
             self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
@@ -279,9 +336,9 @@ class Decoding:
         self.cache = cache
         source = self.prefill_name
         pending = None       # (logits, source) for the next step, left by a refresh
-        last_refresh = 0
-        for step in range(1, cfg.max_new_tokens + 1):
-            if step > 1:
+        last_refresh = first - 1
+        for step in range(first, first + cfg.max_new_tokens):
+            if step > first:
                 t0 = time.perf_counter()
                 if pending is not None:
                     logits, source = pending
@@ -296,7 +353,7 @@ class Decoding:
                 self.dists.append(logp.cpu())
             self.tokens.append(token_id)
             rec = StepRecord(
-                step=step, token_id=token_id, token=tok.decode([token_id]), position=L + step - 1,
+                step=step, token_id=token_id, token=tok.decode([token_id]), position=cache.next_position,
                 logprob=float(logp[token_id]), entropy_bits=ent, top1_prob=top1, margin=margin,
                 cache_len=len(cache), source=source, refreshed=False, evicted=0,
                 wall_s=0.0, elapsed_s=0.0, since_refresh=step - last_refresh)
@@ -310,14 +367,14 @@ class Decoding:
                     rec = replace(rec, probed=True, signals=Signals(res.signals),
                                   probe_tokens=self._acc["teacher_tokens"],
                                   probe_cost=tuple(sorted((str(k), float(v)) for k, v in res.cost.items())))
-                if step < cfg.max_new_tokens and policy.should_refresh(rec):
+                if step < first + cfg.max_new_tokens - 1 and policy.should_refresh(rec):
                     spliced, pending = self._refresh(step, last_refresh)
                     last_refresh = step
                     rec = replace(rec, refreshed=True, spliced=spliced)
             _sync(dev)
             wall = time.perf_counter() - t0
             self.elapsed_s += wall
-            if step == 1:
+            if step == first:
                 self.ttft_s = wall
             rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
                           teacher_s=self._acc["teacher_s"])
@@ -362,6 +419,15 @@ class Decoding:
             return k, (logits, "student")
         cache.splice_positions(tc, span[:-1])                     # "rerun": y_t's entry comes next step
         return k - 1, None
+
+
+def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: torch.Tensor | None = None,
+                  max_new_tokens: int = 32, sampling: Sampling | None = None, writer: str = "teacher",
+                  ignore_eos: bool = True, first_step: int = 1) -> Iterator[StepRecord]:
+    """Records of :meth:`Decoding.resume` — the same loop, started from an existing cache."""
+    return iter(Decoding.resume(lm, cache, last_token=last_token, logits=logits, role=writer,
+                                first_step=first_step, max_new_tokens=max_new_tokens,
+                                sampling=sampling if sampling is not None else Sampling(), ignore_eos=ignore_eos))
 
 
 def _eos_ids(lm) -> set[int]:

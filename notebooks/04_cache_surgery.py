@@ -38,7 +38,7 @@ from kvlab.cache import KVCache
 from kvlab.decode import Decoding
 from kvlab.livemap import live_map_figure
 from kvlab.models import load_teacher
-from kvlab.resume import continue_from
+from kvlab.decode import continue_from
 
 lm = load_teacher(device="cpu")
 tok = lm.tokenizer

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import make_tiny_lm
 from kvlab.cache import KVCache, SurgeryError, plan_actions
 from kvlab.decode import Decoding, Sampling
-from kvlab.resume import continue_from
+from kvlab.decode import continue_from
 
 VOCAB = 64
 MAX_LEN = 12
