@@ -104,7 +104,6 @@ def cmd_refresh(args) -> list[Path]:
     from dataclasses import replace as _replace
 
     from .data import calibration_file, load_prompts
-    from .experiment import RunSpec
     from .figures import render
     from .plots import refresh_pareto_figure  # noqa: F401  (registers the figure)
     from .refresh_tables import refresh_tables, write_refresh

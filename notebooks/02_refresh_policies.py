@@ -32,9 +32,7 @@ TRACE_TOKENS = 24 if SMOKE else 200   # the single traced generation
 SEED = 0
 
 # %%
-from pathlib import Path
 
-import pandas as pd
 from IPython.display import Markdown, display
 
 from kvlab.data import calibration_file, load_prompts

@@ -34,7 +34,6 @@ PREFIX_TOKENS = 8 if SMOKE else 24     # tokens generated before the tick
 AFTER_TOKENS = 6 if SMOKE else 24      # tokens generated after it
 
 # %%
-from kvlab.cache import KVCache
 from kvlab.decode import Decoding
 from kvlab.livemap import live_map_figure
 from kvlab.models import load_teacher

@@ -12,7 +12,7 @@ import torch
 from kvlab import mc
 from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.mc import MCGate, ReplayRecord, mc_dropout, mc_signals, mc_step
+from kvlab.mc import MCGate, mc_dropout, mc_signals, mc_step
 
 
 def _snapshot(cache: KVCache):

@@ -1,7 +1,6 @@
 """Every notebook (jupytext percent script) executes top to bottom in its smoke setting."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
