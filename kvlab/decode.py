@@ -185,9 +185,11 @@ def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float
     """``(logp, entropy_bits, top1_prob, margin)`` of a ``(V,)`` logit vector."""
     logp = torch.log_softmax(logits.float(), dim=-1)          # (V,)
     p = logp.exp()
-    ent = float(torch.special.entr(p).sum()) / LN2
-    top = torch.topk(p, 2).values
-    return logp, ent, float(top[0]), float(top[0] - top[1])
+    ent = -float(torch.dot(p, logp))                           # one fused pass (hot path: every step)
+    if math.isnan(ent):                                        # -inf logits (masked tokens): 0 * -inf
+        ent = float(torch.special.entr(p).sum())
+    top1, top2 = torch.topk(logp, 2).values.exp().tolist()
+    return logp, ent / LN2, top1, top1 - top2
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:

@@ -45,7 +45,7 @@ from kvlab.refresh import provenance, run_costs
 from kvlab.refresh_tables import calibrate, refresh_tables
 from kvlab.store import RunStore
 
-teacher, student = load_pair(device="cpu")
+teacher, student = load_pair()  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 store = RunStore()
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=PROMPTS)), tokens=TOKENS, sampling=sampling)

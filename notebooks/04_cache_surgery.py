@@ -37,9 +37,8 @@ AFTER_TOKENS = 6 if SMOKE else 24      # tokens generated after it
 from kvlab.decode import Decoding
 from kvlab.livemap import live_map_figure
 from kvlab.models import load_teacher
-from kvlab.decode import continue_from
 
-lm = load_teacher(device="cpu")
+lm = load_teacher()  # CUDA (bf16) when present, else CPU
 tok = lm.tokenizer
 d = Decoding(lm, None, PROMPT, mode="teacher", max_new_tokens=PREFIX_TOKENS)
 records = list(d)
@@ -80,11 +79,11 @@ frame[(frame["origin"] != "written") | (frame["status"] != "live")]   # rows the
 
 # %% [markdown]
 # ## Generation continues from the edited cache
-# `continue_from` takes the tick's next-token logits (its `add` wrote the pending token) and decodes
+# `Decoding.resume` takes the tick's next-token logits (its `add` wrote the pending token) and decodes
 # on, passing explicit positions from the mirror (`next_position`).
 
 # %%
-recs = list(continue_from(cache, lm, logits=report.logits, max_new_tokens=AFTER_TOKENS,
+recs = list(Decoding.resume(lm, cache, logits=report.logits, max_new_tokens=AFTER_TOKENS,
                           first_step=PREFIX_TOKENS + 1))
 print("cache tail before the tick:", repr(text_before))
 print("cache tail after the tick: ", repr(tok.decode(cache.token_ids[L - 6:len(cache) - len(recs) + 1])))

@@ -78,3 +78,9 @@ def test_teacher_mode_kl_is_zero(tiny_teacher):
              sampling=Sampling(0.8, 1.0, 1))
     out = score(tr, tiny_teacher)
     assert abs(out["kl"]) < 1e-5
+
+
+def test_token_stats_with_masked_logits():
+    logits = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])
+    _, ent, top1, margin = token_stats(logits)
+    assert ent == pytest.approx(1.0) and top1 == pytest.approx(0.5) and margin == pytest.approx(0.0)
