@@ -106,6 +106,7 @@ def cmd_refresh(args) -> list[Path]:
     from .data import calibration_file, load_prompts
     from .figures import render
     from .plots import refresh_pareto_figure  # noqa: F401  (registers the figure)
+    from .forced import forced_table
     from .refresh_tables import refresh_tables, write_refresh
     from .store import RunStore
 
@@ -113,11 +114,17 @@ def cmd_refresh(args) -> list[Path]:
     calib_rows = load_prompts(calibration_file(), n=min(getattr(args, "calib_prompts", 4), 32))
     calib = _replace(spec, prompts=tuple(r["prompt"] for r in calib_rows))
     teacher, student = _pair(args)
-    tables = refresh_tables(teacher, student, spec, RunStore(args.runs), calib, progress=not args.no_progress)
+    store = RunStore(args.runs)
+    tables = refresh_tables(teacher, student, spec, store, calib, progress=not args.no_progress)
+    split = max(2, spec.tokens // 2)
+    if spec.tokens >= 4:   # teacher-forced: same tokens, only the cache's writer changes
+        tables["refresh_forced"], _ = forced_table(teacher, student, spec.prompts, store, tokens=spec.tokens,
+                                                   split=split, window=max(1, min(8, split - 1)))
     paths = write_refresh(tables, args.out)
     paths.append(render("refresh_pareto", args.out))
-    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
-        print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_forced"):
+        if (args.out / f"{name}.md").is_file():
+            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
     return paths
 
 

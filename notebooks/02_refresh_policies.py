@@ -105,3 +105,16 @@ for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
 
 # %%
 refresh_pareto_figure({"refresh_all": tables["refresh_all"]})
+
+# %% [markdown]
+# ## The mechanism with the tokens held fixed
+# Free-running runs mix two effects: the refresh changes the cache, then the sampled path diverges.
+# `kvlab.forced` fixes the tokens (the teacher's greedy continuation) and only changes who wrote the
+# cache before the student reads the second half teacher-forced.
+
+# %%
+from kvlab.forced import forced_table
+
+forced, _ = forced_table(teacher, student, spec.prompts, store, tokens=TOKENS, split=TOKENS // 2,
+                         window=max(1, min(8, TOKENS // 2 - 1)))
+display(Markdown(to_markdown(forced.round(4))))
