@@ -131,11 +131,11 @@ PERIODIC_COLS = ["policy", "T", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std"
                  "repeat3", "repeat3_std", "refreshes", "teacher_tokens", "overhead_pct", "overhead_pct_std",
                  "teacher_pct", "n_prompts"]
 ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", "teacher_ppl", "teacher_ppl_std",
-                "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "total_s", "total_s_std", "tps", "teacher_tokens",
-                "overhead_pct", "overhead_pct_std", "n_prompts"]
+                "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "total_s", "total_s_std", "tps",
+                "teacher_tokens", "overhead_pct", "overhead_pct_std", "n_prompts"]
 METHODS_COLS = ["policy", "family", "refresh_next", "refreshes", "teacher_tokens", "probe_tokens", "max_delta",
                 "overhead_pct", "overhead_pct_std", "teacher_pct", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std",
-                "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "n_prompts"]
+                "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "n_prompts"]
 
 
 def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunSpec,

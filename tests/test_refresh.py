@@ -300,6 +300,9 @@ def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
     assert render("refresh_pareto", tmp_path).is_file()
     for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
         assert (tmp_path / f"{name}.csv").is_file() and (tmp_path / f"{name}.md").is_file()
+        # teacher-PPL rewards loops: every table shows KL and repeat@3 beside it, with spread
+        assert {"teacher_ppl", "kl", "kl_std", "repeat3", "repeat3_std"} <= set(tabs[name].columns)
+        assert tabs[name][["kl", "repeat3"]].notna().all().all()
     per = tabs["refresh_periodic"].set_index("policy")
     assert list(per.index) == ["none"] + [f"periodic_T{T}" for T in periods_for(24)]
     assert per.loc["none", "overhead_pct"] == 0 and per.loc["none", "teacher_tokens"] == 0
