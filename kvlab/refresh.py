@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from .metrics import kl_rows
+
 
 @dataclass(frozen=True, eq=False)
 class ProbeContext:
@@ -81,8 +83,7 @@ def teacher_kl_probe(ctx: ProbeContext) -> ProbeResult:
     t_logits = ctx.teacher_logits(ctx.step - 1)                                   # (V,)
     p_logp = torch.log_softmax(t_logits.float(), -1)
     q_logp = torch.log_softmax(ctx.logits.float().to(p_logp.device), -1)
-    p = p_logp.exp()
-    kl = float(torch.where(p > 0, p * (p_logp - q_logp), torch.zeros_like(p)).sum())
+    kl = float(kl_rows(p_logp[None], q_logp[None])[0])
     return ProbeResult(signals={"kl": kl, "kl_bits": kl / LN2},
                        cost={"teacher_tokens": len(ctx.teacher_cache) - before})
 
