@@ -301,7 +301,7 @@ def mc_trace(teacher, student, prompt: str, *, tokens: int = 64, n_passes: int =
     model = student.model
     rows = []
     for rec in d:
-        clean = d.dists[-1]                  # log-probs of this step's clean pass (same argmax as its logits)
+        clean = d.dists.pop()                # log-probs of this step's clean pass (same argmax); not kept
         if rec.source == "student" and rec.step % probe_every == 0:
             sig = mc_step(model, d.cache, clean, n_passes=n_passes, p=p, seed=_step_seed(seed, rec.step))
             rows.append({"step": rec.step, "token": rec.token, "entropy_bits": rec.entropy_bits,

@@ -190,15 +190,7 @@ class KVCache:
             raise ValueError("probe_last needs a non-empty cache (prefill first)")
         row = self.live[-1]
         token, position = self.ledger.token_id[row], self.ledger.position[row]
-        n_prefix = len(self) - 1
-        tmp = DynamicCache()
-        if n_prefix:
-            for src in self._hf.layers:
-                lay = DynamicLayer()
-                lay.lazy_initialization(src.keys, src.values)
-                lay.keys = src.keys[:, :, :n_prefix, :].expand(n_copies, -1, -1, -1)      # (n, H_kv, T-1, D) view
-                lay.values = src.values[:, :, :n_prefix, :].expand(n_copies, -1, -1, -1)
-                tmp.layers.append(lay)
+        tmp = self._prefix_view(len(self) - 1, n_copies)
         device = next(model.parameters()).device
         out = model(input_ids=torch.full((n_copies, 1), token, dtype=torch.long, device=device),  # (n, 1)
                     position_ids=torch.full((n_copies, 1), position, dtype=torch.long, device=device),
@@ -226,24 +218,17 @@ class KVCache:
             return []
         if k > len(self) or k > len(src):
             raise ValueError(f"k={k} exceeds cache lengths (this {len(self)}, src {len(src)})")
-        if self.num_layers != src.num_layers:
-            raise ValueError(f"src has {src.num_layers} layers, this cache {self.num_layers}")
         mine, theirs = self.live[-k:], src.live[-k:]
         led, sled = self.ledger, src.ledger
         for a, b in zip(mine, theirs):
             if (led.token_id[a], led.position[a]) != (sled.token_id[b], sled.position[b]):
                 raise ValueError(f"splice_last: entries differ (token {led.token_id[a]}@{led.position[a]} vs "
                                  f"{sled.token_id[b]}@{sled.position[b]}); both caches must end on the same tokens")
-        for dst, s in zip(self._hf.layers, src._hf.layers):
-            if dst.keys.shape[1:2] + dst.keys.shape[3:] != s.keys.shape[1:2] + s.keys.shape[3:]:
-                raise ValueError(f"KV geometry differs: {tuple(dst.keys.shape)} vs {tuple(s.keys.shape)}")
+        self._check_geometry(src)
         for dst, s in zip(self._hf.layers, src._hf.layers):
             dst.keys[:, :, -k:, :] = s.keys[:, :, -k:, :].to(dst.keys.dtype)      # (1, H_kv, k, D)
             dst.values[:, :, -k:, :] = s.values[:, :, -k:, :].to(dst.values.dtype)
-        new_rows = []
-        for b in theirs:
-            new_rows += led.append([sled.token_id[b]], [sled.position[b]], sled.writer[b], sled.step[b])
-        self.live[-k:] = new_rows
+        self.live[-k:] = [led.copy_row(sled, b) for b in theirs]
         return list(range(len(self) - k, len(self)))
 
     @torch.inference_mode()
@@ -274,8 +259,7 @@ class KVCache:
             dst.keys[:, :, di, :] = s.keys[:, :, si.to(s.keys.device), :].to(dst.keys)   # (1, H_kv, n, D)
             dst.values[:, :, di, :] = s.values[:, :, si.to(s.values.device), :].to(dst.values)
         for a, b in zip(mine, theirs):
-            r = src.live[b]
-            self.live[a] = led.append([sled.token_id[r]], [sled.position[r]], sled.writer[r], sled.step[r])[0]
+            self.live[a] = led.copy_row(sled, src.live[b])
         return mine
 
     @torch.inference_mode()
@@ -303,10 +287,7 @@ class KVCache:
                     dst.values = torch.cat([dst.values, v.to(dst.values)], dim=-2)
                 else:
                     self._hf.update(k.clone(), v.clone(), i)
-            for b in theirs:
-                r = src.live[b]
-                self.live += self.ledger.append([src.ledger.token_id[r]], [src.ledger.position[r]],
-                                                src.ledger.writer[r], src.ledger.step[r])
+            self.live += [self.ledger.copy_row(src.ledger, src.live[b]) for b in theirs]
             self.check()
         except BaseException:
             self._rollback_append(before, n_rows)
@@ -492,12 +473,7 @@ class KVCache:
 
     def _kv_over_prefix(self, model, s: int, token_ids: Sequence[int], positions: list[int]):
         """K/V of ``token_ids`` at ``positions`` attending to slots ``[0, s)``; ``self`` is only read."""
-        tmp = DynamicCache()
-        if self.num_layers:
-            views = [(lay.keys[:, :, :s, :], lay.values[:, :, :s, :]) for lay in self._hf.layers]  # (1, H_kv, s, D)
-            tmp = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in views])
-            for lay, (k, v) in zip(tmp.layers, views):
-                lay.keys, lay.values = k, v          # no copy; the forward's update cats onto them
+        tmp = self._prefix_view(s)
         device = next(model.parameters()).device
         n = len(token_ids)
         model(input_ids=torch.tensor([list(token_ids)], device=device),               # (1, n)
@@ -569,6 +545,20 @@ class KVCache:
         self.check()
 
     # ------------------------------------------------------------------ internals
+
+    def _prefix_view(self, s: int, batch: int = 1) -> DynamicCache:
+        """A throwaway DynamicCache over slots ``[0, s)``: views (batch ``expand``-ed), no copy.
+
+        A forward on it appends to the views (the model's own ``cat``), never to this cache.
+        """
+        if not s or not self.num_layers:
+            return DynamicCache()
+        views = [(lay.keys[:, :, :s, :].expand(batch, -1, -1, -1),                 # (batch, H_kv, s, D)
+                  lay.values[:, :, :s, :].expand(batch, -1, -1, -1)) for lay in self._hf.layers]
+        tmp = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in views])
+        for lay, (k, v) in zip(tmp.layers, views):
+            lay.keys, lay.values = k, v
+        return tmp
 
     def _rollback_append(self, length: int, n_rows: int) -> None:
         """Undo a failed append: back to ``length`` entries and ``n_rows`` ledger rows (rows no one saw)."""

@@ -42,6 +42,10 @@ class Ledger:
         self.step.extend([int(step)] * len(token_ids))
         return list(range(start, len(self.token_id)))
 
+    def copy_row(self, src: "Ledger", i: int) -> int:
+        """Append a copy of ``src``'s row ``i`` (an entry whose K/V were copied over); its new index."""
+        return self.append([src.token_id[i]], [src.position[i]], src.writer[i], src.step[i])[0]
+
     def truncate(self, n: int) -> None:
         """Roll back rows appended by a call that failed (only ever used for rows no one saw)."""
         for col in (self.token_id, self.position, self.writer, self.step):
