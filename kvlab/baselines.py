@@ -21,8 +21,12 @@ COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_p
 def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(table, per-run rows)."""
     per_run = run_policies(teacher, student, spec, POLICIES, store, progress)
-    table = summarize(per_run, order=list(POLICIES))[COLUMNS]
-    return table, per_run
+    return baselines_table(per_run), per_run
+
+
+def baselines_table(per_run: pd.DataFrame) -> pd.DataFrame:
+    """The table from per-run rows (``policy`` in teacher/overfill/student, one row per run)."""
+    return summarize(per_run, order=list(POLICIES)).reindex(columns=COLUMNS)
 
 
 def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path) -> list[Path]:

@@ -7,8 +7,22 @@ every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.
 * :mod:`.engines` — local (in-process / processes) and Ray (actors)
 * :mod:`.runner` — skip finished rows, run the rest with a progress bar, write rows as they finish
 * :mod:`.tables` — the blog's tables and the Pareto figure from results rows
-"""
-from .runner import SweepReport, run_sweep
-from .spec import GridSpec, SpecError, load_spec, parse_spec
+* :mod:`.command` — ``python -m kvlab sweep`` and ``figures --from-results``
+* :mod:`.bench` — ``python -m kvlab bench sweep``
 
-__all__ = ["GridSpec", "SpecError", "SweepReport", "load_spec", "parse_spec", "run_sweep"]
+Names below are imported lazily (the CLI builds its parser without importing torch).
+"""
+from __future__ import annotations
+
+_EXPORTS = {"GridSpec": ".spec", "SpecError": ".spec", "load_spec": ".spec", "parse_spec": ".spec",
+            "SweepReport": ".runner", "run_sweep": ".runner"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

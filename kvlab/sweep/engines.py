@@ -76,32 +76,47 @@ class ProcessEngine:
         self.workers, self.store_root, self.execute_fn, self.max_retries = workers, store_root, execute_fn, max_retries
         self.threads = threads or max(1, (os.cpu_count() or 1) // workers)
 
-    def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
+    _pool = None
+
+    def _get_pool(self):
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import ProcessPoolExecutor
+
+        if self._pool is None:      # kept across run() calls: workers keep their models
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                             initargs=(self.store_root, self.threads, self.execute_fn))
+        return self._pool
+
+    def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
+        from concurrent.futures import as_completed
         from concurrent.futures.process import BrokenProcessPool
 
         todo = list(tasks)
         tries = {t.row_id: 0 for t in todo}
         while todo:
             failed = []
-            with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                     initargs=(self.store_root, self.threads, self.execute_fn)) as pool:
-                futs = {pool.submit(_run_in_worker, t): t for t in todo}
-                for f in as_completed(futs):
-                    t = futs[f]
-                    try:
-                        on_result(*f.result())
-                    except BrokenProcessPool as e:
-                        tries[t.row_id] += 1
-                        if tries[t.row_id] > self.max_retries:
-                            on_result(error_row(t, self.name, f"worker died {tries[t.row_id]} times: {e}"), None)
-                        else:
-                            failed.append(t)
+            pool = self._get_pool()
+            futs = {pool.submit(_run_in_worker, t): t for t in todo}
+            for f in as_completed(futs):
+                t = futs[f]
+                try:
+                    row, trace = f.result()
+                except BrokenProcessPool as e:
+                    tries[t.row_id] += 1
+                    if tries[t.row_id] > self.max_retries:
+                        on_result(error_row(t, self.name, f"worker died {tries[t.row_id]} times: {e}"), None)
+                    else:
+                        failed.append(t)
+                    continue
+                on_result(row, trace)
+            if failed:                   # the pool is broken: a fresh one for the retries
+                self.close()
             todo = failed
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 # --------------------------------------------------------------------------- Ray
