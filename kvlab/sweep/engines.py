@@ -40,7 +40,11 @@ class LocalEngine:
     def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
         store = open_store(self.store_root)
         for t in tasks:
-            on_result(*self.execute_fn(t, self.pairs, store, self.name, f"pid{os.getpid()}"))
+            try:
+                row, trace = self.execute_fn(t, self.pairs, store, self.name, f"pid{os.getpid()}")
+            except Exception as e:  # noqa: BLE001 - execute() records its own errors; this guards wrappers
+                row, trace = error_row(t, self.name, f"{type(e).__name__}: {e}"), None
+            on_result(row, trace)
 
     def close(self) -> None:
         pass
@@ -184,6 +188,8 @@ class RayEngine:
             if address:
                 ray.init(address=address, **kw)
             else:
+                # a busy machine can take longer than Ray's default 30 s to start a raylet
+                os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
                 ray.init(num_cpus=num_cpus, **kw)
                 self._own = True
         self.ray = ray

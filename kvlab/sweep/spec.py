@@ -98,8 +98,10 @@ def expand_values(value, key: str) -> list:
                 raise _err(f"{key}.num", f"must be a positive int, got {n!r}")
             if n == 1:
                 return [a]
-            vals = [a + (b - a) * i / (n - 1) for i in range(n)]
-            return [round(v, 10) for v in vals]
+            vals = [round(a + (b - a) * i / (n - 1), 10) for i in range(n)]
+            if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in vals):
+                return [int(v) for v in vals]      # integer endpoints, integer points: keep ints
+            return vals
         s = value["step"]
         if isinstance(s, bool) or not isinstance(s, (int, float)) or s == 0 or not math.isfinite(s) or (b - a) * s < 0:
             raise _err(f"{key}.step", f"step={s!r} must be non-zero and go from start={a} towards stop={b}")
