@@ -313,3 +313,19 @@ def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
     assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"ray"}
     assert b.worker.nunique() >= 2
     pd.testing.assert_frame_equal(quality(a), quality(b))
+
+
+def test_pareto_summary(tmp_path):
+    from kvlab.sweep.tables import config_summary, pareto_mask
+
+    assert pareto_mask([0, 1, 2, 1], [3, 1, 0.5, 2]).tolist() == [True, True, True, False]
+    spec = parse_spec(grid())
+    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+    s = config_summary(load(tmp_path / "res")).set_index("policy")
+    assert list(s.index) == [c.policy for c in spec.configs()] and (s.n_runs == 2).all()
+    assert s.loc["overfill", "overhead_pct"] == 0 and s.loc["teacher", "teacher_tokens_per_token"] == 5 / 6
+    # N=6: T=2 refreshes after steps 2, 4 (Δ = 2 + 2 teacher tokens), T=4 after step 4 (Δ = 4)
+    assert (s.loc["periodic_T2", "refreshes"], s.loc["periodic_T4", "refreshes"]) == (2, 1)
+    assert s.loc["periodic_T2", "teacher_tokens_per_token"] == s.loc["periodic_T4", "teacher_tokens_per_token"] == 4 / 6
+    assert s.loc["student", "teacher_tokens_per_token"] == s.loc["overfill", "teacher_tokens_per_token"] == 0
+    assert s.loc["periodic_T2", "family"] == "periodic" and s.loc["student", "family"] == "student"

@@ -131,3 +131,47 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     note = (f"{len(df)} rows of setting {setting}" + (f" (of {len(usable(rows, where))} usable rows; "
             "choose another with --where)" if len(usable(rows, where)) != len(df) else ""))
     return [p for p in paths if p is not None], note
+
+
+# --------------------------------------------------------------------------- Pareto view of any sweep
+
+
+def config_summary(rows: pd.DataFrame, base: str = "overfill") -> pd.DataFrame:
+    """One line per config (``policy`` within a setting): mean quality, cost, paired latency overhead.
+
+    ``teacher_tokens_per_token`` = teacher tokens per generated token beyond the prompt's prefill:
+    refresh prefills + probes, or every decode step in teacher mode ((N - 1) / N);
+    ``overhead_pct`` = mean over paired runs (same prompt and seed) of the run's total time against
+    the ``base`` policy's (OverFill without refresh), in %."""
+    df = usable(rows)
+    if not len(df):
+        return pd.DataFrame()
+    df = df.assign(_pair=_pair_ids(df).to_numpy())
+    keys = [c for c in ("max_new_tokens", "student_ratio", "temperature", "top_p") if c in df]
+    base_t = df[df["policy"] == base].groupby(keys + ["_pair"], dropna=False)["total_s"].mean().rename("_base_s")
+    df = df.join(base_t, on=keys + ["_pair"])
+    df["_over"] = 100.0 * (df["total_s"] - df["_base_s"]) / df["_base_s"]
+    fam = df["refresh"].fillna("none") if "refresh" in df else pd.Series("none", index=df.index)
+    df["family"] = fam.where(fam != "none", df["mode"])
+    g = df.groupby(keys + ["policy", "family"], sort=False, dropna=False)
+    out = g[["teacher_ppl", "kl", "repeat3", "total_s", "teacher_tokens", "tokens", "refreshes"]].mean()
+    out["kl_std"] = g["kl"].std(ddof=1)
+    out["teacher_ppl_std"] = g["teacher_ppl"].std(ddof=1)
+    out["overhead_pct"] = g["_over"].mean()
+    out["n_runs"] = g.size()
+    out = out.reset_index()
+    # teacher mode: every token after the first is a teacher forward (the prompt prefill, shared by
+    # teacher and OverFill runs, is not counted anywhere); other modes: refresh prefills + probes
+    tt = np.where(out["family"] == "teacher", out["tokens"] - 1, out["teacher_tokens"])
+    out["teacher_tokens_per_token"] = tt / out["tokens"]
+    return out
+
+
+def pareto_mask(cost, quality) -> np.ndarray:
+    """True where no other point is at least as cheap and as good and strictly better in one (both minimised)."""
+    c, q = np.asarray(cost, float), np.asarray(quality, float)
+    keep = np.ones(len(c), bool)
+    for i in range(len(c)):
+        dominated = (c <= c[i]) & (q <= q[i]) & ((c < c[i]) | (q < q[i]))
+        keep[i] = not dominated.any() and np.isfinite(c[i]) and np.isfinite(q[i])
+    return keep
