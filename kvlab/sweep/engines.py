@@ -186,7 +186,13 @@ class RayEngine:
         if not ray.is_initialized():
             kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
             if address:
-                ray.init(address=address, **kw)
+                try:
+                    ray.init(address=address, **kw)
+                except Exception as e:  # noqa: BLE001 - ray raises ConnectionError, RuntimeError, …
+                    if ray.is_initialized():
+                        ray.shutdown()
+                    raise RayAddressError(f"--address {address!r} answers but not as a Ray cluster "
+                                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
             else:
                 # a busy machine can take longer than Ray's default 30 s to start a raylet
                 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
