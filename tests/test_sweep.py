@@ -329,3 +329,26 @@ def test_pareto_summary(tmp_path):
     assert s.loc["periodic_T2", "teacher_tokens_per_token"] == s.loc["periodic_T4", "teacher_tokens_per_token"] == 4 / 6
     assert s.loc["student", "teacher_tokens_per_token"] == s.loc["overfill", "teacher_tokens_per_token"] == 0
     assert s.loc["periodic_T2", "family"] == "periodic" and s.loc["student", "family"] == "student"
+
+
+def test_eviction_families_come_from_the_registry(tmp_path):
+    from kvlab.eviction import EVICTION_POLICIES
+
+    with pytest.raises(SpecError, match="'evict.h2" ) as e:
+        parse_spec(grid(evict={"h2": {"budget": 8}}))
+    assert all(name in str(e.value) for name in EVICTION_POLICIES)
+    with pytest.raises(SpecError, match="rerotate"):          # a combination the decode loop refuses
+        parse_spec(grid(evict={"block": {"block_size": 2, "start_blocks": 1, "evictable_blocks": 1,
+                                         "recent_blocks": 1, "rerotate": True}}))
+    spec = parse_spec(grid(run={"modes": ["student", "overfill"], "tokens": 12}, refresh={"periodic": {"T": 4}},
+                           evict={"sliding": {"window": [6, 8], "sinks": 2}}))
+    pols = [c.policy for c in spec.configs()]
+    assert pols == ["student", "student+sliding_window6_sinks2", "student+sliding_window8_sinks2", "overfill",
+                    "sliding_window6_sinks2", "sliding_window8_sinks2", "periodic_T4", "periodic_T4+sliding_window6_sinks2",
+                    "periodic_T4+sliding_window8_sinks2"]
+    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+    df = load(tmp_path / "res").set_index(["policy", "prompt_idx"]).sort_index()
+    assert (df.status == "ok").all()
+    assert df.loc[("student+sliding_window6_sinks2", 0), "evict_window"] == 6
+    full, cut = df.loc[("student", 0)], df.loc[("student+sliding_window6_sinks2", 0)]
+    assert cut.cache_len_max < full.cache_len_max and cut.evicted > 0 == full.evicted

@@ -277,7 +277,10 @@ class GridSpec:
         for cfg in self.configs():
             for r in range(self.repeats):
                 for i, prompt in enumerate(self.prompts):
-                    dec = cfg.decode(self.seed + i + REPEAT_STRIDE * r, chat=self.chat)
+                    try:
+                        dec = cfg.decode(self.seed + i + REPEAT_STRIDE * r, chat=self.chat)
+                    except ValueError as e:     # a combination the decode loop refuses (e.g. evict + refresh)
+                        raise SpecError(f"grid config {cfg.policy!r} (mode {cfg.mode!r}) is invalid: {e}") from None
                     models = self.models.key(cfg.student_ratio)
                     dd = dec.to_dict()
                     config_id = _digest({"models": models, "decode": {**dd, "sampling": {**dd["sampling"], "seed": None}},
@@ -414,9 +417,11 @@ def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") ->
             applies = SECTIONS[section].modes
             if choices[section] and applies is not None and not set(applies) & set(modes):
                 raise _err(section, f"{section} policies need one of the modes {applies} in run.modes (got {list(modes)})")
-    return GridSpec(name=name, prompts=tuple(r["prompt"] for r in rows), prompt_file=str(path), modes=modes,
+    spec = GridSpec(name=name, prompts=tuple(r["prompt"] for r in rows), prompt_file=str(path), modes=modes,
                     tokens=tokens, student_ratios=ratios, temperatures=temps, top_ps=top_ps, seed=seed,
                     repeats=repeats, refresh_next=nexts, baseline=baseline, chat=chat, models=models, choices=choices)
+    spec.tasks()          # every combination must build a valid DecodeConfig; an empty grid fails here
+    return spec
 
 
 def load_spec(path, overrides: dict | None = None) -> GridSpec:

@@ -18,10 +18,6 @@ import pandas as pd
 
 from .spec import ModelSpec, Task
 
-TRACE_KEYS = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source", "refreshed",
-              "evicted", "wall_s", "spliced", "teacher_tokens", "probe_tokens", "probed")
-
-
 # --------------------------------------------------------------------------- models
 
 
@@ -135,7 +131,8 @@ def trace_frame(res: dict) -> pd.DataFrame:
     """A stored run's per-step trace as a frame (one line per generated token)."""
     steps = res.get("steps") or {}
     n = len(steps.get("token_id", []))
-    df = pd.DataFrame({"step": range(1, n + 1), **{k: steps[k] for k in TRACE_KEYS if k in steps}})
+    cols = {k: v for k, v in steps.items() if k != "signals" and isinstance(v, list) and len(v) == n}
+    df = pd.DataFrame({"step": range(1, n + 1), **cols})
     if "signals" in steps:
         df["signals"] = [json.dumps(s) for s in steps["signals"]]
     for k in ("kl_steps", "teacher_logprobs"):
@@ -147,8 +144,16 @@ def trace_frame(res: dict) -> pd.DataFrame:
 def result_columns(res: dict) -> dict:
     out = _scalars(res)
     out["text"] = res.get("text", "")
-    if res.get("steps"):
-        out["max_delta"] = max_delta(res["steps"])
+    steps = res.get("steps")
+    if steps:
+        out["max_delta"] = max_delta(steps)
+        # cache cost of the run (eviction shrinks it): entries and bytes after each step
+        for k in ("cache_len", "cache_bytes"):
+            vals = [v for v in steps.get(k) or [] if v is not None]
+            if vals and f"{k}_max" not in out:
+                out[f"{k}_max"], out[f"{k}_mean"] = max(vals), sum(vals) / len(vals)
+        if "evicted" in steps and "evicted" not in out:
+            out["evicted"] = sum(int(v or 0) for v in steps["evicted"])
     return out
 
 
