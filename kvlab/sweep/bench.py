@@ -105,7 +105,15 @@ def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: st
         return rows.sort_values("row_id").reset_index(drop=True)[["row_id"] + [c for c in QUALITY if c in rows]]
 
     q = [quality(m["rows"]) for m in out.values()]
-    same = all(x.equals(q[0]) for x in q[1:])
+    diffs = []
+    for name, x in zip(list(out)[1:], q[1:]):
+        for c in x.columns:
+            a, b = q[0][c], x[c]
+            if len(a) != len(b) or not (a == b).all():
+                num = pd.api.types.is_numeric_dtype(a) and pd.api.types.is_numeric_dtype(b)
+                d = f"max |diff| {float((a - b).abs().max()):.3g}" if num else f"{int((a != b).sum())} rows differ"
+                diffs.append(f"{name}: {c} ({d})")
+    same = "yes" if not diffs else "NO — " + "; ".join(diffs)
     ray_over = table.iloc[2]["overhead_ms_per_task"] - table.iloc[0]["overhead_ms_per_task"]
     head = (f"bench sweep: overfill, periodic T in {{4, 8}} + no refresh, {prompts} prompts x {tokens} tokens "
             f"= {spec and len(spec.tasks())} tasks, models={models}, torch threads/worker="
