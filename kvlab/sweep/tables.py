@@ -24,7 +24,7 @@ def usable(rows: pd.DataFrame, where: str | None = None) -> pd.DataFrame:
     sweep row of the same run exists, optionally filtered by a pandas ``query``."""
     if not len(rows):
         return rows
-    df = rows[rows.get("status", "ok") == "ok"].copy()
+    df = rows[rows["status"] == "ok"].copy() if "status" in rows else rows.copy()
     if "run_key" in df and "engine" in df:
         df["_imp"] = (df["engine"] == "import").astype(int)
         df = df.sort_values("_imp", kind="stable").drop_duplicates("run_key", keep="first").drop(columns="_imp")
@@ -46,7 +46,7 @@ def pick_setting(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     key = df[cols].astype(str).agg("|".join, axis=1)
     best = key.value_counts().index[0]
     sub = df[key == best]
-    return sub, {c: sub[c].iloc[0] for c in cols}
+    return sub, {c: (v.item() if hasattr(v, "item") else v) for c in cols for v in [sub[c].iloc[0]]}
 
 
 def _pair_ids(df: pd.DataFrame) -> pd.Series:
