@@ -165,6 +165,21 @@ class _Actor:
         return os.getpid()
 
 
+def _init_local(ray, num_cpus, kw, attempts: int = 3) -> None:
+    """Start a local Ray instance. Ray gives its raylet a fixed 30 s to register; on a loaded
+    machine that can pass, so a timed-out start is cleaned up and tried again."""
+    for i in range(attempts):
+        try:
+            ray.init(num_cpus=num_cpus, **kw)
+            return
+        except Exception as e:  # noqa: BLE001 - ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or i == attempts - 1:
+                raise
+            if ray.is_initialized():
+                ray.shutdown()
+            time.sleep(2)
+
+
 class RayEngine:
     """Tasks on Ray actors (models loaded once per actor). ``address=None`` starts a local Ray
     instance (``num_cpus``) and shuts it down on :meth:`close`; an address joins an existing
@@ -194,9 +209,7 @@ class RayEngine:
                     raise RayAddressError(f"--address {address!r} answers but not as a Ray cluster "
                                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
             else:
-                # a busy machine can take longer than Ray's default 30 s to start a raylet
-                os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
-                ray.init(num_cpus=num_cpus, **kw)
+                _init_local(ray, num_cpus, kw)
                 self._own = True
         self.ray = ray
         res = ray.cluster_resources()
