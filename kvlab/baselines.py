@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 from .decode import DecodeConfig
-from .experiment import RunSpec, run_policies, summarize, write_table
+from .experiment import RunSpec, kl_notes, run_policies, summarize, write_table
 from .store import RunStore
 
 POLICIES = {
@@ -14,7 +14,7 @@ POLICIES = {
     "overfill": DecodeConfig(mode="overfill"),
     "student": DecodeConfig(mode="student"),
 }
-COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "repeat3",
+COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
            "tail_logprob", "chars", "teacher_ppl_std", "kl_std", "repeat3_std", "total_s_std", "n_prompts"]
 
 
@@ -26,4 +26,5 @@ def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool =
 
 
 def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path) -> list[Path]:
-    return write_table(table, out, "baselines") + write_table(per_run, out, "baselines_runs")
+    return (write_table(table, out, "baselines", notes=kl_notes(table))
+            + write_table(per_run, out, "baselines_runs", notes=kl_notes(per_run)))

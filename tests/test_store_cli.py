@@ -90,6 +90,11 @@ def test_prompt_files(tmp_path):
     (["baselines", "--temperature", "-1"], "temperature"),
     (["baselines", "--top-p", "0"], "top_p"),
     (["baselines", "--prompts-file", "/nope.jsonl"], "prompts_file"),
+    (["baselines", "--student-ratio", "1.5"], "--student-ratio=1.5 must be in [0, 1)"),
+    (["refresh", "--student-ratio", "-0.1"], "--student-ratio"),
+    (["baselines", "--device", "tpu9"], "--device/--dtype"),
+    (["baselines", "--dtype", "int3"], "--device/--dtype"),
+    (["mc-real", "--student", "/nope/model"], "--student: "),
 ])
 def test_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvlab", *args, "--out", str(tmp_path)],
@@ -97,3 +102,39 @@ def test_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     assert r.returncode == 2
     assert needle in r.stderr
     assert not any(tmp_path.iterdir())   # nothing written
+
+
+@pytest.mark.parametrize("argv", [
+    ["baselines", "--student-ratio", "1.0"],
+    ["all", "--student-ratio", "nan"],
+    ["refresh", "--student-ratio", "0.5", "--student", "HuggingFaceTB/x"],
+    ["baselines", "--teacher", "./no-such-folder"],
+])
+def test_cli_validates_model_args_before_any_model_loads(argv, tmp_path, monkeypatch, capsys):
+    import kvlab.models as models
+    from kvlab import cli
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were validated")
+
+    for name in ("load_pair", "load_teacher", "load_student", "load_model"):
+        monkeypatch.setattr(models, name, boom)
+    assert cli.main([*argv, "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]) == 2
+    assert "error: --" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tiny_teacher, tiny_student):
+    from kvlab import cli
+
+    monkeypatch.setattr(cli, "_pair", lambda args: (tiny_teacher, tiny_student))
+    argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
+            "--runs", str(tmp_path / "runs"), "--no-progress"]
+    assert cli.main(argv) == 0
+    assert f"run store {tmp_path / 'runs'}: 0 reused, 6 computed" in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6 reused, 0 computed" in out
+    md = (tmp_path / "out" / "baselines.md").read_text()
+    assert "`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose" in md
+    assert "`kl_all`" in md and f"kvlab code {provenance.CODE_VERSION}, commit " in md
