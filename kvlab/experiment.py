@@ -125,8 +125,8 @@ def provenance_note() -> str:
     store, which reuses only runs of this code version timed on this hardware (kvlab.store)."""
     from . import provenance
 
-    return (f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}; "
-            f"runs of this code version on {provenance.describe_machine()}.")
+    return (f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}, on "
+            f"{provenance.describe_machine()} (stored runs are reused only from this code version and hardware).")
 
 
 def write_table(df: pd.DataFrame, out: Path, name: str, notes: Sequence[str] = ()) -> list[Path]:
