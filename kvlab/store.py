@@ -87,6 +87,8 @@ class StoreStats:
         s = f"{self.reused} reused, {self.computed} computed"
         if self.replaced:
             s += f" ({self.replaced} of them stale: older code version or another machine)"
+        if self.commits:
+            s += f"; runs from commit(s) {', '.join(sorted(str(c) for c in self.commits))}"
         return s
 
 
