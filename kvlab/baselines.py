@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 
 from .decode import DecodeConfig
-from .experiment import RunSpec, kl_notes, run_policies, summarize, write_table
+from .experiment import RunSpec, run_policies, summarize, write_table
 from .store import RunStore
 
 POLICIES = {
@@ -26,5 +26,4 @@ def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool =
 
 
 def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path) -> list[Path]:
-    return (write_table(table, out, "baselines", notes=kl_notes(table))
-            + write_table(per_run, out, "baselines_runs", notes=kl_notes(per_run)))
+    return write_table(table, out, "baselines") + write_table(per_run, out, "baselines_runs")

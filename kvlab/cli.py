@@ -65,15 +65,6 @@ def _check_model_args(args) -> None:
         raise ValueError(f"--device/--dtype: {e}") from None
 
 
-def _store(args):
-    """One run store per invocation (``all`` shares it across jobs; main() prints its reuse counts)."""
-    from .store import RunStore
-
-    if getattr(args, "_store", None) is None:
-        args._store = RunStore(args.runs)
-    return args._store
-
-
 def _spec(args):
     from .data import load_prompts
     from .decode import Sampling
@@ -96,10 +87,11 @@ def cmd_baselines(args) -> list[Path]:
     from .baselines import baselines, write_baselines
     from .figures import render
     from .plots import baselines_figure  # noqa: F401  (registers the figure)
+    from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     teacher, student = _pair(args)
-    table, per_run = baselines(teacher, student, spec, _store(args), progress=not args.no_progress)
+    table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress)
     paths = write_baselines(table, per_run, args.out)
     paths.append(render("baselines", args.out))
     print((args.out / "baselines.md").read_text())
@@ -144,12 +136,13 @@ def cmd_refresh(args) -> list[Path]:
     from .plots import refresh_pareto_figure  # noqa: F401  (registers the figure)
     from .forced import forced_table
     from .refresh_tables import refresh_tables, write_refresh
+    from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     calib_rows = load_prompts(calibration_file(), n=min(getattr(args, "calib_prompts", 4), 32))
     calib = _replace(spec, prompts=tuple(r["prompt"] for r in calib_rows))
     teacher, student = _pair(args)
-    store = _store(args)
+    store = RunStore(args.runs)
     tables = refresh_tables(teacher, student, spec, store, calib, progress=not args.no_progress)
     split = max(2, spec.tokens // 2)
     if spec.tokens >= 4:   # teacher-forced: same tokens, only the cache's writer changes
@@ -264,12 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    from .store import SESSION
+
+    SESSION.clear()
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    store = getattr(args, "_store", None)
-    if store is not None:
-        print(f"run store {store.root}: {store.stats.summary()}")
+    for root, stats in SESSION.items():   # what `make figures` reused vs recomputed
+        print(f"run store {root}: {stats.summary()}")
     return 0

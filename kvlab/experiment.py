@@ -129,13 +129,15 @@ def provenance_note() -> str:
             f"{provenance.describe_machine()} (stored runs are reused only from this code version and hardware).")
 
 
-def write_table(df: pd.DataFrame, out: Path, name: str, notes: Sequence[str] = ()) -> list[Path]:
-    """``<name>.csv`` and ``<name>.md`` under ``out``. The ``.md`` has ``notes`` (what columns mean,
-    e.g. :data:`kvlab.metrics.KL_NOTE`) and :func:`provenance_note` under the table; the CSV is data only."""
+def write_table(df: pd.DataFrame, out: Path, name: str, notes: Sequence[str] | None = None) -> list[Path]:
+    """``<name>.csv`` and ``<name>.md`` under ``out``. The ``.md`` has ``notes`` (what columns mean;
+    default :func:`kl_notes`: which steps the ``kl``/``kl_all`` columns average — pass your own for
+    a ``kl`` of another meaning) and :func:`provenance_note` under the table; the CSV is data only."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / f"{name}.csv", out / f"{name}.md"
     df.to_csv(csv, index=False)
+    notes = kl_notes(df) if notes is None else list(notes)
     lines = [f"- {n}" for n in notes] + [f"- {provenance_note()}"]
     md.write_text(to_markdown(df) + "\n" + "\n".join(lines) + "\n")
     return [csv, md]

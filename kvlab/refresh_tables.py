@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .decode import DecodeConfig
-from .experiment import RunSpec, kl_notes, run_policies, scored_run, write_table
+from .experiment import RunSpec, run_policies, scored_run, write_table
 from .policies import EntropyGate, Periodic, ProbeKL, Speculative
 from .refresh import tau_for_budget, tau_from_percentile
 from .store import RunStore
@@ -174,6 +174,6 @@ def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
 
     paths = []
     for name, df in tables.items():
-        notes = [FORCED_NOTE] if name == "refresh_forced" else kl_notes(df)
+        notes = [FORCED_NOTE] if name == "refresh_forced" else None   # None: the KL captions
         paths += write_table(df.round(4), out, name, notes=notes)
     return paths

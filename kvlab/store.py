@@ -92,6 +92,10 @@ class StoreStats:
         return s
 
 
+# Every RunStore of this process adds its counts here too, per store root (the CLI prints them).
+SESSION: dict[Path, StoreStats] = {}
+
+
 def _canon(config: dict) -> dict:
     return json.loads(json.dumps(config, default=str))
 
@@ -148,17 +152,20 @@ class RunStore:
 
     def get_or_run(self, config: dict, fn) -> dict:
         """The stored result for ``config``, or ``fn()`` stored under it (counted in :attr:`stats`)."""
+        both = (self.stats, SESSION.setdefault(self.root.resolve(), StoreStats()))
         hit = self._get(config)
         if hit is not None:
-            self.stats.reused += 1
-            self.stats.commits.add(hit.meta.get("git_commit"))
+            for st in both:
+                st.reused += 1
+                st.commits.add(hit.meta.get("git_commit"))
             return hit.result
         stale = self.has_stale(config)
         result = fn()
         self.put(config, result)
-        self.stats.computed += 1
-        self.stats.replaced += int(stale)
-        self.stats.commits.add(provenance.git_commit())
+        for st in both:
+            st.computed += 1
+            st.replaced += int(stale)
+            st.commits.add(provenance.git_commit())
         return result
 
     def records(self, current_only: bool = False) -> Iterator[StoredRun]:

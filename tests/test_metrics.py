@@ -141,3 +141,27 @@ def test_token_stats_with_masked_logits():
     logits = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])
     _, ent, top1, margin = token_stats(logits)
     assert ent == pytest.approx(1.0) and top1 == pytest.approx(0.5) and margin == pytest.approx(0.0)
+
+
+def test_every_written_table_states_its_kl(tmp_path):
+    """Tables with KL columns say which steps they average; the forced table says its own meaning."""
+    import pandas as pd
+
+    from kvlab import provenance
+    from kvlab.forced import FORCED_NOTE
+    from kvlab.metrics import KL_ALL_NOTE, KL_NOTE
+    from kvlab.refresh_tables import write_refresh
+
+    tables = {"refresh_methods": pd.DataFrame({"policy": ["none"], "kl": [0.5], "kl_all": [0.49]}),
+              "refresh_forced": pd.DataFrame({"condition": ["overfill"], "kl": [0.4]}),
+              "refresh_calibration": pd.DataFrame({"n_steps": [10]})}
+    write_refresh(tables, tmp_path)
+    methods = (tmp_path / "refresh_methods.md").read_text()
+    forced = (tmp_path / "refresh_forced.md").read_text()
+    calib = (tmp_path / "refresh_calibration.md").read_text()
+    assert KL_NOTE in methods and KL_ALL_NOTE in methods
+    assert FORCED_NOTE in forced and KL_NOTE not in forced
+    assert "KL" not in calib
+    for md in (methods, forced, calib):
+        assert f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}" in md
+    assert list(pd.read_csv(tmp_path / "refresh_methods.csv").columns) == ["policy", "kl", "kl_all"]
