@@ -81,7 +81,7 @@ class StoreStats:
     reused: int = 0
     computed: int = 0
     replaced: int = 0     # of ``computed``: a run of the same config existed from older code or other hardware
-    commits: set = field(default_factory=set)   # git commits of the runs reused or written
+    commits: set = field(default_factory=set)   # commits ("<sha>[+dirty]") of the runs reused or written
 
     def summary(self) -> str:
         s = f"{self.reused} reused, {self.computed} computed"
@@ -94,6 +94,11 @@ class StoreStats:
 
 # Every RunStore of this process adds its counts here too, per store root (the CLI prints them).
 SESSION: dict[Path, StoreStats] = {}
+
+
+def _label(meta: dict) -> str:
+    sha = meta.get("git_commit")
+    return "unknown commit" if not sha else sha + ("+dirty" if meta.get("git_dirty") else "")
 
 
 def _canon(config: dict) -> dict:
@@ -157,7 +162,7 @@ class RunStore:
         if hit is not None:
             for st in both:
                 st.reused += 1
-                st.commits.add(hit.meta.get("git_commit"))
+                st.commits.add(_label(hit.meta))
             return hit.result
         stale = self.has_stale(config)
         result = fn()
@@ -165,7 +170,7 @@ class RunStore:
         for st in both:
             st.computed += 1
             st.replaced += int(stale)
-            st.commits.add(provenance.git_commit())
+            st.commits.add(provenance.source_label())
         return result
 
     def records(self, current_only: bool = False) -> Iterator[StoredRun]:
