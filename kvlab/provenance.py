@@ -20,7 +20,8 @@ import subprocess
 from pathlib import Path
 
 # Bump on any change of what a run means (decode loop, refresh, scoring). Changelog:
-#   2026-11-22.kl-student: score's `kl` averages only over student-chosen steps (`kl_all`: all
+#   2026-11-22.kl-student: refresh span fix (issue 8.1: the entry "rerun" leaves to the student is
+#     rewritten at the next refresh); score's `kl` averages only over student-chosen steps (`kl_all`: all
 #     steps); runs are tied to CODE_VERSION + machine in the store.
 CODE_VERSION = "2026-11-22.kl-student"
 
