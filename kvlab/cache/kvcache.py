@@ -740,24 +740,24 @@ class KVCache:
         t0 = time.perf_counter()
         if not slots:
             return EvictReport(0, 0, n, 0.0, 0.0)
-        gone = set(slots)
-        keep = [s for s in range(n) if s not in gone]
         if rerotate and self.n_int8:
             self.dequantize()
         nq = self.n_int8
-        kq = [s for s in keep if s < nq]
-        kt = [s - nq for s in keep if s >= nq]
         dev = self._hf.layers[0].keys.device
-        iq, it = torch.tensor(kq, dtype=torch.long, device=dev), torch.tensor(kt, dtype=torch.long, device=dev)
-        new_fp = [(lay.keys[:, :, it, :], lay.values[:, :, it, :]) for lay in self._hf.layers]  # (1, H_kv, T', D)
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[torch.tensor(slots, dtype=torch.long)] = False
+        keep_t = mask.nonzero().squeeze(1)                                          # (T',) kept slots
+        iq = keep_t[keep_t < nq].to(dev)
+        it = (keep_t[keep_t >= nq] - nq).to(dev)
+        new_fp = [(lay.keys.index_select(2, it), lay.values.index_select(2, it)) for lay in self._hf.layers]
         new_q = [q.gather(iq) for q in self._int8] if self._int8 is not None else None
         # swap (no failure point below but the ledger's pure-Python bookkeeping)
         for lay, (k, v) in zip(self._hf.layers, new_fp):
             lay.keys, lay.values = k, v
         self._int8 = new_q
         removed = [self.live[s] for s in slots]
-        self.live = [self.live[s] for s in keep]
-        self._meta_keep(keep)
+        self.live = [r for r, k in zip(self.live, mask.tolist()) if k]
+        self._meta_keep(keep_t)
         tick = self.ticks
         self.ticks += 1
         for r in removed:
@@ -951,8 +951,9 @@ class KVCache:
     def _meta_keep(self, keep: Sequence[int]) -> None:
         if self.attn is None:
             return
-        idx = torch.tensor(list(keep), dtype=torch.long, device=self.attn["count"].device)
-        self.attn = {k: t[..., idx] for k, t in self.attn.items()}
+        dev = self.attn["count"].device
+        idx = keep.to(dev) if isinstance(keep, torch.Tensor) else torch.tensor(list(keep), dtype=torch.long, device=dev)
+        self.attn = {k: t.index_select(t.dim() - 1, idx) for k, t in self.attn.items()}
 
     def _meta_remap(self, idx: Sequence[int]) -> None:
         """Stats for a new slot order: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
