@@ -168,25 +168,24 @@ class Results:
         return target
 
     def import_store(self, store_root=None) -> int:
-        """Rows for every run in a per-run JSON store (``kvlab.store.RunStore``) that has no row
-        yet. Returns how many rows were written. Nothing is rerun; the JSON files stay."""
+        """Rows for every run in a per-run JSON store (:class:`kvlab.store.RunStore`, any code
+        version or file layout) that has no row yet. Returns how many rows were written. Nothing is
+        rerun; the JSON files stay. A row's ``code_version`` / ``machine_key`` say where it came from."""
+        from .store import RunStore, run_key
         from .sweep.task import row_from_stored
 
-        store_root = Path(store_root) if store_root is not None else _runs_root()
+        store = RunStore(store_root) if store_root is not None else RunStore()
         have = self.row_ids(status=None)
         n = 0
-        for p in sorted(store_root.glob("*.json")) if store_root.is_dir() else []:
-            try:
-                data = json.loads(p.read_text())
-            except (json.JSONDecodeError, OSError):
-                continue
-            built = row_from_stored(p.stem, data)
+        for rec in store.records():
+            built = row_from_stored(run_key(rec.config), {"config": rec.config, "result": rec.result,
+                                                          "meta": rec.meta})
             if built is None or built[0]["row_id"] in have:
                 continue
             self.write(*built)
+            have.add(built[0]["row_id"])
             n += 1
         return n
-
 
 def load(root=None, compact: bool | None = None) -> pd.DataFrame:
     """The results table as a DataFrame (see :class:`Results`)."""

@@ -219,7 +219,9 @@ def test_rows_share_the_run_store_and_rebuild_the_tables(tmp_path):
     run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False)
     rows = load(tmp_path / "res")
     store = RunStore(tmp_path / "runs")
-    assert len(store) == len(rows) and set(rows.run_key) == {p.stem for p in (tmp_path / "runs").glob("*.json")}
+    from kvlab.store import run_key
+
+    assert len(store) == len(rows) and set(rows.run_key) == {run_key(r.config) for r in store.records()}
     # the existing table reuses the sweep's runs (same keys): nothing new is stored, same numbers
     teacher, student = tiny_pair(0.3)
     run_spec = RunSpec(prompts=spec.prompts, tokens=6, sampling=spec.tasks()[0].decode.sampling)

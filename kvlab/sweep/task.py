@@ -217,7 +217,8 @@ def row_from_stored(key: str, data: dict) -> tuple[dict, pd.DataFrame] | None:
     if cfg.get("kind") != "decode" or not isinstance(dec, dict) or "teacher_ppl" not in res:
         return None
     samp = dec.get("sampling") or {}
-    row = {"row_id": f"import-{key}", "run_key": key, "sweep": "", "mode": dec.get("mode"),
+    ctx = (data.get("meta") or {}).get("code_version"), (data.get("meta") or {}).get("machine_key")
+    row = {"row_id": f"import-{key}-" + hashlib.sha256(repr(ctx).encode()).hexdigest()[:8], "run_key": key, "sweep": "", "mode": dec.get("mode"),
            "max_new_tokens": dec.get("max_new_tokens"), "temperature": samp.get("temperature"),
            "top_p": samp.get("top_p"), "seed": samp.get("seed"),
            "prompt": cfg.get("prompt"), "prompt_id": hashlib.sha256(str(cfg.get("prompt")).encode()).hexdigest()[:12],
@@ -239,7 +240,9 @@ def row_from_stored(key: str, data: dict) -> tuple[dict, pd.DataFrame] | None:
         pol += f"_{row['refresh_next']}"
     row["policy"] = pol
     row.update(result_columns(res))
+    meta = data.get("meta") or {}
     row.update({"status": "ok", "error": "", "engine": "import", "reused": True,
-                "code_version": cfg.get("code_version") or (data.get("stamp") or {}).get("code_version"),
-                "finished_at": 0.0})
+                "code_version": meta.get("code_version"), "git_commit": meta.get("git_commit"),
+                "git_dirty": meta.get("git_dirty"), "machine_key": meta.get("machine_key"),
+                "host": (meta.get("machine") or {}).get("host"), "finished_at": 0.0})
     return row, trace_frame(res)
