@@ -194,7 +194,7 @@ class RayEngine:
         try:
             import ray
         except ImportError as e:
-            raise ModuleNotFoundError("--engine ray needs the 'ray' package: pip install 'ray[default]'") from e
+            raise ModuleNotFoundError("--engine ray needs the 'ray' package: pip install ray") from e
         if address:
             check_address(address)
         self._own = False
