@@ -37,9 +37,26 @@ def default_root() -> Path:
     return Path(env) if env else _runs_root() / "results"
 
 
+def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """Object columns whose values mix kinds (e.g. a policy parameter that is a string in one row
+    and a number in another) become strings, so any set of rows can be written to one file."""
+    out = None
+    for c in df.columns:
+        if df[c].dtype != object:
+            continue
+        kinds = {("num" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__)
+                 for v in df[c] if v is not None and not (isinstance(v, float) and v != v)}
+        if len(kinds) > 1:
+            out = df.copy() if out is None else out
+            out[c] = [None if v is None or (isinstance(v, float) and v != v) else str(v) for v in df[c]]
+    return df if out is None else out
+
+
 def _atomic_parquet(df: pd.DataFrame, target: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    df = _arrow_safe(df)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

@@ -354,3 +354,13 @@ def test_eviction_families_come_from_the_registry(tmp_path):
     assert df.loc[("student+sliding_window6_sinks2", 0), "evict_window"] == 6
     full, cut = df.loc[("student", 0)], df.loc[("student+sliding_window6_sinks2", 0)]
     assert cut.cache_len_max < full.cache_len_max and cut.evicted > 0 == full.evicted
+
+
+def test_compaction_survives_columns_of_mixed_kinds(tmp_path):
+    res = Results(tmp_path)
+    res.write(_row("a", x=None, y=None))
+    res.write(_row("b", x=8, y="sum", finished_at=2.0))
+    res.write(_row("c", x=4.5, y=3, finished_at=3.0))
+    res.compact()
+    df = load(tmp_path).set_index("row_id")
+    assert df.loc["b", "x"] == 8 and df.loc["c", "x"] == 4.5 and df.loc["b", "y"] == "sum" and df.loc["c", "y"] == "3"
