@@ -277,3 +277,18 @@ def test_attention_hooks_removed_and_stats_follow_edits(lm2):
     assert torch.equal(c.copy().attn["acc"], c.attn["acc"])
     with pytest.raises(ValueError, match="track_attention"):
         KVCache().forward(m, [1, 2], writer="teacher", attention=True)
+
+
+def test_append_from_and_splice_last_read_int8_sources(lm2):
+    m = lm2.model
+    src, _ = KVCache.prefill(m, IDS, writer="teacher")
+    exact = src.copy()
+    src.quantize_older(window=2, group=4)                       # almost all of src is INT8
+    dst, _ = KVCache.prefill(m, IDS[:10], writer="student")
+    dst.append_from(src, 3)                                     # positions 10, 11, 12: INT8 in src
+    k, _ = dst.kv(1)
+    rk, _ = exact.kv(1)
+    bound = float(rk.abs().max()) / 254 + 1e-6
+    assert float((k[:, :, 10:13] - rk[:, :, 10:13]).abs().max()) <= bound
+    assert float((k[:, :, 10:13] - rk[:, :, 10:13]).abs().max()) > 0     # really read through INT8
+    dst.check()

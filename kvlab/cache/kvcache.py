@@ -338,13 +338,11 @@ class KVCache:
         theirs = _slots_of(src, positions, "src")
         if len(self):
             self._check_geometry(src)
-        si = torch.tensor(theirs)
         before, n_rows = len(self.live), len(self.ledger)
         try:
-            for i, s in enumerate(src._hf.layers):
-                k = s.keys[:, :, si.to(s.keys.device), :]                                   # (1, H_kv, n, D)
-                v = s.values[:, :, si.to(s.values.device), :]
-                if i < len(self._hf.layers) and _layer_len(self._hf.layers[i]):
+            for i in range(src.num_layers):
+                k, v = src._read_slots(i, theirs)                                          # (1, H_kv, n, D)
+                if i < len(self._hf.layers) and (_layer_len(self._hf.layers[i]) or self.n_int8):
                     dst = self._hf.layers[i]
                     dst.keys = torch.cat([dst.keys, k.to(dst.keys)], dim=-2)
                     dst.values = torch.cat([dst.values, v.to(dst.values)], dim=-2)
