@@ -5,7 +5,8 @@ For each engine (in-process, ``--workers 2`` processes, Ray with 2 actors on a l
 * ``startup_s`` — engine start + loading the models in every worker (a warm-up sweep of other
   seeds; Ray also counts ``ray.init``);
 * ``wall_s`` / ``tasks_per_s`` — the timed sweep on warm workers (no run store: every run computed);
-* ``task_s`` — the sum of the tasks' own wall times (inside the worker);
+* ``task_s`` — the sum of the tasks' own wall times (inside the worker), ``of_which_load_s`` the
+  part spent loading models (a worker the warm-up did not reach loads them in the timed sweep);
 * ``overhead_ms_per_task`` — ``(wall_s * workers - task_s) / tasks``: time a worker slot spent on
   anything but running tasks (scheduling, (de)serialising rows and traces, writing Parquet, idling
   at the end of the grid);
@@ -51,7 +52,7 @@ def _measure(engine, spec, warm, root: Path) -> dict:
     if rep.errors:
         raise RuntimeError(f"bench sweep: {rep.errors} tasks failed on {engine.name}: {rep.error_messages[:2]}")
     return {"startup_s": startup, "wall_s": rep.wall_s, "tasks": rep.done, "task_s": float(rows["wall_s"].sum()),
-            "rows": rows}
+            "load_s": float(rows["load_s"].sum()) if "load_s" in rows else float("nan"), "rows": rows}
 
 
 def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: str = "embedded",
@@ -96,7 +97,7 @@ def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: st
         lines.append({"engine": name, "tasks": m["tasks"], "startup_s": round(m["startup_s"], 2),
                       "wall_s": round(m["wall_s"], 2), "tasks_per_s": round(tps, 3),
                       "speedup_vs_local": round(tps / (base["tasks"] / base["wall_s"]), 3),
-                      "task_s": round(m["task_s"], 2),
+                      "task_s": round(m["task_s"], 2), "of_which_load_s": round(m["load_s"], 2),
                       "overhead_ms_per_task": round(1000 * (m["wall_s"] * m["workers"] - m["task_s"]) / m["tasks"], 1),
                       "noop_roundtrip_ms": round(m.get("noop_roundtrip_ms", float("nan")), 2)})
     table = pd.DataFrame(lines)

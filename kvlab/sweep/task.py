@@ -167,7 +167,9 @@ def execute(task: Task, pairs: PairCache, store, engine: str = "local", worker: 
     row = {**task.columns(), "engine": engine, "worker": worker or f"pid{os.getpid()}"}
     trace = None
     try:
+        t_load = time.perf_counter()
         teacher, student = pairs.get(task.models, task.config.student_ratio)
+        row["load_s"] = time.perf_counter() - t_load      # > 0 only for a worker's first task of a pair
         key_cfg = run_config(teacher, student, task.prompt, replace(task.decode, keep_dists=True))
         reused = store.get(key_cfg) is not None
         res = scored_run(teacher, student, task.prompt, task.decode, store)
