@@ -455,6 +455,7 @@ class Trace:
     total_s: float
     text: str
     dists: torch.Tensor | None = None   # (N, V) log-probs of the distributions tokens were drawn from
+    live: dict | None = None            # the decoding cache at the end: {"positions": [...], "writers": [...]} per slot
 
     @property
     def tokens(self) -> list[int]:
@@ -466,11 +467,20 @@ class Trace:
         return pd.DataFrame([asdict(r) for r in self.records])
 
 
-def run(teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides) -> Trace:
-    """Drain a :class:`Decoding` into a :class:`Trace`."""
+def run(teacher, student, prompt: str, config: DecodeConfig | None = None, *, on_step=None, **overrides) -> Trace:
+    """Drain a :class:`Decoding` into a :class:`Trace`.
+
+    ``on_step(record, decoding)``, if given, is called after every step (e.g. to stream points into a
+    plot); an exception it raises (a cancellation) propagates and no Trace is returned.
+    """
     d = Decoding(teacher, student, prompt, config, **overrides)
-    records = list(d)
+    records = []
+    for rec in d:
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec, d)
     dists = torch.stack(d.dists) if d.dists else None
+    live = {"positions": list(d.cache.positions), "writers": list(d.cache.writers)} if d.cache is not None else None
     return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
-                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), dists=dists)
+                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), dists=dists, live=live)
