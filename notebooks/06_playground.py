@@ -53,8 +53,7 @@ pg = Playground(teacher, student, store=RunStore(), prune_ratios=PRUNE_RATIOS,
                 calib_prompts=[r["prompt"] for r in load_prompts(calibration_file(), n=CALIB_PROMPTS)], calib_tokens=N,
                 ranges={"tau_bits": Range(0.0, 8.0, TAU_STEP)})
 pg.settings = pg.settings.replace(tau_bits=pg.tau_at(TAU_PERCENTILE))   # calibrates (stored runs) first
-pg.start()                               # the first run + its baseline (from the store, or decoded now)
-print(pg.status)
+ok = pg.start()                          # the first run + its baseline (from the store, or decoded now)
 
 # %%
 PlaygroundView(pg).widget

@@ -59,6 +59,7 @@ class PlaygroundView:
         if pg.shown is not None:
             self._render(pg.shown)
         self._render_errors(pg.errors)
+        self._on_event("percentiles", pg.percentiles())
         self.status.value = self._status_html(pg.status)
 
     # ------------------------------------------------------------------ controls
@@ -72,12 +73,12 @@ class PlaygroundView:
         parts = [widget] + ([extra] if extra is not None else [])
         return W.VBox([W.HBox(parts), err], layout=W.Layout(margin="0"))
 
-    def _slider(self, name: str) -> W.Widget:
+    def _slider(self, name: str, width: str = "400px") -> W.Widget:
         r = self.pg.ranges[name]
         cls = W.IntSlider if r.integer else W.FloatSlider
         kw = {} if r.integer else {"readout_format": f".{max(0, len(repr(r.step).split('.')[-1]))}f"}
         return cls(value=getattr(self.pg.settings, name), min=r.lo, max=r.hi, step=r.step, description=_LABELS[name],
-                   continuous_update=False, style=_STYLE, layout=_ROW, **kw)
+                   continuous_update=False, style=_STYLE, layout=W.Layout(width=width), **kw)
 
     def _build_controls(self):
         s = self.pg.settings
@@ -96,7 +97,8 @@ class PlaygroundView:
                                                    description="refresh", style=_STYLE, layout=_ROW))]
         self.policy_rows = {}
         for name in ("T", "W", "tau_bits", "M", "kappa", "k"):
-            self.policy_rows[name] = self._control(name, self._slider(name), self.pct.get(name))
+            self.policy_rows[name] = self._control(name, self._slider(name, "320px" if name in self.pct else "400px"),
+                                                   self.pct.get(name))
         self.policy_rows["mc_signal"] = self._control("mc_signal", W.Dropdown(options=MC_SIGNALS, value=s.mc_signal,
                                                                               description="MC signal", style=_STYLE, layout=_ROW))
         for name in ("mc_threshold", "mc_every"):
@@ -158,7 +160,9 @@ class PlaygroundView:
         opts = [p for p in _SLIDER_PARAMS if p in used or (p in ("temperature", "top_p") and s.sampling == "sample")
                 or (p == "budget" and s.evict != NO_EVICTION)]
         if list(self.pre_param.options) != opts:
+            keep = self.pre_param.value
             self.pre_param.options = opts
+            self.pre_param.value = keep if keep in opts else (opts[0] if opts else None)
         if s.prompt in self.pg.prompts and self.prompt_pick.value != s.prompt:
             self._syncing = True
             try:
@@ -214,6 +218,9 @@ class PlaygroundView:
                           legend=dict(orientation="h", y=1.08, x=0.5, xanchor="center", font=dict(size=10)))
         for a in fig.layout.annotations:
             a.font.size = 12
+        if self.pg.shown is not None:
+            # a FigureWidget's front-end misses updates made before it is displayed: start from the data
+            self._plot(fig, self.pg.shown)
         self.fig = go.FigureWidget(fig)
         self.text = W.HTML("")
         self.text.add_class("kvlab-text")
@@ -235,7 +242,8 @@ class PlaygroundView:
             elif event == "percentiles":
                 for name, w in self.pct.items():
                     p = payload.get(name)
-                    w.value = f"<small>&nbsp;≈ p{p:.0f} of calibration</small>" if p is not None else "<small>&nbsp;(calibrating)</small>"
+                    w.value = (f"<span style='font-size:12px;white-space:nowrap' title='calibrated percentile'>"
+                               f"&nbsp;≈ p{p:.0f} calib.</span>" if p is not None else "<small>&nbsp;(calibrating)</small>")
             elif event == "shown":
                 self._render(payload)
             elif event == "live_start":
@@ -291,14 +299,23 @@ class PlaygroundView:
                 d[6].text = [[w for w in writers]]
         self._last_draw = time.perf_counter()
 
-    def _tau_line(self, s) -> None:
-        d = self.fig.data
+    def _tau_line(self, s, fig=None) -> None:
+        d = (fig if fig is not None else self.fig).data
         if s.policy == "entropy":
             d[3].x, d[3].y, d[3].visible = [1, s.N], [s.tau_bits, s.tau_bits], True
         else:
             d[3].x, d[3].y, d[3].visible = [], [], False
 
     def _render(self, sh: Shown) -> None:
+        with self.fig.batch_update():
+            self._plot(self.fig, sh)
+        self.table.value = self._table_html(sh)
+        self.text.value = self._text_html(sh)
+        if sh.source == "live":
+            self.progress.value = self.progress.max
+        self.progress_msg.value = f"{'decoded now' if sh.source == 'live' else 'from the run store'}"
+
+    def _plot(self, fig, sh: Shown) -> None:
         r, b = sh.result, sh.base
         steps, bsteps = r["steps"], b["steps"]
         xs = list(range(1, len(steps["entropy_bits"]) + 1))
@@ -306,22 +323,16 @@ class PlaygroundView:
         ref = [i for i, f in enumerate(steps["refreshed"]) if f]
         live = r.get("live") or {"positions": [], "writers": []}
         tok_by_pos = {sh.prompt_len + i: t for i, t in enumerate(sh.tokens)}
-        d = self.fig.data
-        with self.fig.batch_update():
-            d[0].x, d[0].y = bxs, bsteps["entropy_bits"]
-            d[1].x, d[1].y = xs, steps["entropy_bits"]
-            d[2].x, d[2].y = [xs[i] for i in ref], [steps["entropy_bits"][i] for i in ref]
-            self._tau_line(sh.settings)
-            d[4].x, d[4].y = bxs, bsteps["cache_len"]
-            d[5].x, d[5].y = xs, steps["cache_len"]
-            d[6].x = live["positions"]
-            d[6].z = [[1 if w == "teacher" else 0 for w in live["writers"]]]
-            d[6].text = [[f"{w}: {tok_by_pos.get(p, '(prompt)')!r}" for p, w in zip(live["positions"], live["writers"])]]
-        self.table.value = self._table_html(sh)
-        self.text.value = self._text_html(sh)
-        if sh.source == "live":
-            self.progress.value = self.progress.max
-        self.progress_msg.value = f"{'decoded now' if sh.source == 'live' else 'from the run store'}"
+        d = fig.data
+        d[0].x, d[0].y = bxs, bsteps["entropy_bits"]
+        d[1].x, d[1].y = xs, steps["entropy_bits"]
+        d[2].x, d[2].y = [xs[i] for i in ref], [steps["entropy_bits"][i] for i in ref]
+        self._tau_line(sh.settings, fig)
+        d[4].x, d[4].y = bxs, bsteps["cache_len"]
+        d[5].x, d[5].y = xs, steps["cache_len"]
+        d[6].x = live["positions"]
+        d[6].z = [[1 if w == "teacher" else 0 for w in live["writers"]]]
+        d[6].text = [[f"{w}: {tok_by_pos.get(p, '(prompt)')!r}" for p, w in zip(live["positions"], live["writers"])]]
 
     def _table_html(self, sh: Shown) -> str:
         rows = []
