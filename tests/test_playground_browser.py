@@ -130,6 +130,14 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 page.wait_for_timeout(500)
                 SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+                # step-through tab: Reset builds one decoding of these settings, Step decodes a token
+                page.locator(".lm-TabBar-tab", has_text="Step through").click()
+                page.locator(".kvlab-step-reset").click()
+                page.locator(".kvlab-step-step").click()
+                info = page.locator(".kvlab-step-info")
+                info.filter(has_text="top-5 candidates").wait_for(timeout=60_000)
+                assert "step 1/" in info.inner_text().replace("\n", " ")
             finally:
                 browser.close()
     finally:
