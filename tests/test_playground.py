@@ -323,3 +323,42 @@ def test_view_slider_redraws_readout_with_the_stored_value(pg, tiny_student):
     assert v._step_reset()
     v._step_once()
     assert "step <b>1</b>" in v.step_info.value and "top-5" in v.step_info.value
+
+
+# ------------------------------------------------------------------ eviction (kvlab.eviction)
+
+
+def test_eviction_control_runs_that_policy_at_that_budget(pg, tiny_teacher, tiny_student, tmp_path):
+    from kvlab.eviction import SlidingWindow
+
+    assert "sliding" in pg.eviction_names and "full" not in pg.eviction_names
+    assert pg.set(evict="sliding", budget=16)
+    pg.wait()
+    want = _direct(tiny_teacher, tiny_student, DecodeConfig(mode="overfill", max_new_tokens=N, sampling=_sampling(),
+                                                             refresh=Periodic(4), evict=SlidingWindow(16, sinks=4)),
+                   tmp_path, "direct")
+    sh = pg.shown
+    assert sh.readouts["teacher_ppl"] == pytest.approx(want["teacher_ppl"], rel=1e-6)
+    assert max(sh.result["steps"]["cache_len"]) <= 16 < max(sh.base["steps"]["cache_len"])   # baseline: full cache
+    assert len(sh.result["live"]["positions"]) <= 16
+    assert sh.readouts["cache_kib"] < sh.base_readouts["cache_kib"]
+    assert pg.config(pg.settings, tiny_student)["decode"]["evict"] == {"policy": "SlidingWindow", "window": 16, "sinks": 4}
+
+
+@pytest.mark.parametrize("name", ["sliding", "h2o", "random", "confkv", "block"])
+def test_every_eviction_policy_keeps_the_cache_within_its_budget(pg, name):
+    assert pg.set(evict=name, budget=24), pg.errors
+    pg.wait()
+    assert not pg.errors
+    lens = pg.shown.result["steps"]["cache_len"]
+    assert max(lens) <= 24 and sum(pg.shown.result["steps"]["evicted"]) > 0
+    st = Stepper(pg)
+    views = st.run()
+    assert len(views) == N and max(v.cache_len for v in views) <= 24 and len(views[-1].live) == views[-1].cache_len
+
+
+def test_a_budget_the_policy_cannot_hold_is_named(pg):
+    good = pg.shown
+    assert pg.set(evict="block", budget=12) is False      # start + recent blocks alone need 16 entries
+    assert "budget" in pg.errors and "block" in pg.errors["budget"]
+    assert pg.shown is good

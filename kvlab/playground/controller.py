@@ -28,7 +28,8 @@ from .settings import (PRUNE_RATIOS, RANGES, Settings, check, decode_config, evi
 # (name, label, format) of every readout, in display order
 READOUTS = (("teacher_ppl", "teacher-PPL", ".4f"), ("kl", "KL(p_T‖q), nats", ".4f"), ("repeat3", "repeat@3", ".3f"),
             ("refreshes", "refreshes", "d"), ("teacher_tokens_pct", "teacher tokens %", ".1f"),
-            ("overhead_pct", "overhead % (time vs baseline)", "+.1f"), ("tps", "decode tok/s", ".1f"))
+            ("overhead_pct", "overhead % (time vs baseline)", "+.1f"), ("tps", "decode tok/s", ".1f"),
+            ("cache_kib", "cache KiB (mean per step)", ".0f"))
 
 
 def readouts(result: dict, base: dict, mode: str) -> dict:
@@ -43,7 +44,12 @@ def readouts(result: dict, base: dict, mode: str) -> dict:
     return {"teacher_ppl": result["teacher_ppl"], "kl": result["kl"], "repeat3": result["repeat3"],
             "refreshes": int(result.get("refreshes", 0)), "teacher_tokens_pct": tt,
             "overhead_pct": 100.0 * (result["total_s"] - bt) / bt if bt and math.isfinite(bt) else float("nan"),
-            "tps": result["tps"]}
+            "tps": result["tps"], "cache_kib": _mean_kib(result)}
+
+
+def _mean_kib(result: dict) -> float:
+    b = result.get("steps", {}).get("cache_bytes")
+    return sum(b) / len(b) / 1024 if b else float("nan")
 
 
 def fmt(value, spec: str) -> str:

@@ -202,6 +202,11 @@ def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), rang
             err["evict"] = f"evict={s.evict!r} must be one of {(NO_EVICTION, *eviction_names)}"
         if not _is_int(s.budget) or not 1 <= s.budget <= int(R["budget"].hi):
             err["budget"] = f"budget={s.budget!r} must be a whole number of cache entries in 1..{int(R['budget'].hi)}"
+    if not err and s.evict != NO_EVICTION:
+        try:
+            eviction_policy(s)
+        except ValueError as e:      # the policy's own message, next to the budget it came from
+            err["budget"] = f"budget={s.budget} does not fit evict={s.evict!r}: {e}"
     if not err:   # kvlab's own constructors have the last word (they name the field they reject)
         try:
             decode_config(s)
@@ -246,12 +251,13 @@ def refresh_policy(s: Settings):
 
 
 def eviction_policies() -> dict:
-    """``kvlab.eviction.EVICTION_POLICIES`` when the eviction package is there, else ``{}``."""
+    """``kvlab.eviction.EVICTION_POLICIES`` without "full" (the playground's no-eviction choice), or ``{}``
+    when the eviction package is not there."""
     try:
         from ..eviction import EVICTION_POLICIES
     except ImportError:
         return {}
-    return dict(EVICTION_POLICIES)
+    return {k: v for k, v in EVICTION_POLICIES.items() if k != NO_EVICTION}
 
 
 def eviction_policy(s: Settings):
@@ -261,22 +267,37 @@ def eviction_policy(s: Settings):
     cls = eviction_policies().get(s.evict)
     if cls is None:
         raise ValueError(f"evict={s.evict!r} is not available; known: {sorted(eviction_policies())}")
-    return budget_policy(cls, s.budget, seed=s.seed)
+    return budget_policy(s.evict, cls, s.budget, seed=s.seed)
 
 
-def budget_policy(cls, budget: int, seed: int = 0):
-    """Build eviction policy ``cls`` holding about ``budget`` cache entries (its own defaults otherwise)."""
+BLOCK = 8   # BlockEvict block size in the playground (budget steps are multiples of it)
+
+
+def budget_policy(name: str, cls, budget: int, seed: int = 0):
+    """Eviction policy ``cls`` (registry name ``name``) holding at most about ``budget`` cache entries.
+
+    sliding: ``window=budget`` (4 sinks); h2o / random: ``budget``, a recent window of budget/4;
+    confkv: ``loose=budget`` (uncertain steps), ``tight=budget/2`` (confident steps), ``protect=min(32, budget/8)``;
+    block: blocks of 8, one start block, recent area ≈ budget/4, ``max_cache_size=budget``.
+    Other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
+    """
+    if name == "sliding":
+        return cls(window=budget, sinks=min(4, max(0, budget - 1)))
+    if name == "h2o":
+        return cls(budget=budget, recent=max(1, budget // 4))
+    if name == "random":
+        return cls(budget=budget, recent=max(1, budget // 4), seed=seed)
+    if name == "confkv":
+        return cls(tight=max(1, budget // 2), loose=budget, protect=max(0, min(32, budget // 8)))
+    if name == "block":
+        recent = BLOCK * max(1, budget // (4 * BLOCK))
+        return cls.from_sizes(start_size=BLOCK, recent_size=recent, max_cache_size=budget, block_size=BLOCK)
     names = {f.name for f in fields(cls)}
     if "budget" in names:
-        kw = {"budget": budget}
-        if "recent" in names:
-            kw["recent"] = max(1, budget // 4)
-        if "seed" in names:
-            kw["seed"] = seed
-        return cls(**kw)
+        return cls(budget=budget)
     if "window" in names:
         return cls(window=budget)
-    raise ValueError(f"evict={cls.__name__} has no budget/window field the playground can set")
+    raise ValueError(f"evict={name!r} has no budget/window field the playground can set")
 
 
 def sampling_of(s: Settings) -> Sampling:
