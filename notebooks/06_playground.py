@@ -29,7 +29,7 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
-N = 12 if SMOKE else 96                  # new tokens per run
+N = 20 if SMOKE else 96                  # new tokens per run
 POLICY = "entropy"                       # initial refresh policy
 TAU_PERCENTILE = 90.0                    # initial τ: this calibrated percentile of the student's entropy
 CALIB_PROMPTS = 1 if SMOKE else 2        # calibration prompts (data/calibration.jsonl) for τ/κ percentiles

@@ -23,7 +23,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "06_playground.py"
 SCREENSHOT = REPO / "figures" / "playground.png"
-PAGE_TIMEOUT_MS = 240_000      # Voilà shows the page once the notebook ran: model load + first runs
+PAGE_TIMEOUT_MS = 240_000
+# the i-th plotly graph of the app, in page order: 0 = Explore's traces, 1 = Step through's live map
+PLOT_JS = "const _plot = i => document.querySelectorAll('.kvlab-playground .js-plotly-plot')[i];"      # Voilà shows the page once the notebook ran: model load + first runs
 
 
 def _chromium() -> str:
@@ -100,9 +102,14 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 tau0 = float(readout.inner_text())
                 assert key0 == _key_for(runs, tau0)      # the page shows the stored run of the slider's τ
 
-                # move τ to the median student entropy of the stored baseline (about half the steps refresh):
-                # a new config, decoded live while the page streams it, then stored
-                tau1 = _median_tau(runs, key0, tau0)
+                # refresh_next = teacher: after a refresh the teacher picks the next token (a live run)
+                page.locator(".kvlab-refresh_next select").select_option("teacher")
+                page.wait_for_function("k => document.querySelector('.kvlab-run-key').innerText !== k",
+                                       arg=key0, timeout=180_000)
+                key0, ppl0 = page.locator(".kvlab-run-key").inner_text(), ppl.inner_text()
+                # move τ to 0 bits: a refresh after every step, so the teacher picks every token: a new
+                # config, decoded live while the page streams it, then stored; its PPL must differ
+                tau1 = 0.0
                 _type_slider(page, readout, f"{tau1:.2f}")
                 page.wait_for_function(
                     "([k, p]) => { const e = document.querySelector('.kvlab-run-key');"
@@ -112,8 +119,10 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 key1, ppl1 = page.locator(".kvlab-run-key").inner_text(), ppl.inner_text()
                 stored = json.loads((runs / f"{key1}.json").read_text())
                 assert stored["config"]["decode"]["refresh"] == {"policy": "EntropyGate", "tau_bits": tau1, "min_gap": 1, "W": None}
+                assert stored["config"]["decode"]["refresh_next"] == "teacher"
                 assert ppl1 == f"{stored['result']['teacher_ppl']:.4f}" != ppl0
                 assert page.locator(".kvlab-ro-refreshes").inner_text() == str(stored["result"]["refreshes"])
+                _wait_plotted(page, stored["result"]["steps"]["entropy_bits"])    # the plot redrew in place
 
                 # back to the first τ: stored, so answered from disk (time it end to end in the browser)
                 t0 = _type_slider(page, readout, f"{tau0:.2f}")
@@ -121,13 +130,11 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                                        arg=key0, timeout=30_000)
                 dt = time.perf_counter() - t0
                 assert ppl.inner_text() == ppl0
+                _wait_plotted(page, json.loads((runs / f"{key0}.json").read_text())["result"]["steps"]["entropy_bits"])
                 assert "run store" in page.locator(".kvlab-readouts").inner_text()
                 print(f"\nbrowser: stored τ position redrawn {1000 * dt:.0f} ms after the edit "
                       f"(Enter -> new run key on the page); page status: {page.locator('.kvlab-status').inner_text()}")
-                _type_slider(page, readout, f"{tau1:.2f}")   # leave the page on the new run for the picture
-                page.wait_for_function("k => document.querySelector('.kvlab-run-key').innerText === k",
-                                       arg=key1, timeout=30_000)
-                page.wait_for_timeout(500)
+                page.wait_for_timeout(500)                 # the picture: τ at its calibrated p90
                 SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
 
@@ -138,12 +145,29 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 info = page.locator(".kvlab-step-info")
                 info.filter(has_text="top-5 candidates").wait_for(timeout=60_000)
                 assert "step 1/" in info.inner_text().replace("\n", " ")
+                page.wait_for_function("() => { " + PLOT_JS + " const g = _plot(1);"
+                                       " return g && g.data[0].z && g.data[0].z[0].length > 0; }", timeout=30_000)
             finally:
                 browser.close()
     finally:
         _stop(proc)
         log.close()
     assert proc.poll() is not None
+
+
+def _wait_plotted(page, entropy, timeout: float = 30.0) -> None:
+    """Wait until the entropy trace in the browser ("this run", trace 1) holds ``entropy``."""
+    js = ("() => { const g = _plot(0);"
+          " return g && g.data && g.data[1].y ? Array.from(g.data[1].y) : null; }")
+    js = js.replace("() => {", "() => { " + PLOT_JS, 1)
+    end = time.monotonic() + timeout
+    got = None
+    while time.monotonic() < end:
+        got = page.evaluate(js)
+        if got is not None and got == pytest.approx(entropy):
+            return
+        page.wait_for_timeout(200)
+    raise AssertionError(f"the entropy plot did not redraw: {got} != {entropy}")
 
 
 def _type_slider(page, readout, value: str) -> float:
@@ -163,20 +187,3 @@ def _key_for(runs: Path, tau: float) -> str:
             if (json.loads(p.read_text())["config"]["decode"].get("refresh") or {}).get("tau_bits") == tau]
     assert len(keys) == 1, f"expected one stored run with tau_bits={tau}, found {keys}"
     return keys[0]
-
-
-def _median_tau(runs: Path, key: str, tau0: float, step: float = 0.25) -> float:
-    """A τ on the slider's grid near the median student entropy of ``key``'s stored baseline, not ``tau0``."""
-    import statistics
-
-    shown = json.loads((runs / f"{key}.json").read_text())
-    base = [json.loads(p.read_text()) for p in runs.glob("*.json")]
-    base = [b for b in base if b["config"]["prompt"] == shown["config"]["prompt"]
-            and b["config"]["decode"]["refresh"] is None and b["config"]["decode"]["max_new_tokens"]
-            == shown["config"]["decode"]["max_new_tokens"] and b["config"]["decode"]["sampling"]
-            == shown["config"]["decode"]["sampling"]]
-    assert base, "the baseline run is not in the store"
-    steps = base[0]["result"]["steps"]
-    ent = [e for e, s in zip(steps["entropy_bits"], steps["source"]) if s == "student"]
-    tau = round(round(statistics.median(ent) / step) * step, 6)
-    return tau if tau != tau0 else tau + step

@@ -31,6 +31,31 @@ _SLIDER_PARAMS = ("T", "W", "tau_bits", "M", "kappa", "k", "mc_threshold", "mc_e
 PLOT_THROTTLE_S = 0.15
 
 
+def _kernel_loop():
+    """The running kernel's IO loop (None outside a kernel, e.g. in tests)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    return getattr(getattr(ip, "kernel", None), "io_loop", None)
+
+
+def on_kernel_loop(fn, *args) -> None:
+    """Run ``fn(*args)`` on the kernel's loop, after the message being handled.
+
+    plotly's FigureWidget sends each update as a trait set to a value and at once back to None. In a
+    minimal Voilà page (chromium), updates made inside a button callback, or from a thread while that
+    callback ran, never reached the plot; the same updates deferred to the kernel loop always did.
+    So every figure update goes through here. Without a kernel (tests, scripts) ``fn`` runs at once.
+    """
+    loop = _kernel_loop()
+    if loop is None:
+        fn(*args)
+    else:
+        loop.add_callback(fn, *args)
+
+
 def _esc(s: str) -> str:
     return html.escape(s).replace("\n", "↵<br>")
 
@@ -122,13 +147,16 @@ class PlaygroundView:
         self.budget_row = self._control("budget", self._slider("budget"))
         rows.append(self.budget_row)
         # precompute a slider's whole range
-        self.pre_param = W.Dropdown(options=[], description="precompute", style=_STYLE, layout=W.Layout(width="260px"))
-        self.pre_button = W.Button(description="run whole range", layout=W.Layout(width="136px"))
+        self.pre_param = W.Dropdown(options=[], description="precompute", style=_STYLE, layout=W.Layout(width="220px"))
+        self.pre_button = W.Button(description="whole range", layout=W.Layout(width="110px"))
         self.pre_button.add_class("kvlab-precompute")
         self.pre_button.on_click(self._precompute)
+        self.pre_stop = W.Button(description="stop", layout=W.Layout(width="60px"), tooltip="stop precomputing / the live run")
+        self.pre_stop.on_click(lambda _: self.pg.cancel())
         self.pre_bar = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="400px"))
         self.pre_msg = W.HTML("")
-        rows += [W.HTML("<hr style='margin:6px 0'>"), W.HBox([self.pre_param, self.pre_button]), self.pre_bar, self.pre_msg]
+        rows += [W.HTML("<hr style='margin:6px 0'>"), W.HBox([self.pre_param, self.pre_button, self.pre_stop]),
+                 self.pre_bar, self.pre_msg]
         self.left = W.VBox(rows, layout=W.Layout(width="430px", min_width="430px"))
         self.controls["prompt"].add_class("kvlab-prompt-text")
 
@@ -222,6 +250,7 @@ class PlaygroundView:
             # a FigureWidget's front-end misses updates made before it is displayed: start from the data
             self._plot(fig, self.pg.shown)
         self.fig = go.FigureWidget(fig)
+        self.fig.add_class("kvlab-fig")
         self.text = W.HTML("")
         self.text.add_class("kvlab-text")
         legend = (f"<small><span style='background:{TEACHER}33'>teacher-written entry (refreshed)</span> · "
@@ -250,7 +279,7 @@ class PlaygroundView:
                 self._live = {"steps": [], "ent": [], "len": [], "ref": []}
                 self.progress.max, self.progress.value = payload.N, 0
                 self.progress_msg.value = "decoding…"
-                self._draw_live(force=True, positions=(), writers=(), settings=payload)
+                on_kernel_loop(self._draw_live, True, (), (), payload)
             elif event == "point":
                 self._point(payload)
             elif event == "progress":
@@ -282,12 +311,13 @@ class PlaygroundView:
         self.progress_msg.value = f"{p.step}/{p.total} tokens · {fmt(p.tps, '.1f')} tok/s"
         now = time.perf_counter()
         if now - self._last_draw >= PLOT_THROTTLE_S or p.step == p.total:
-            self._draw_live(positions=p.positions, writers=p.writers)
+            self._last_draw = now
+            on_kernel_loop(self._draw_live, False, p.positions, p.writers)
 
     def _draw_live(self, force=False, positions=(), writers=(), settings=None) -> None:
-        L = self._live
+        L = {k: list(v) for k, v in self._live.items()}
         d = self.fig.data
-        with self.fig.batch_update():
+        with self._lock, self.fig.batch_update():
             d[1].x, d[1].y = L["steps"], L["ent"]
             d[2].x, d[2].y = [r[0] for r in L["ref"]], [r[1] for r in L["ref"]]
             d[5].x, d[5].y = L["steps"], L["len"]
@@ -297,7 +327,6 @@ class PlaygroundView:
                 d[6].x = list(positions)
                 d[6].z = [[1 if w == "teacher" else 0 for w in writers]]
                 d[6].text = [[w for w in writers]]
-        self._last_draw = time.perf_counter()
 
     def _tau_line(self, s, fig=None) -> None:
         d = (fig if fig is not None else self.fig).data
@@ -307,13 +336,16 @@ class PlaygroundView:
             d[3].x, d[3].y, d[3].visible = [], [], False
 
     def _render(self, sh: Shown) -> None:
-        with self.fig.batch_update():
-            self._plot(self.fig, sh)
+        on_kernel_loop(self._plot_now, sh)
         self.table.value = self._table_html(sh)
         self.text.value = self._text_html(sh)
         if sh.source == "live":
             self.progress.value = self.progress.max
         self.progress_msg.value = f"{'decoded now' if sh.source == 'live' else 'from the run store'}"
+
+    def _plot_now(self, sh: Shown) -> None:
+        with self._lock, self.fig.batch_update():
+            self._plot(self.fig, sh)
 
     def _plot(self, fig, sh: Shown) -> None:
         r, b = sh.result, sh.base
@@ -399,6 +431,7 @@ class PlaygroundView:
         fig.update_yaxes(showticklabels=False)
         fig.update_xaxes(title_text="cache slot", title_standoff=2)
         self.step_fig = go.FigureWidget(fig)
+        self.step_fig.add_class("kvlab-step-fig")
         self.step_text = W.HTML("")
         self.step_box = W.VBox([W.HBox(list(b.values())), self.step_msg, self.step_info, self.step_fig, self.step_text])
 
@@ -423,9 +456,13 @@ class PlaygroundView:
                                f"{_esc(s.prompt[:80])}</small>")
         self.step_info.value = ""
         self.step_text.value = ""
-        with self.step_fig.batch_update():
-            self.step_fig.data[0].x, self.step_fig.data[0].z = [], [[]]
+        on_kernel_loop(self._draw_map, [], [[]], [[]])
         return True
+
+    def _draw_map(self, x, z, text) -> None:
+        with self.step_fig.batch_update():
+            d = self.step_fig.data[0]
+            d.x, d.z, d.text = x, z, text
 
     def _step_once(self):
         if self._step_thread is not None and self._step_thread.is_alive():
@@ -475,11 +512,8 @@ class PlaygroundView:
             f"token <b style='font-family:monospace'>{_esc(repr(v.token))}</b> from the {v.source}<br>"
             f"entropy <b>{v.entropy_bits:.3f}</b> bits · p(top1) {rec.top1_prob:.3f}<br>cache length <b>{v.cache_len}</b> "
             f"(prompt {v.prompt_len}) · {fired}</div><table style='font-size:12px'><tr><th colspan=3>top-5 candidates</th></tr>{bars}</table></div>")
-        with self.step_fig.batch_update():
-            d = self.step_fig.data[0]
-            d.x = list(range(len(v.live)))
-            d.z = [[1 if sl.writer == "teacher" else 0 for sl in v.live]]
-            d.text = [[f"pos {sl.position} · {sl.writer} · {sl.token!r}" for sl in v.live]]
+        on_kernel_loop(self._draw_map, list(range(len(v.live))), [[1 if sl.writer == "teacher" else 0 for sl in v.live]],
+                       [[f"pos {sl.position} · {sl.writer} · {sl.token!r}" for sl in v.live]])
         teacher_pos = {sl.position for sl in v.live if sl.writer == "teacher"}
         toks = [h.token for h in self.stepper.history]
         parts = []
