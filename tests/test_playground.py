@@ -323,6 +323,8 @@ def test_view_slider_redraws_readout_with_the_stored_value(pg, tiny_student):
     assert v._step_reset()
     v._step_once()
     assert "step <b>1</b>" in v.step_info.value and "top-5" in v.step_info.value
+    slots = v.stepper.history[-1].live
+    assert v.step_map.value.count("class='kvlab-slot ") == len(slots) > 0
 
 
 # ------------------------------------------------------------------ eviction (kvlab.eviction)

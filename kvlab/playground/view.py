@@ -185,8 +185,9 @@ class PlaygroundView:
         for row in self.sample_rows:
             row.layout.display = "" if s.sampling == "sample" else "none"
         self.budget_row.layout.display = "" if s.evict != NO_EVICTION else "none"
-        opts = [p for p in _SLIDER_PARAMS if p in used or (p in ("temperature", "top_p") and s.sampling == "sample")
-                or (p == "budget" and s.evict != NO_EVICTION)]
+        opts = [p for p in POLICY_PARAMS.get(s.policy, ()) if p in _SLIDER_PARAMS and p != "W"]   # the policy's own first
+        opts += [p for p in _SLIDER_PARAMS if p not in opts and (p in used or (p in ("temperature", "top_p") and s.sampling == "sample")
+                 or (p == "budget" and s.evict != NO_EVICTION))]
         if list(self.pre_param.options) != opts:
             keep = self.pre_param.value
             self.pre_param.options = opts
@@ -424,16 +425,13 @@ class PlaygroundView:
         self.step_msg = W.HTML("<i>Reset builds one decoding from the Explore tab's controls; Step decodes one token.</i>")
         self.step_info = W.HTML("")
         self.step_info.add_class("kvlab-step-info")
-        fig = go.Figure(go.Heatmap(z=[[]], zmin=0, zmax=1, colorscale=_WRITER_SCALE, showscale=False,
-                                   hovertemplate="slot %{x}<br>%{text}<extra></extra>"))
-        fig.update_layout(height=150, width=1100, margin=dict(l=30, r=10, t=30, b=35), template="plotly_white",
-                          title=dict(text="live map: writer of every cache slot (green teacher, orange student)", font=dict(size=12)))
-        fig.update_yaxes(showticklabels=False)
-        fig.update_xaxes(title_text="cache slot", title_standoff=2)
-        self.step_fig = go.FigureWidget(fig)
-        self.step_fig.add_class("kvlab-step-fig")
+        # The live map is HTML, not a second FigureWidget: plotly's widget bundle keeps one figure
+        # model per page module (its factory shares a variable), and in chromium a second FigureWidget's
+        # updates did not show (measured); the Explore traces stay the page's one FigureWidget.
+        self.step_map = W.HTML("")
+        self.step_map.add_class("kvlab-step-map")
         self.step_text = W.HTML("")
-        self.step_box = W.VBox([W.HBox(list(b.values())), self.step_msg, self.step_info, self.step_fig, self.step_text])
+        self.step_box = W.VBox([W.HBox(list(b.values())), self.step_msg, self.step_info, self.step_map, self.step_text])
 
     def _step_reset(self) -> bool:
         if self.stepper is not None:
@@ -456,13 +454,8 @@ class PlaygroundView:
                                f"{_esc(s.prompt[:80])}</small>")
         self.step_info.value = ""
         self.step_text.value = ""
-        on_kernel_loop(self._draw_map, [], [[]], [[]])
+        self.step_map.value = ""
         return True
-
-    def _draw_map(self, x, z, text) -> None:
-        with self.step_fig.batch_update():
-            d = self.step_fig.data[0]
-            d.x, d.z, d.text = x, z, text
 
     def _step_once(self):
         if self._step_thread is not None and self._step_thread.is_alive():
@@ -512,8 +505,7 @@ class PlaygroundView:
             f"token <b style='font-family:monospace'>{_esc(repr(v.token))}</b> from the {v.source}<br>"
             f"entropy <b>{v.entropy_bits:.3f}</b> bits · p(top1) {rec.top1_prob:.3f}<br>cache length <b>{v.cache_len}</b> "
             f"(prompt {v.prompt_len}) · {fired}</div><table style='font-size:12px'><tr><th colspan=3>top-5 candidates</th></tr>{bars}</table></div>")
-        on_kernel_loop(self._draw_map, list(range(len(v.live))), [[1 if sl.writer == "teacher" else 0 for sl in v.live]],
-                       [[f"pos {sl.position} · {sl.writer} · {sl.token!r}" for sl in v.live]])
+        self.step_map.value = live_map_html(v.live, v.prompt_len)
         teacher_pos = {sl.position for sl in v.live if sl.writer == "teacher"}
         toks = [h.token for h in self.stepper.history]
         parts = []
@@ -524,6 +516,26 @@ class PlaygroundView:
         self.step_text.value = f"<div style='font-size:13px;line-height:1.5'>{''.join(parts)}</div>"
         if v.done:
             self.step_msg.value = "<small>the run is over: Reset to start again</small>"
+
+
+def live_map_html(live, prompt_len: int) -> str:
+    """One cell per cache slot, coloured by writer (green teacher, orange student); the tooltip gives the
+    slot's position, writer and token; a gap in positions (evicted entries) gets a thin grey bar."""
+    cells, prev = [], None
+    for i, sl in enumerate(live):
+        if prev is not None and sl.position != prev + 1:
+            cells.append("<span style='display:inline-block;width:3px;height:22px;background:#bbb;margin:0 1px'></span>")
+        color = TEACHER if sl.writer == "teacher" else STUDENT
+        border = "border-left:2px solid #000;" if sl.position == prompt_len else ""
+        tip = html.escape(f"slot {i} · position {sl.position} · {sl.writer} · {sl.token!r}", quote=True)
+        cells.append(f"<span class='kvlab-slot kvlab-slot-{sl.writer}' title='{tip}' style='display:inline-block;"
+                     f"width:6px;height:22px;background:{color};{border}'></span>")
+        prev = sl.position
+    n_t = sum(1 for sl in live if sl.writer == "teacher")
+    return (f"<div style='font-size:12px;margin:4px 0'>live map: {len(live)} slots — <span style='color:{TEACHER}'>"
+            f"■ teacher {n_t}</span> · <span style='color:{STUDENT}'>■ student {len(live) - n_t}</span> "
+            f"(black edge: first generated position; grey bar: evicted positions; hover a cell)</div>"
+            f"<div style='line-height:0;max-width:1150px'>{''.join(cells)}</div>")
 
 
 def show(pg: Playground) -> W.Widget:
