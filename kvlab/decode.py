@@ -560,6 +560,7 @@ class Trace:
     """``(N, V)``: row ``t`` is ``log_softmax`` of the logits step ``t`` chose from — the model's own
     next-token distribution ``q_t``, *untempered and not top-p truncated* (sampling applies
     temperature and the nucleus on top of it). ``None`` unless run with ``keep_dists=True``."""
+    live: dict | None = None   # the decoding cache at the end: {"positions": [...], "writers": [...]} per slot
 
     @property
     def dists(self) -> torch.Tensor | None:
@@ -580,11 +581,21 @@ class Trace:
         return pd.DataFrame([asdict(r) for r in self.records])
 
 
-def run(teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides) -> Trace:
-    """Drain a :class:`Decoding` into a :class:`Trace`."""
+def run(teacher, student, prompt: str, config: DecodeConfig | None = None, *, on_step=None, **overrides) -> Trace:
+    """Drain a :class:`Decoding` into a :class:`Trace`.
+
+    ``on_step(record, decoding)``, if given, is called after every step (e.g. to stream points into a
+    plot); an exception it raises (a cancellation) propagates and no Trace is returned.
+    """
     d = Decoding(teacher, student, prompt, config, **overrides)
-    records = list(d)
+    records = []
+    for rec in d:
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec, d)
     dists = torch.stack(d.dists) if d.dists else None
+    live = {"positions": list(d.cache.positions), "writers": list(d.cache.writers)} if d.cache is not None else None
     return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
-                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists)
+                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists,
+                 live=live)

@@ -63,7 +63,12 @@ def records_columns(records) -> dict:
 
 
 def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore, **run_kwargs) -> dict:
-    """One stored, scored generation (computed only if the store lacks it)."""
+    """One stored, scored generation (computed only if the store lacks it).
+
+    ``run_kwargs`` go to :func:`kvlab.decode.run` (e.g. ``on_step=`` to stream records; if it raises,
+    e.g. to cancel, nothing is stored). The result also holds ``live``: the final cache's
+    positions and writers per slot (the provenance strip).
+    """
     cfg = replace(cfg, keep_dists=True)
 
     def compute() -> dict:
@@ -72,6 +77,7 @@ def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore
         result.update(run_costs(trace.records))
         result["text"] = trace.text
         result["steps"] = records_columns(trace.records)
+        result["live"] = trace.live
         return result
 
     return store.get_or_run(run_config(teacher, student, prompt, cfg), compute)
