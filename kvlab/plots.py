@@ -86,9 +86,10 @@ REFRESH_COLORS = {"none": "#7570b3", "periodic": "#1b9e77", "entropy": "#d95f02"
 NEXT_MARKERS = {"teacher": "s", "student": "^"}
 
 
-def place_labels(ax, xy_px, labels, fontsize: float, dpi: float, pad: float = 2.0) -> list[tuple[float, float]]:
+def place_labels(ax, xy_px, labels, fontsize: float, dpi: float, pad: float = 2.0,
+                 marker_px: float = 5.0) -> list[tuple[float, float]]:
     """Offsets (points) for ``labels`` at pixel positions ``xy_px`` so that no two label boxes
-    overlap and no box covers a point, when a free spot exists among 16 candidates around each
+    overlap and no box covers a marker, when a free spot exists among 16 candidates around each
     point (greedy, in order). Returns one ``(dx, dy)`` in points per label."""
     scale = dpi / 72.0
     w_char, h = 0.62 * fontsize * scale, 1.15 * fontsize * scale
@@ -106,8 +107,10 @@ def place_labels(ax, xy_px, labels, fontsize: float, dpi: float, pad: float = 2.
     def clear(b, own):
         if any(b[0] < o[2] and o[0] < b[2] and b[1] < o[3] and o[1] < b[3] for o in boxes):
             return False
-        others = np.delete(pts, own, axis=0)
-        return not np.any((others[:, 0] > b[0]) & (others[:, 0] < b[2]) & (others[:, 1] > b[1]) & (others[:, 1] < b[3]))
+        others = np.delete(pts, own, axis=0)   # every other marker, as a box of ± marker radius
+        r = marker_px
+        return not np.any((others[:, 0] + r > b[0]) & (others[:, 0] - r < b[2]) & (others[:, 1] + r > b[1])
+                          & (others[:, 1] - r < b[3]))
 
     for i, ((x, y), lab) in enumerate(zip(pts, labels)):
         choice = next((c for c in cands if clear(box(x, y, lab, *c), i)), cands[0])
@@ -249,7 +252,12 @@ def _draw_provenance(ax, matrix, prompt_len: int, every: int = 1):
     ax.imshow(np.asarray(matrix) + 1, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
               extent=(-0.5, matrix.shape[1] - 0.5, matrix.shape[0] * every + 0.5, 0.5))
     ax.axvline(prompt_len - 0.5, color="k", lw=0.8, ls=":")
-    ax.set_xlabel("cache slot (prompt | generated)")
+    shown = max(8, (matrix.shape[1] - prompt_len) // 4)          # the prompt's tail: the generated part stays readable
+    if prompt_len > shown:
+        ax.set_xlim(prompt_len - shown - 0.5, matrix.shape[1] - 0.5)
+        ax.set_xlabel(f"cache slot (… last {shown} of {prompt_len} prompt slots | generated)")
+    else:
+        ax.set_xlabel("cache slot (prompt | generated)")
     ax.set_ylabel("after step t")
 
 

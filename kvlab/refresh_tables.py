@@ -168,25 +168,22 @@ def paired_timing(teacher, student, spec: RunSpec, cfgs: dict[str, DecodeConfig]
     def cfg_for(name, i):
         return replace(cfgs[name], max_new_tokens=spec.tokens, sampling=spec.sampling_for(i), keep_dists=False)
 
+    from tqdm.auto import tqdm
+
     run(teacher, student, spec.prompts[0], cfg_for(base, 0))   # warm-up (first-call costs)
-    rows, k = [], 0
-    total = repeats * n * len(cfgs)
-    for r in range(repeats):
-        for i in range(n):
-            for j, name in enumerate(cfgs):
-                k += 1
-                if progress:
-                    print(f"timing: pair {k}/{total} ({base} vs {name}, prompt {i}, repeat {r + 1})", flush=True)
-                order = [("ref", base), ("pol", name)]
-                if (r + i + j) % 2:
-                    order.reverse()
-                traces = {role: run(teacher, student, spec.prompts[i], cfg_for(nm, i)) for role, nm in order}
-                pol, ref = traces["pol"], traces["ref"]
-                costs = run_costs(pol.records)
-                rows.append({"policy": name, "prompt_idx": i, "repeat": r, "first": order[0][0],
-                             "total_s": pol.total_s, "ref_total_s": ref.total_s, "ratio": pol.total_s / ref.total_s,
-                             "tokens": len(pol.records), "refreshes": costs["refreshes"],
-                             "teacher_s": costs["teacher_s"], "teacher_pct": costs["teacher_pct"]})
+    rows = []
+    jobs = [(r, i, j, name) for r in range(repeats) for i in range(n) for j, name in enumerate(cfgs)]
+    for r, i, j, name in tqdm(jobs, disable=not progress, desc=f"timing {base} vs policy", unit="pair"):
+        order = [("ref", base), ("pol", name)]
+        if (r + i + j) % 2:
+            order.reverse()
+        traces = {role: run(teacher, student, spec.prompts[i], cfg_for(nm, i)) for role, nm in order}
+        pol, ref = traces["pol"], traces["ref"]
+        costs = run_costs(pol.records)
+        rows.append({"policy": name, "prompt_idx": i, "repeat": r, "first": order[0][0],
+                     "total_s": pol.total_s, "ref_total_s": ref.total_s, "ratio": pol.total_s / ref.total_s,
+                     "tokens": len(pol.records), "refreshes": costs["refreshes"],
+                     "teacher_s": costs["teacher_s"], "teacher_pct": costs["teacher_pct"]})
     return pd.DataFrame(rows)
 
 
@@ -242,6 +239,9 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
             "refresh_calibration": pd.DataFrame([{"n_steps": len(cal.entropy), **{f"entropy_p{p:g}": cal.tau(p) for p in ENTROPY_PCTS},
                                                   "entropy_budget": cal.tau_budget(), f"kl_p{KL_PCT:g}": cal.kappa(KL_PCT)}])}
     if timing_repeats:
+        if progress:
+            print(f"timing: every policy vs no refresh, back to back, {min(timing_prompts, len(spec.prompts))} "
+                  f"prompt(s) × {timing_repeats} repeat(s)", flush=True)
         timing = paired_timing(teacher, student, spec, cfgs, prompts=timing_prompts, repeats=timing_repeats,
                                progress=progress)
         tables["refresh_timing"] = overhead_table(timing)
@@ -257,10 +257,18 @@ def _max_delta(teacher, student, spec, cfg, i, store) -> int:
                default=0)
 
 
+CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody reads as Markdown
+
+
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
     paths = []
     for name, df in tables.items():
+        if name in CSV_ONLY:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            df.to_csv(Path(out) / f"{name}.csv", index=False)
+            paths.append(Path(out) / f"{name}.csv")
+            continue
         paths += write_table(df.round(4), out, name)
         if name.endswith("_timing") and len(df):
             md = Path(out) / f"{name}.md"
