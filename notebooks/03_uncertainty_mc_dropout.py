@@ -42,10 +42,10 @@ REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 
 # %% [markdown]
 # ## Part 1 — the blog's simulation
-# 400 steps, 16 simulated passes over a 5000-word vocabulary, four phases: confident, epistemic
-# drift (passes disagree *and* the distribution is flat), post-refresh confident, aleatoric
-# ambiguity (flat distribution, passes agree). Both gates probe every 16 steps with a 32-step
-# refractory gap; thresholds are the 90th (entropy) and 70th (MC variance) percentiles.
+# Four phases: confident, epistemic drift (passes disagree *and* the distribution is flat),
+# post-refresh confident, aleatoric ambiguity (flat distribution, passes agree). Both gates probe
+# at a fixed interval with a refractory gap; thresholds are percentiles of each signal. The
+# blog's settings (`mcsim.SimConfig` defaults) are printed with the result.
 
 # %%
 from IPython.display import Markdown, display
@@ -53,6 +53,10 @@ from IPython.display import Markdown, display
 from kvlab import mcsim
 
 sim = mcsim.simulate()
+cfg = sim.config
+display(Markdown(f"{cfg.T} steps, {cfg.N} simulated passes over a {cfg.D}-word vocabulary; the gates probe every "
+                 f"{cfg.probe_M} steps with a {cfg.refractory}-step refractory gap; thresholds: the "
+                 f"{cfg.entropy_pct:g}th (entropy) and {cfg.mcvar_pct:g}th (MC variance) percentiles."))
 print(mcsim.format_summary(sim))
 
 # %%
