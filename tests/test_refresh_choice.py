@@ -87,3 +87,33 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
     assert cli.main(["baselines", "--prompts", "1", "--tokens", "4", "--rebuild-student-cache",
                      "--out", str(tmp_path / "o"), "--runs", str(tmp_path / "r")]) == 2
     assert seen == {"teacher": False, "overfill": True, "student": False}
+
+
+@pytest.mark.parametrize("policy, kw, nxt", [("entropy", {"tau_percentile": 50.0}, None),
+                                             ("periodic", {"T": 4, "W": 2}, "teacher"),
+                                             ("mc", {"threshold": 0.0, "probe_every": 4, "refractory": 2,
+                                                     "passes": 2}, None)])
+def test_single_policy_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path, policy, kw, nxt):
+    from kvlab.decode import Sampling
+    from kvlab.experiment import RunSpec
+    from kvlab.refresh_choice import single_policy_tables
+    from kvlab.refresh_tables import write_refresh
+    from kvlab.store import RunStore
+
+    samp = Sampling(0.7, 0.9, 0)
+    spec = RunSpec(prompts=("hello there", "a b c d"), tokens=12, sampling=samp)
+    calib = RunSpec(prompts=("calib one",), tokens=12, sampling=samp)
+    choice = policy_choice(policy, nxt, **kw)
+    tabs = single_policy_tables(tiny_teacher, tiny_student, spec, RunStore(tmp_path / "runs"), calib, choice,
+                                progress=False, timing_prompts=1, timing_repeats=2)
+    q = tabs[f"refresh_{choice.label}"].set_index("policy")
+    assert list(q.index) == ["none", choice.label]
+    assert q.loc[choice.label, "refreshes"] > 0                     # the chosen policy really ran
+    assert {"d_kl", "d_kl_lo", "d_kl_hi"} <= set(q.columns)
+    if policy == "entropy":
+        assert q.loc[choice.label, "tau_bits"] >= 0                # calibrated from the percentile
+    t = tabs[f"refresh_{choice.label}_timing"].set_index("policy")
+    assert list(t.index) == ["none", choice.label] and (t["pairs"] == 2).all()
+    paths = write_refresh(tabs, tmp_path)
+    assert (tmp_path / f"refresh_{choice.label}_timing.md").read_text().startswith("Overhead % = median")
+    assert all(p.is_file() for p in paths)
