@@ -70,13 +70,14 @@ def fires_by_phase(fires):
     return ", ".join(f"{t} ({mcsim.PHASE_LABELS[phase_of[t]]})" for t in fires) or "none"
 
 
-quiet = sim.time_series["phase"].isin(["conf", "post"]).mean()
+outside = (sim.time_series["phase"] != "drift").mean()
+in_drift = [t for t in sim.fires_mcvar if phase_of[t] == "drift"]
 display(Markdown(
     f"Entropy cannot tell the phases apart: drift and ambiguity are both flat. Its fires: "
-    f"{fires_by_phase(sim.fires_entropy)}; a refresh cannot help in the aleatoric phase. MC variance fires at "
-    f"{fires_by_phase(sim.fires_mcvar)}: it tracks the drift and stays quiet while the model is "
-    f"\"confidently uncertain\". A fire outside the drift is an artefact of the percentile threshold: "
-    f"{quiet:.0%} of the steps are in the two confident phases, whose variance sits around τ, so noise crosses it."))
+    f"{fires_by_phase(sim.fires_entropy)}. MC variance fires at {fires_by_phase(sim.fires_mcvar)}: "
+    f"{len(in_drift)} of its {len(sim.fires_mcvar)} fires fall in the epistemic drift, where a refresh can help. "
+    f"A fire outside the drift is an artefact of the percentile threshold: {outside:.0%} of the steps lie outside "
+    f"the drift, so the {sim.config.mcvar_pct:g}th percentile puts τ among their variances and noise crosses it."))
 
 # %%
 sim.phase_summary.round(4)
@@ -180,9 +181,9 @@ mc.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (
                                        "dashed = gate fires")
 
 # %% [markdown]
-# **Reading.** On this student the seed's $U(t)$ is not the clean epistemic signal the
-# simulation suggests: it does not follow the student's uncertainty, so a $U$-gate's fires are
-# unrelated to where the student is unsure. MI and the flip rate are the better-behaved MC
-# signals. Whether they fire *where refreshing helps* (lower KL to the teacher afterwards) is a
+# **Reading.** Compare the correlations measured above with the simulation: there $U(t)$ separates
+# epistemic drift from aleatoric ambiguity by construction; on a real student it is only useful if
+# it moves with where the student is unsure (the `r_u` column; `make figures` measures it at three
+# dropout rates in `figures/mc_real_correlations.md`). Whether a signal fires *where refreshing helps* (lower KL to the teacher afterwards) is a
 # question for the refresh loop: with `PROBES["mc"]` wired in, `MCGate` can be compared with the
 # entropy gate at equal cost (its N extra student passes per probe are counted).
