@@ -16,8 +16,8 @@ POLICIES = {
     "student": DecodeConfig(mode="student"),
 }
 # Quality columns: deterministic for fixed seeds on one machine (tracked in figures/).
-COLUMNS = ["policy", "tokens", "teacher_ppl", "kl", "repeat3", "tail_logprob", "chars", "teacher_ppl_std", "kl_std",
-           "repeat3_std", "n_prompts"]
+COLUMNS = ["policy", "tokens", "teacher_ppl", "kl", "kl_all", "repeat3", "tail_logprob", "chars", "teacher_ppl_std",
+           "kl_std", "repeat3_std", "n_prompts"]
 # Timing columns: machine- and load-dependent, written to baselines_timing (not tracked).
 TIMING_COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "total_s_std", "n_prompts"]
 TIME_RUN_COLUMNS = ["ttft_s", "tps", "total_s", "e2e_tps"]

@@ -22,26 +22,32 @@ Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is
    last refresh, or a probe that caught it up). It prefills only ``Δ = y_{s+1..t}`` — which
    includes ``y_t`` — and now holds ``x, y_≤t``; its last logits are ``p_T(· | x, y_≤t)``.
    Teacher tokens of the refresh = ``|Δ|``.
-2. **Rewritten positions.** ``k = min(W, t - t_prev)`` where ``t_prev`` is the previous refresh
-   step (0 at the start): the positions ``P = L+t-k .. L+t-1`` of ``y_{t-k+1} .. y_t`` — the
-   entries the student wrote since the last refresh, capped by the window.
+2. **Rewritten positions.** The loop keeps a *frontier* ``f``: every generated entry ``y_≤f``
+   of the student cache has been offered to a refresh already, the entries ``y_{f+1..}`` are the
+   student's since then (``f = 0`` at the start, so OverFill's ``y_1`` — written by the student at
+   step 2 — is included). A refresh rewrites the stale entries ``y_{f+1..e}``, capped to their last
+   ``W`` (``window``), where ``e`` is the newest entry the student cache holds or receives in the
+   refresh: ``e = t`` for ``"teacher"``/``"student"``, ``e = t - 1`` for ``"rerun"`` (``y_t``'s
+   entry is written by the student's next step). Then ``f = e``. So with an unbounded window every
+   generated entry up to ``e`` is teacher-written after a refresh (seed 000: ``C_t ←
+   Prefill_T([x; y≤t])``), and the entry ``"rerun"`` leaves to the student at one refresh is
+   rewritten at the next (a refresh at every step, ``k = 1``, rewrites ``y_{t-1}``).
 3. **Splice + next token**, by ``DecodeConfig.refresh_next``. Because the student cache lags by
    one entry (it holds ``x, y_<t`` when ``y_t`` is emitted), the three variants differ on ``y_t``:
 
-   * ``"teacher"`` — the student cache gets the teacher's entries at ``P`` (``splice_positions``
-     for ``y_{t-k+1..t-1}``, ``append_from`` for ``y_t``) and ``y_{t+1}`` is drawn from the
-     teacher's delta-prefill logits (free). The student skips its forward on ``y_t``.
+   * ``"teacher"`` — the student cache gets the teacher's entries (``splice_positions`` for the
+     stale ``y_{..t-1}``, ``append_from`` for ``y_t``) and ``y_{t+1}`` is drawn from the teacher's
+     delta-prefill logits (free). The student skips its forward on ``y_t``.
    * ``"student"`` — the student runs its ordinary step on ``y_t`` first (over the unrefreshed
-     cache), then ``splice_last(teacher_cache, k)`` rewrites all of ``P``; ``y_{t+1}`` is drawn
-     from those (pre-refresh) student logits.
-   * ``"rerun"`` (default; the blog's loop with its off-by-one fixed) — the teacher's entries are
-     spliced at ``P`` minus ``y_t``'s position; the student's next step runs on ``y_t`` over the
-     refreshed prefix, so ``y_t``'s entry is the student's and ``y_{t+1}`` comes from fresh
-     student logits. (Identical to splicing all of ``P`` and re-running the student on ``y_t``,
-     without the discarded pass.) ``k - 1`` entries are rewritten.
+     cache), then the stale entries ``y_{f+1..t}`` are spliced; ``y_{t+1}`` is drawn from those
+     (pre-refresh) student logits.
+   * ``"rerun"`` (default; the blog's loop with its off-by-one fixed) — the stale entries
+     ``y_{f+1..t-1}`` are spliced; the student's next step runs on ``y_t`` over the refreshed
+     prefix, so ``y_{t+1}`` comes from fresh student logits. ``y_t``'s student entry is stale and
+     becomes part of the next refresh's span.
 
-   In ``"teacher"`` and ``"student"`` the student cache equals the teacher cache over ``P``
-   entry by entry afterwards, and the ledger says ``writer="teacher"`` there.
+   After a refresh the student cache equals the teacher cache over the rewritten entries, entry by
+   entry, and the ledger says ``writer="teacher"`` there; ``record.spliced`` counts them.
 
 Each record carries the cost: ``teacher_tokens`` (probe + refresh prefill at this step),
 ``probe_tokens``, ``spliced`` (entries rewritten), ``teacher_s``; ``wall_s`` includes them.
@@ -215,7 +221,7 @@ class Decoding:
     All arguments are validated here, before any model work. After (or during) iteration:
     ``cache`` is the decoding cache, ``teacher_cache`` the teacher's own prefix cache (overfill),
     ``tokens`` the generated ids, ``ttft_s`` the time to first token, ``dists`` the kept
-    log-distributions.
+    per-step model log-probs (untempered, not top-p truncated; see ``Trace.model_logprobs``).
     """
 
     def __init__(self, teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides):
@@ -339,6 +345,7 @@ class Decoding:
         source = self.prefill_name
         pending = None       # (logits, source) for the next step, left by a refresh
         last_refresh = first - 1
+        self._frontier = 0   # generated entries y_≤frontier were offered to a refresh (see _refresh)
         for step in range(first, first + cfg.max_new_tokens):
             if step > first:
                 t0 = time.perf_counter()
@@ -370,7 +377,7 @@ class Decoding:
                                   probe_tokens=self._acc["teacher_tokens"],
                                   probe_cost=tuple(sorted((str(k), float(v)) for k, v in res.cost.items())))
                 if step < first + cfg.max_new_tokens - 1 and policy.should_refresh(rec):
-                    spliced, pending = self._refresh(step, last_refresh)
+                    spliced, pending = self._refresh(step)
                     last_refresh = step
                     rec = replace(rec, refreshed=True, spliced=spliced)
             _sync(dev)
@@ -402,25 +409,26 @@ class Decoding:
             self._acc["teacher_tokens"] += n - have
         return self._teacher_logits
 
-    def _refresh(self, t: int, last_refresh: int):
+    def _refresh(self, t: int) -> tuple[int, tuple | None]:
         """Refresh after ``y_t`` (see the module docstring). Returns (entries rewritten, pending)."""
         cfg, cache, tc = self.config, self.cache, self.teacher_cache
         L = len(self.prompt_ids)
         window = getattr(cfg.refresh, "window", None)
-        since = t - last_refresh
-        k = since if window is None else min(window, since)
         t_logits = self._teacher_upto(t)                          # Δ = y_{s+1..t}; teacher holds x, y_≤t
-        span = list(range(L + t - k, L + t))                      # positions of y_{t-k+1} .. y_t
+        end = t - 1 if cfg.refresh_next == "rerun" else t         # newest entry rewritten now
+        first = self._frontier + 1 if window is None else max(self._frontier + 1, end - window + 1)
+        span = list(range(L + first - 1, L + end))                # positions of y_first .. y_end
+        self._frontier = max(self._frontier, end)
         if cfg.refresh_next == "teacher":
             cache.splice_positions(tc, span[:-1])
             cache.append_from(tc, 1)                              # y_t: the entry the student lacked
-            return k, (t_logits, "teacher")
+            return len(span), (t_logits, "teacher")
         if cfg.refresh_next == "student":
             logits = cache.forward(self.student.model, [self.tokens[-1]], writer="student", step=t)
-            cache.splice_last(tc, k)                              # both caches end on y_t now
-            return k, (logits, "student")
-        cache.splice_positions(tc, span[:-1])                     # "rerun": y_t's entry comes next step
-        return k - 1, None
+            cache.splice_positions(tc, span)                      # both caches end on y_t now
+            return len(span), (logits, "student")
+        cache.splice_positions(tc, span)                          # "rerun": y_t's entry comes next step
+        return len(span), None
 
 
 def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: torch.Tensor | None = None,
@@ -454,7 +462,19 @@ class Trace:
     ttft_s: float
     total_s: float
     text: str
-    dists: torch.Tensor | None = None   # (N, V) log-probs of the distributions tokens were drawn from
+    model_logprobs: torch.Tensor | None = None
+    """``(N, V)``: row ``t`` is ``log_softmax`` of the logits step ``t`` chose from — the model's own
+    next-token distribution ``q_t``, *untempered and not top-p truncated* (sampling applies
+    temperature and the nucleus on top of it). ``None`` unless run with ``keep_dists=True``."""
+
+    @property
+    def dists(self) -> torch.Tensor | None:
+        """Deprecated alias of :attr:`model_logprobs` (they are not the sampling distributions)."""
+        import warnings
+
+        warnings.warn("Trace.dists is deprecated: use Trace.model_logprobs (untempered model log-probs)",
+                      DeprecationWarning, stacklevel=2)
+        return self.model_logprobs
 
     @property
     def tokens(self) -> list[int]:
@@ -473,4 +493,4 @@ def run(teacher, student, prompt: str, config: DecodeConfig | None = None, **ove
     dists = torch.stack(d.dists) if d.dists else None
     return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
-                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), dists=dists)
+                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists)

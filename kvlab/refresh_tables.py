@@ -124,7 +124,7 @@ def paired(per_run: pd.DataFrame, base: str = "none", n_boot: int = 2000, seed: 
 def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     """One row per policy: quality means, per-prompt std, paired quality statistics, cost in tokens
     (deterministic for fixed seeds; no timing columns)."""
-    cols = ["teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "probe_tokens", "tokens"]
+    cols = ["teacher_ppl", "kl", "kl_all", "repeat3", "refreshes", "teacher_tokens", "probe_tokens", "tokens"]
     g = per_run.groupby("policy", sort=False)
     s = g[cols].mean()
     for m in ("teacher_ppl", "kl", "repeat3", "refreshes"):
@@ -140,8 +140,8 @@ PERIODIC_COLS = ["policy", "T", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std"
 ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", "teacher_ppl", "teacher_ppl_std",
                 "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "teacher_tokens", "n_prompts"]
 METHODS_COLS = ["policy", "family", "refresh_next", "refreshes", "teacher_tokens", "probe_tokens", "max_delta",
-                "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std",
-                "n_prompts"]
+                "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "kl_all", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3",
+                "repeat3_std", "n_prompts"]
 TIMING_COLS = ["policy", "overhead_pct", "overhead_pct_q25", "overhead_pct_q75", "overhead_pct_min", "overhead_pct_max",
                "pairs", "total_s", "ref_total_s", "tps", "teacher_pct", "refreshes", "tokens", "timing_prompts", "repeats"]
 # Per-run columns that are machine-dependent times (kept out of the tracked quality tables).
@@ -262,6 +262,8 @@ CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody 
 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
+    from .forced import FORCED_NOTE
+
     paths = []
     for name, df in tables.items():
         if name in CSV_ONLY:
@@ -269,7 +271,8 @@ def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
             df.to_csv(Path(out) / f"{name}.csv", index=False)
             paths.append(Path(out) / f"{name}.csv")
             continue
-        paths += write_table(df.round(4), out, name)
+        notes = [FORCED_NOTE] if name == "refresh_forced" else None   # None: the KL captions
+        paths += write_table(df.round(4), out, name, notes=notes)
         if name.endswith("_timing") and len(df):
             md = Path(out) / f"{name}.md"
             md.write_text(timing_note(df) + md.read_text())

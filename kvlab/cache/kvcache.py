@@ -589,12 +589,25 @@ def _no_fault(stage: str) -> None:
 
 
 def _slots_of(cache: KVCache, positions: Sequence[int], name: str) -> list[int]:
-    """Live slots holding each absolute position (ValueError naming the first one missing)."""
+    """Live slots holding each absolute position.
+
+    ValueError naming the first position that no live slot holds, or that several hold: an
+    interior ``insert`` may give new entries positions its right neighbours already have (see
+    :meth:`KVCache.apply`), and then "the entry at position p" is ambiguous — rather than pick one
+    slot silently, position-addressed edits (``splice_positions``, ``append_from``) refuse.
+    """
     pos = cache.ledger.position
-    where = {pos[r]: s for s, r in enumerate(cache.live)}
+    where: dict[int, list[int]] = {}
+    for s, r in enumerate(cache.live):
+        where.setdefault(pos[r], []).append(s)
     out = []
     for p in positions:
-        if p not in where:
+        slots = where.get(p)
+        if not slots:
             raise ValueError(f"{name} holds no entry at position {p}")
-        out.append(where[p])
+        if len(slots) > 1:
+            raise ValueError(f"{name} holds {len(slots)} entries at position {p} (slots {slots}), e.g. after an "
+                             "interior insert reused its right neighbours' positions; a position-addressed edit is "
+                             "ambiguous there — address entries by slot (splice_last) or rebuild the cache")
+        out.append(slots[0])
     return out
