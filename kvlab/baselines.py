@@ -35,8 +35,13 @@ def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool =
     if rebuild_student_cache:
         policies["overfill"] = replace(policies["overfill"], rebuild_student_cache=True)
     per_run = run_policies(teacher, student, spec, policies, store, progress)
-    table = summarize(per_run, order=list(POLICIES))
-    return table[list(dict.fromkeys(COLUMNS + TIMING_COLUMNS))], per_run
+    return baselines_table(per_run), per_run
+
+
+def baselines_table(per_run: pd.DataFrame) -> pd.DataFrame:
+    """The table from per-run rows (``policy`` in teacher/overfill/student, one row per run): quality
+    and timing columns (:func:`write_baselines` writes them to separate files)."""
+    return summarize(per_run, order=list(POLICIES)).reindex(columns=list(dict.fromkeys(COLUMNS + TIMING_COLUMNS)))
 
 
 def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path) -> list[Path]:

@@ -183,10 +183,21 @@ def cmd_refresh(args) -> list[Path]:
 def cmd_figures(args) -> list[Path]:
     from .figures import render_all
 
+    if getattr(args, "from_results", False):
+        from .sweep.command import cmd_figures_from_results
+
+        return cmd_figures_from_results(args)
+
     paths = render_all(args.out)
     for p in paths:
         print(p)
     return paths
+
+
+def cmd_sweep(args):
+    from .sweep.command import cmd_sweep as run
+
+    return run(args)
 
 
 def _mc_real_small(args):
@@ -232,6 +243,10 @@ def cmd_bench(args) -> None:
         lm = load_student(device=args.device, dtype=args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens or 64, n_passes=args.passes, p=args.dropout), indent=1))
+    elif args.what == "sweep":
+        from .sweep.bench import bench_sweep
+
+        print(bench_sweep(tokens=args.tokens or 16, prompts=args.prompts, device=args.device, dtype=args.dtype))
     elif args.what == "refresh":
         from .bench import bench_refresh
         from .models import load_pair
@@ -242,7 +257,7 @@ def cmd_bench(args) -> None:
         print(res.to_string(index=False))
 
 
-BENCHES = ("decode", "refresh", "surgery", "mc")
+BENCHES = ("decode", "refresh", "surgery", "mc", "sweep")
 
 
 POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
@@ -293,7 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_mc_real)
     p = sub.add_parser("figures", help="render every registered figure from the tables in --out")
     p.add_argument("--out", type=Path, default=Path("figures"))
+    p.add_argument("--from-results", action="store_true",
+                   help="first rebuild baselines / refresh tables from the sweep results table")
+    p.add_argument("--results", type=Path, default=None, help="results root (default $KVLAB_RESULTS or <runs>/results)")
+    p.add_argument("--where", default=None, help="pandas query selecting result rows, e.g. 'max_new_tokens == 128'")
+    p.add_argument("--import-runs", action="store_true", help="import the per-run JSON store (--runs) into the results first")
+    p.add_argument("--runs", type=Path, default=None, help="per-run JSON store for --import-runs")
     p.set_defaults(fn=cmd_figures)
+    from .sweep.command import add_sweep_arguments
+
+    p = sub.add_parser("sweep", help="run a grid of configs over prompts (resumable; local, processes or Ray)")
+    add_sweep_arguments(p)
+    p.set_defaults(fn=cmd_sweep)
     p = sub.add_parser("refresh", help="refresh policies: periodic / entropy / methods tables + Pareto figure")
     _common(p)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,

@@ -225,19 +225,11 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
     per_run = run_policies(teacher, student, spec, cfgs, store, progress)
     per_run["max_delta"] = [_max_delta(teacher, student, spec, cfgs[r.policy], r.prompt_idx, store)
                             for r in per_run.itertuples()]
-    allp = summary(per_run, info)
-    allp["max_delta"] = per_run.groupby("policy", sort=False)["max_delta"].max().loc[allp.policy].to_numpy()
-    periodic = allp[allp.family.isin(["none", "periodic"]) & allp.refresh_next.isin(["", "rerun"])]
-    entropy = allp[allp.family.isin(["none", "entropy"])]
-    methods = allp[allp.policy.isin(["none", f"periodic_T{min(periods_for(spec.tokens))}", f"speculative_k{SPEC_K}",
-                                     f"probe_kl_M{PROBE_M}", f"entropy_p{ENTROPY_PCTS[1]:g}"])
-                   | (allp.family == "periodic") & (allp.refresh_next != "rerun")]
-    tables = {"refresh_periodic": periodic.reindex(columns=PERIODIC_COLS),
-              "refresh_entropy": entropy.reindex(columns=ENTROPY_COLS),
-              "refresh_methods": methods.reindex(columns=METHODS_COLS),
-              "refresh_all": allp, "refresh_runs": per_run.drop(columns=[c for c in TIME_COLUMNS if c in per_run]),
-            "refresh_calibration": pd.DataFrame([{"n_steps": len(cal.entropy), **{f"entropy_p{p:g}": cal.tau(p) for p in ENTROPY_PCTS},
-                                                  "entropy_budget": cal.tau_budget(), f"kl_p{KL_PCT:g}": cal.kappa(KL_PCT)}])}
+    tables = tables_from_runs(per_run, info, ["none", f"periodic_T{min(periods_for(spec.tokens))}", f"speculative_k{SPEC_K}",
+                                              f"probe_kl_M{PROBE_M}", f"entropy_p{ENTROPY_PCTS[1]:g}"])
+    tables["refresh_calibration"] = pd.DataFrame([{"n_steps": len(cal.entropy),
+                                                   **{f"entropy_p{p:g}": cal.tau(p) for p in ENTROPY_PCTS},
+                                                   "entropy_budget": cal.tau_budget(), f"kl_p{KL_PCT:g}": cal.kappa(KL_PCT)}])
     if timing_repeats:
         if progress:
             print(f"timing: every policy vs no refresh, back to back, {min(timing_prompts, len(spec.prompts))} "
@@ -247,6 +239,23 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
         tables["refresh_timing"] = overhead_table(timing)
         tables["refresh_timing_runs"] = timing
     return tables
+
+
+def tables_from_runs(per_run: pd.DataFrame, info: pd.DataFrame, methods: list[str] | None = None) -> dict[str, pd.DataFrame]:
+    """The periodic / entropy / methods tables (and ``refresh_all``) from per-run rows (``policy``,
+    ``prompt_idx`` pairing runs across policies, metrics, costs, ``max_delta``) and ``info`` (one row
+    per policy: ``family``, ``refresh_next``, parameters). ``methods``: the policies of the methods
+    table besides the non-rerun periodic ones (None = every policy)."""
+    allp = summary(per_run, info)
+    allp["max_delta"] = per_run.groupby("policy", sort=False)["max_delta"].max().loc[allp.policy].to_numpy()
+    periodic = allp[allp.family.isin(["none", "periodic"]) & allp.refresh_next.isin(["", "rerun"])]
+    entropy = allp[allp.family.isin(["none", "entropy"])]
+    picked = allp.policy.isin(methods) if methods is not None else allp.policy.notna()
+    methods = allp[picked | (allp.family == "periodic") & (allp.refresh_next != "rerun")]
+    return {"refresh_periodic": periodic.reindex(columns=PERIODIC_COLS),
+            "refresh_entropy": entropy.reindex(columns=ENTROPY_COLS),
+            "refresh_methods": methods.reindex(columns=METHODS_COLS),
+            "refresh_all": allp, "refresh_runs": per_run.drop(columns=[c for c in TIME_COLUMNS if c in per_run])}
 
 
 def _max_delta(teacher, student, spec, cfg, i, store) -> int:

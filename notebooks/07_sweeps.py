@@ -1,0 +1,146 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Sweeps: a grid of policies, one results table, a Pareto front
+#
+# A sweep runs every config of a grid (modes × policy families × their values × N × sampling …)
+# over a prompt set and writes one row per finished (config, prompt, seed) into a Parquet results
+# table. It resumes (a rerun skips finished rows), records failing configs as error rows, and runs
+# in this process, in worker processes (`workers=2`) or on Ray (`engine="ray"`) — the same rows
+# either way. Logic: `kvlab.sweep` (spec, engines, runner, tables) and `kvlab.results`.
+# The same grid runs from a shell: `python -m kvlab sweep examples/sweep_refresh.toml`.
+
+# %% tags=["parameters"]
+import os
+
+SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
+PROMPTS = 1 if SMOKE else 4          # prompts per config
+TOKENS = 12 if SMOKE else 96         # new tokens per run (N)
+PERIODS = [4, 8] if SMOKE else [8, 16, 32]
+TAUS = [4.0] if SMOKE else [3.0, 4.0, 5.0, 6.0]
+ENGINE = "local"                     # "local" or "ray"
+WORKERS = None                       # local: processes (None = in this process); ray: actors
+RESULTS = None                       # results root (None: $KVLAB_RESULTS or <runs>/results)
+
+# %%
+# %matplotlib inline
+import tomllib
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from kvlab.experiment import to_markdown
+from kvlab.results import Results
+from kvlab.sweep import parse_spec, run_sweep
+from kvlab.sweep.tables import config_summary, pareto_mask
+
+# %% [markdown]
+# ## The grid
+# A TOML spec (the same text works as a file). Refresh policies apply to OverFill; `baseline = true`
+# adds each mode's run without a policy, which is what the costs and overheads are measured against.
+
+# %%
+GRID = f"""
+name = "nb-refresh"
+[prompts]
+count = {PROMPTS}
+[run]
+modes = ["teacher", "student", "overfill"]
+tokens = {TOKENS}
+[sampling]
+temperature = 0.7
+top_p = 0.9
+seed = 0
+[refresh.periodic]
+T = {PERIODS}
+[refresh.entropy]
+tau_bits = {TAUS}
+[refresh.speculative]
+k = {PERIODS[0]}
+"""
+spec = parse_spec(tomllib.loads(GRID))           # every key, value and prompt checked before any work
+print(f"{len(spec.configs())} configs × {len(spec.prompts)} prompts = {len(spec.tasks())} tasks")
+print(", ".join(c.policy for c in spec.configs()))
+
+# %% [markdown]
+# ## Run it
+# Rows are written as tasks finish; interrupt the cell and run it again to resume.
+
+# %%
+results = Results(RESULTS)
+report = run_sweep(spec, engine=ENGINE, workers=WORKERS, results=results)
+print(report)
+
+# %% [markdown]
+# ## The results table
+# One row per (config, prompt, seed): config columns, metrics, costs, model fingerprints, code
+# version and commit, engine, host, wall time. Per-step traces are loaded on demand.
+
+# %%
+rows = results.load()
+rows = rows[rows["sweep"] == spec.name]
+print(rows.shape, "errors:", int((rows["status"] != "ok").sum()))
+rows[["policy", "prompt_idx", "seed", "teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "total_s",
+      "engine", "git_commit"]].head(12)
+
+# %%
+one = rows[(rows["refresh"] == "entropy") & (rows["status"] == "ok")].iloc[0]
+trace = results.trace(one["row_id"])
+trace[["step", "token_id", "entropy_bits", "source", "refreshed", "teacher_tokens", "kl_steps"]].head(8)
+
+# %% [markdown]
+# ## Quality vs cost: the Pareto front
+# Per config: mean KL(p_T‖q) and teacher-PPL against two costs — teacher tokens per generated token
+# (refresh prefills + probes) and the paired latency overhead vs OverFill without refresh. Circled
+# points are Pareto-optimal (no other config is both cheaper and better).
+
+# %%
+summary = config_summary(rows)
+colors = {"teacher": "#1b9e77", "student": "#d95f02", "overfill": "#7570b3", "periodic": "#66a61e",
+          "entropy": "#e7298a", "speculative": "#e6ab02", "probe_kl": "#a6761d", "mc": "#666666"}
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+for ax, (x, xlabel), (y, ylabel) in zip(axes, [("teacher_tokens_per_token", "teacher tokens per generated token"),
+                                               ("overhead_pct", "latency overhead % vs OverFill (paired)")],
+                                        [("kl", "KL(p_T‖q) nats ↓"), ("teacher_ppl", "teacher-PPL ↓")]):
+    pts = summary[summary["policy"] != "teacher"] if x == "overhead_pct" else summary
+    for fam, g in pts.groupby("family", sort=False):
+        ax.scatter(g[x], g[y], color=colors.get(fam, "gray"), label=fam, s=36, zorder=3)
+        for r in g.itertuples():
+            ax.annotate(r.policy, (getattr(r, x), getattr(r, y)), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = pts[pareto_mask(pts[x], pts[y])].sort_values(x)
+    ax.plot(front[x], front[y], color="k", lw=1, ls="--", zorder=2, label="Pareto front")
+    ax.scatter(front[x], front[y], s=140, facecolors="none", edgecolors="k", zorder=4)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(linestyle=":", linewidth=0.6)
+axes[0].legend(fontsize=7)
+fig.suptitle(f"{spec.name}: {len(spec.prompts)} prompts × {TOKENS} tokens, means over prompts")
+fig.tight_layout()
+display(fig)
+plt.close(fig)
+
+# %%
+display(Markdown(to_markdown(summary[["policy", "family", "kl", "kl_std", "teacher_ppl", "repeat3", "refreshes",
+                                      "teacher_tokens_per_token", "overhead_pct", "n_runs"]].round(3))))
+
+# %% [markdown]
+# ## The blog's tables from the same rows
+# `python -m kvlab figures --from-results` does this for the whole results table.
+
+# %%
+from kvlab.sweep.tables import refresh_from_rows, usable
+
+tables = refresh_from_rows(usable(rows))
+display(Markdown(to_markdown(tables["refresh_periodic"][["policy", "T", "kl", "d_kl", "d_kl_lo", "d_kl_hi", "refreshes",
+                                                         "teacher_tokens", "overhead_pct", "n_prompts"]].round(3))))

@@ -1,0 +1,369 @@
+"""Sweeps: grid specs, the results table, resume/faults, engines (local, processes, Ray), tables
+from results. Everything runs on tiny random models (``[models] kind = "tiny"``)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvlab.results import Results, load
+from kvlab.sweep import SpecError, load_spec, parse_spec, run_sweep
+from kvlab.sweep.task import execute
+
+QUALITY = ["tokens", "teacher_ppl", "kl", "repeat3", "tail_logprob", "refreshes", "teacher_tokens", "spliced",
+           "text", "max_delta"]
+
+
+def grid(**over) -> dict:
+    g = {"name": "t", "prompts": {"count": 2}, "run": {"modes": ["teacher", "student", "overfill"], "tokens": 6},
+         "models": {"kind": "tiny"}, "refresh": {"periodic": {"T": [2, 4]}}}
+    for k, v in over.items():
+        g[k] = {**g[k], **v} if isinstance(v, dict) and isinstance(g.get(k), dict) else v
+    return g
+
+
+def quality(df: pd.DataFrame) -> pd.DataFrame:
+    return df.sort_values("row_id").reset_index(drop=True)[["row_id", "policy", "prompt_idx", *QUALITY]]
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def test_spec_expands_families_ranges_and_pairs_seeds():
+    s = parse_spec(grid(refresh={"periodic": {"T": [2, 4]}, "entropy": {"tau_bits": {"start": 4, "stop": 5, "step": 0.5}},
+                                 "speculative": {"k": {"start": 2, "stop": 8, "num": 3}}},
+                        run={"refresh_next": ["rerun", "teacher"], "repeats": 2}))
+    pols = [c.policy for c in s.configs()]
+    assert pols[:3] == ["teacher", "student", "overfill"]
+    assert "periodic_T2" in pols and "periodic_T4_teacher" in pols and "entropy_tau_bits4.5" in pols
+    assert {p for p in pols if p.startswith("speculative")} == {"speculative_k2", "speculative_k5", "speculative_k8",
+                                                                "speculative_k2_teacher", "speculative_k5_teacher",
+                                                                "speculative_k8_teacher"}
+    assert len(pols) == 3 + 2 * (2 + 3 + 3) == len(set(pols))
+    tasks = s.tasks()
+    assert len(tasks) == len(pols) * 2 * 2 == len({t.row_id for t in tasks})
+    # paired seeds: prompt i / repeat r gets the same seed under every config, and r=0 matches RunSpec
+    seeds = {(t.prompt_idx, t.repeat): set() for t in tasks}
+    for t in tasks:
+        seeds[(t.prompt_idx, t.repeat)].add(t.decode.sampling.seed)
+    assert seeds == {(0, 0): {0}, (1, 0): {1}, (0, 1): {10000}, (1, 1): {10001}}
+    # ids are stable across parses and change with what a run means
+    assert [t.row_id for t in parse_spec(grid()).tasks()] == [t.row_id for t in parse_spec(grid()).tasks()]
+    assert not {t.row_id for t in parse_spec(grid()).tasks()} & {t.row_id for t in parse_spec(grid(run={"tokens": 7})).tasks()}
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"bogus": 1}, "'bogus'"),
+    ({"run": {"mode": ["overfill"]}}, "'run.mode'"),
+    ({"run": {"modes": ["overfil"]}}, "'run.modes'"),
+    ({"run": {"modes": []}}, "'run.modes'"),
+    ({"run": {"tokens": 0}}, "'run.tokens'"),
+    ({"run": {"modes": ["teacher"]}}, "'refresh'"),           # refresh families without overfill
+    ({"refresh": {"periodc": {"T": 4}}}, "'refresh.periodc'"),
+    ({"refresh": {"periodic": {"T": 4, "X": 1}}}, "'refresh.periodic.X'"),
+    ({"refresh": {"periodic": {"W": 4}}}, "needs T"),
+    ({"refresh": {"periodic": {"T": [4, 0]}}}, "T=0"),
+    ({"refresh": {"entropy": {"tau_bits": {"start": 4, "stop": 2, "step": 1}}}}, "'refresh.entropy.tau_bits.step'"),
+    ({"sampling": {"top_p": 0}}, "'sampling.top_p'"),
+    ({"models": {"kind": "huge"}}, "'models.kind'"),
+    ({"prompts": {"count": 10_000}}, "'prompts.count'"),
+])
+def test_bad_specs_name_the_key(over, key):
+    with pytest.raises(SpecError) as e:
+        parse_spec(grid(**over))
+    assert key in str(e.value)
+
+
+def test_prompt_file_without_prompt_field(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"text": "no prompt"}) + "\n")
+    spec = tmp_path / "g.toml"
+    spec.write_text('[prompts]\nfile = "p.jsonl"\ncount = 1\n[run]\nmodes = ["student"]\n[models]\nkind = "tiny"\n')
+    with pytest.raises(SpecError, match="prompts.file.*prompt"):
+        load_spec(spec)
+    f.write_text(json.dumps({"prompt": "hello there"}) + "\n")      # relative to the spec file
+    assert load_spec(spec).prompts == ("hello there",)
+
+
+def test_cli_flags_build_the_same_grid():
+    from kvlab.cli import build_parser
+    from kvlab.sweep.command import spec_from_args
+
+    args = build_parser().parse_args(["sweep", "--modes", "teacher", "student", "overfill", "--tokens", "6",
+                                      "--prompts", "2", "--models", "tiny", "--refresh", "periodic T=2,4"])
+    assert [t.row_id for t in spec_from_args(args).tasks()] == [t.row_id for t in parse_spec(grid()).tasks()]
+    args = build_parser().parse_args(["sweep", "--modes", "overfill", "--models", "tiny", "--prompts", "1",
+                                      "--refresh", "entropy tau_bits=4..6:0.5"])
+    assert [c.policy for c in spec_from_args(args).configs()] == [
+        "overfill", "entropy_tau_bits4", "entropy_tau_bits4.5", "entropy_tau_bits5", "entropy_tau_bits5.5",
+        "entropy_tau_bits6"]
+
+
+# --------------------------------------------------------------------------- results table
+
+
+def _row(rid, **kw):
+    return {"row_id": rid, "status": "ok", "finished_at": kw.pop("finished_at", 1.0), **kw}
+
+
+def test_results_concurrent_writers_never_duplicate_or_corrupt(tmp_path):
+    res = Results(tmp_path)
+    errors = []
+
+    def writer(w):
+        try:
+            for i in range(40):
+                res.write(_row(f"r{i % 25}", writer=w, finished_at=float(i)), pd.DataFrame({"step": [1, 2]}))
+                if w == 0 and i % 10 == 0:
+                    res.compact()          # compaction beside running writers
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    df = load(tmp_path)
+    assert sorted(df.row_id) == sorted(f"r{i}" for i in range(25))      # every row once
+    assert not list(tmp_path.rglob("*.tmp"))
+    res.compact()
+    assert load(tmp_path, compact=False).equals(df.sort_values("finished_at", kind="stable").reset_index(drop=True)) or \
+        sorted(load(tmp_path).row_id) == sorted(df.row_id)
+    assert not list((tmp_path / "rows").glob("*.parquet"))
+    assert res.trace("r3")["step"].tolist() == [1, 2]
+    with pytest.raises(FileNotFoundError, match="row_id='nope'"):
+        res.trace("nope")
+
+
+# --------------------------------------------------------------------------- resume and faults
+
+
+def _fail_periodic(task, pairs, store, engine, worker, calls):
+    calls.append(task.row_id)
+    if task.config.policy == "periodic_T2":
+        raise RuntimeError("boom in a policy")
+    return execute(task, pairs, store, engine, worker)
+
+
+def _raise_inside(task, pairs, store, engine, worker, calls):
+    calls.append(task.row_id)
+
+    class Boom:
+        def __getattr__(self, k):
+            raise RuntimeError("boom in a policy")
+
+    if task.config.policy == "periodic_T2":
+        pairs = Boom()
+    return execute(task, pairs, store, engine, worker)
+
+
+def test_task_error_is_recorded_and_retried_on_rerun(tmp_path):
+    spec = parse_spec(grid())
+    n = len(spec.tasks())
+    calls = []
+    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False,
+                    execute_fn=functools.partial(_raise_inside, calls=calls))
+    assert rep.done == n and rep.errors == 2 and len(calls) == n
+    df = load(tmp_path / "res")
+    err = df[df.status == "error"]
+    assert len(df) == n and set(err.policy) == {"periodic_T2"} and err.error.str.contains("boom in a policy").all()
+    calls.clear()
+    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False,
+                    execute_fn=functools.partial(_fail_periodic, calls=calls))
+    assert rep.skipped == n - 2 and rep.done == 2 == rep.errors == len(calls)   # only the error rows again
+    assert len(load(tmp_path / "res")) == n
+    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False)
+    assert (rep.skipped, rep.done) == (n - 2, 2)
+    df = load(tmp_path / "res")
+    assert len(df) == n and (df.status == "ok").all() and df.row_id.is_unique
+    assert run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False).done == 0
+
+
+def _killed_after(task, pairs, store, engine, worker, seen, k):
+    if len(seen) == k:
+        raise KeyboardInterrupt        # the sweep is killed while this task is in flight
+    seen.append(task.row_id)
+    return execute(task, pairs, store, engine, worker)
+
+
+def test_killed_sweep_loses_only_the_run_in_flight(tmp_path):
+    spec = parse_spec(grid())
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, results=tmp_path / "res", runs=False, progress=False,
+                  execute_fn=functools.partial(_killed_after, seen=seen, k=5))
+    assert sorted(load(tmp_path / "res").row_id) == sorted(seen)
+    rep = run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+    assert rep.skipped == 5 and rep.done == len(spec.tasks()) - 5
+    assert load(tmp_path / "res").row_id.is_unique
+
+
+# --------------------------------------------------------------------------- the JSON store and the tables
+
+
+def test_rows_share_the_run_store_and_rebuild_the_tables(tmp_path):
+    from kvlab.baselines import baselines
+    from kvlab.experiment import RunSpec
+    from kvlab.store import RunStore
+    from kvlab.sweep.tables import write_from_results
+    from kvlab.sweep.task import tiny_pair
+
+    spec = parse_spec(grid())
+    run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False)
+    rows = load(tmp_path / "res")
+    store = RunStore(tmp_path / "runs")
+    from kvlab.store import run_key
+
+    assert len(store) == len(rows) and set(rows.run_key) == {run_key(r.config) for r in store.records()}
+    # the existing table reuses the sweep's runs (same keys): nothing new is stored, same numbers
+    teacher, student = tiny_pair(0.3)
+    run_spec = RunSpec(prompts=spec.prompts, tokens=6, sampling=spec.tasks()[0].decode.sampling)
+    table, _ = baselines(teacher, student, run_spec, store, progress=False)
+    assert len(store) == len(rows)
+    paths, note = write_from_results(rows, tmp_path / "out")
+    from_rows = pd.read_csv(tmp_path / "out" / "baselines.csv")
+    assert from_rows.policy.tolist() == ["teacher", "overfill", "student"]
+    pd.testing.assert_series_equal(from_rows.teacher_ppl, table.teacher_ppl.reset_index(drop=True), check_exact=False,
+                                   rtol=1e-9)
+    periodic = pd.read_csv(tmp_path / "out" / "refresh_periodic.csv")
+    assert periodic.policy.tolist() == ["none", "periodic_T2", "periodic_T4"] and (periodic.n_prompts == 2).all()
+    assert periodic.refreshes.tolist() == [0, 2, 1]                       # N=6: T=2 fires at 2, 4; T=4 at 4
+    assert (tmp_path / "out" / "baselines.png").is_file()
+    # overhead is a ratio of side-by-side timings (refresh_timing), never of stored runs' times: results
+    # rows alone do not draw the quality-vs-overhead Pareto figure
+    assert not (tmp_path / "out" / "refresh_pareto.png").exists()
+    # the JSON store imports into a fresh results root as the same runs
+    fresh = Results(tmp_path / "imported")
+    assert fresh.import_store(tmp_path / "runs") == len(rows)
+    assert fresh.import_store(tmp_path / "runs") == 0
+    imp = fresh.load()
+    a = rows.set_index("run_key").sort_index()
+    b = imp.set_index("run_key").sort_index()
+    assert (a.policy == b.policy).all() and (a.teacher_ppl == b.teacher_ppl).all() and (a.kl == b.kl).all()
+    assert len(fresh.trace(imp.row_id.iloc[0])) == 6
+
+
+def test_cli_end_to_end(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    base = [sys.executable, "-m", "kvlab"]
+    r = subprocess.run(base + ["sweep", "--models", "tiny", "--modes", "overfill", "--refresh", "periodic T=2",
+                               "--prompts", "1", "--tokens", "4", "--results", str(tmp_path / "res"),
+                               "--runs", str(tmp_path / "runs"), "--no-progress"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "2 tasks, 0 already stored, 2 run (0 errors)" in r.stdout
+    r = subprocess.run(base + ["figures", "--from-results", "--results", str(tmp_path / "res"), "--out",
+                               str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "refresh_periodic.csv").is_file() and (tmp_path / "out" / "baselines.csv").is_file()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nmodes = ["overfill"]\n[refresh.periodic]\nT = 4\nZ = 1\n')
+    r = subprocess.run(base + ["sweep", str(bad), "--results", str(tmp_path / "res2")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "refresh.periodic.Z" in r.stderr and not (tmp_path / "res2").exists()
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def crash_once(task, pairs, store, engine, worker, marker):
+    """Kill the worker process the first time the second prompt of overfill runs."""
+    if task.config.policy == "overfill" and task.prompt_idx == 1 and not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(17)
+    return execute(task, pairs, store, engine, worker)
+
+
+def test_processes_give_the_same_rows_and_survive_a_dying_worker(tmp_path):
+    spec = parse_spec(grid(run={"modes": ["overfill"]}))
+    run_sweep(spec, results=tmp_path / "local", runs=False, progress=False)
+    rep = run_sweep(spec, engine="local", workers=2, results=tmp_path / "proc", runs=False, progress=False,
+                    execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
+    assert (tmp_path / "crashed").exists() and rep.errors == 0
+    a, b = load(tmp_path / "local"), load(tmp_path / "proc")
+    assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"processes"}
+    pd.testing.assert_frame_equal(quality(a), quality(b))
+
+
+def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    from kvlab.sweep.engines import RayAddressError, RayEngine
+
+    with pytest.raises(RayAddressError, match="127.0.0.1:9"):
+        run_sweep(parse_spec(grid()), engine="ray", address="127.0.0.1:9", results=tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+    spec = parse_spec(grid())
+    run_sweep(spec, results=tmp_path / "local", runs=False, progress=False)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    engine = RayEngine(workers=2, num_cpus=2, store_root=None,
+                       execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
+    try:
+        rep = run_sweep(spec, results=tmp_path / "ray", runs=False, progress=False, engine_obj=engine)
+    finally:
+        engine.close()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert not ray.is_initialized()
+    assert (tmp_path / "crashed").exists() and rep.errors == 0          # the dead actor's task was retried
+    a, b = load(tmp_path / "local"), load(tmp_path / "ray")
+    assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"ray"}
+    assert b.worker.nunique() >= 2
+    pd.testing.assert_frame_equal(quality(a), quality(b))
+
+
+def test_pareto_summary(tmp_path):
+    from kvlab.sweep.tables import config_summary, pareto_mask
+
+    assert pareto_mask([0, 1, 2, 1], [3, 1, 0.5, 2]).tolist() == [True, True, True, False]
+    spec = parse_spec(grid())
+    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+    s = config_summary(load(tmp_path / "res")).set_index("policy")
+    assert list(s.index) == [c.policy for c in spec.configs()] and (s.n_runs == 2).all()
+    assert s.loc["overfill", "overhead_pct"] == 0 and s.loc["teacher", "teacher_tokens_per_token"] == 5 / 6
+    # N=6: T=2 refreshes after steps 2, 4 (Δ = 2 + 2 teacher tokens), T=4 after step 4 (Δ = 4)
+    assert (s.loc["periodic_T2", "refreshes"], s.loc["periodic_T4", "refreshes"]) == (2, 1)
+    assert s.loc["periodic_T2", "teacher_tokens_per_token"] == s.loc["periodic_T4", "teacher_tokens_per_token"] == 4 / 6
+    assert s.loc["student", "teacher_tokens_per_token"] == s.loc["overfill", "teacher_tokens_per_token"] == 0
+    assert s.loc["periodic_T2", "family"] == "periodic" and s.loc["student", "family"] == "student"
+
+
+def test_eviction_families_come_from_the_registry(tmp_path):
+    from kvlab.eviction import EVICTION_POLICIES
+
+    with pytest.raises(SpecError, match="'evict.h2" ) as e:
+        parse_spec(grid(evict={"h2": {"budget": 8}}))
+    assert all(name in str(e.value) for name in EVICTION_POLICIES)
+    with pytest.raises(SpecError, match="rerotate"):          # a combination the decode loop refuses
+        parse_spec(grid(evict={"block": {"block_size": 2, "start_blocks": 1, "evictable_blocks": 1,
+                                         "recent_blocks": 1, "rerotate": True}}))
+    spec = parse_spec(grid(run={"modes": ["student", "overfill"], "tokens": 12}, refresh={"periodic": {"T": 4}},
+                           evict={"sliding": {"window": [6, 8], "sinks": 2}}))
+    pols = [c.policy for c in spec.configs()]
+    assert pols == ["student", "student+sliding_window6_sinks2", "student+sliding_window8_sinks2", "overfill",
+                    "sliding_window6_sinks2", "sliding_window8_sinks2", "periodic_T4", "periodic_T4+sliding_window6_sinks2",
+                    "periodic_T4+sliding_window8_sinks2"]
+    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+    df = load(tmp_path / "res").set_index(["policy", "prompt_idx"]).sort_index()
+    assert (df.status == "ok").all()
+    assert df.loc[("student+sliding_window6_sinks2", 0), "evict_window"] == 6
+    full, cut = df.loc[("student", 0)], df.loc[("student+sliding_window6_sinks2", 0)]
+    assert cut.cache_len_max < full.cache_len_max and cut.evicted > 0 == full.evicted
+
+
+def test_compaction_survives_columns_of_mixed_kinds(tmp_path):
+    res = Results(tmp_path)
+    res.write(_row("a", x=None, y=None))
+    res.write(_row("b", x=8, y="sum", finished_at=2.0))
+    res.write(_row("c", x=4.5, y=3, finished_at=3.0))
+    res.compact()
+    df = load(tmp_path).set_index("row_id")
+    assert df.loc["b", "x"] == 8 and df.loc["c", "x"] == 4.5 and df.loc["b", "y"] == "sum" and df.loc["c", "y"] == "3"
