@@ -1,6 +1,7 @@
 """The blog's Baselines table (no refresh): Teacher / OverFill / Student on the same prompts."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -14,20 +15,41 @@ POLICIES = {
     "overfill": DecodeConfig(mode="overfill"),
     "student": DecodeConfig(mode="student"),
 }
-COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
-           "tail_logprob", "chars", "teacher_ppl_std", "kl_std", "repeat3_std", "total_s_std", "n_prompts"]
+# Quality columns: deterministic for fixed seeds on one machine (tracked in figures/).
+COLUMNS = ["policy", "tokens", "teacher_ppl", "kl", "kl_all", "repeat3", "tail_logprob", "chars", "teacher_ppl_std",
+           "kl_std", "repeat3_std", "n_prompts"]
+# Timing columns: machine- and load-dependent, written to baselines_timing (not tracked).
+TIMING_COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "total_s_std", "n_prompts"]
+TIME_RUN_COLUMNS = ["ttft_s", "tps", "total_s", "e2e_tps"]
+TIMING_NOTE = ("Times of the stored runs, each timed when it was run (mean over prompts, std over prompts); runs of "
+               "different policies were not timed side by side, so read ratios between rows with care. "
+               "Machine-dependent.\n\n")
 
 
-def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(table, per-run rows)."""
-    per_run = run_policies(teacher, student, spec, POLICIES, store, progress)
+def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool = True,
+              rebuild_student_cache: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(table, per-run rows); the table has quality and timing columns (:func:`write_baselines`
+    splits them). ``rebuild_student_cache``: OverFill with a KV-incompatible student (it prefills
+    its own cache from the text)."""
+    policies = dict(POLICIES)
+    if rebuild_student_cache:
+        policies["overfill"] = replace(policies["overfill"], rebuild_student_cache=True)
+    per_run = run_policies(teacher, student, spec, policies, store, progress)
     return baselines_table(per_run), per_run
 
 
 def baselines_table(per_run: pd.DataFrame) -> pd.DataFrame:
-    """The table from per-run rows (``policy`` in teacher/overfill/student, one row per run)."""
-    return summarize(per_run, order=list(POLICIES)).reindex(columns=COLUMNS)
+    """The table from per-run rows (``policy`` in teacher/overfill/student, one row per run): quality
+    and timing columns (:func:`write_baselines` writes them to separate files)."""
+    return summarize(per_run, order=list(POLICIES)).reindex(columns=list(dict.fromkeys(COLUMNS + TIMING_COLUMNS)))
 
 
 def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path) -> list[Path]:
-    return write_table(table, out, "baselines") + write_table(per_run, out, "baselines_runs")
+    """``baselines`` and ``baselines_runs`` hold quality only (they do not change when the same
+    runs are timed again); ``baselines_timing`` holds the machine-dependent times."""
+    paths = write_table(table[COLUMNS], out, "baselines")
+    paths += write_table(per_run.drop(columns=[c for c in TIME_RUN_COLUMNS if c in per_run]), out, "baselines_runs")
+    paths += write_table(table[TIMING_COLUMNS], out, "baselines_timing")
+    md = Path(out) / "baselines_timing.md"
+    md.write_text(TIMING_NOTE + md.read_text())
+    return paths

@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--rebuild-student-cache", action="store_true",
+                   help="OverFill with a student whose KV geometry differs from the teacher's: the student "
+                        "prefills its own cache from the text (no refresh possible)")
 
 
 def _check_model_args(args) -> None:
@@ -86,22 +89,21 @@ def _pair(args):
 def cmd_baselines(args) -> list[Path]:
     from .baselines import baselines, write_baselines
     from .figures import render
-    from .plots import baselines_figure  # noqa: F401  (registers the figure)
     from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     teacher, student = _pair(args)
-    table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress)
+    table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress,
+                               rebuild_student_cache=getattr(args, "rebuild_student_cache", False))
     paths = write_baselines(table, per_run, args.out)
-    paths.append(render("baselines", args.out))
-    print((args.out / "baselines.md").read_text())
+    paths += [render("baselines", args.out), render("baselines_timing", args.out)]
+    print((args.out / "baselines.md").read_text() + "\n" + (args.out / "baselines_timing.md").read_text())
     return paths
 
 
 def cmd_mc_sim(args) -> list[Path]:
     from .figures import render
     from .mcsim import simulate, write_outputs
-    from .plots import mc_entropy_figure  # noqa: F401  (registers the figures)
 
     result = simulate()
     info = write_outputs(result, args.out)
@@ -122,35 +124,57 @@ def cmd_mc_real(args) -> list[Path]:
     traces, table = correlation_study(teacher, student, prompts, ps=ps, tokens=args.tokens, n_passes=args.passes,
                                       sampling=_spec(args).sampling)
     args.out.mkdir(parents=True, exist_ok=True)
-    traces.to_csv(args.out / "mc_real_traces.csv", index=False)
-    paths = [args.out / "mc_real_traces.csv"] + list(write_table(table, args.out, "mc_real_correlations") or [])
+    from .figures import render
+
+    traces.round(6).to_csv(args.out / "mc_real_traces.csv", index=False)
+    paths = [args.out / "mc_real_traces.csv"] + list(write_table(table.round(4), args.out, "mc_real_correlations") or [])
+    paths.append(render("mc_real", args.out))
     print(json.dumps(table.round(4).to_dict(orient="records"), indent=1))
     return paths
 
 
 def cmd_refresh(args) -> list[Path]:
+    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.refresh_choice)."""
     from dataclasses import replace as _replace
 
     from .data import calibration_file, load_prompts
     from .figures import render
-    from .plots import refresh_pareto_figure  # noqa: F401  (registers the figure)
     from .forced import forced_table
-    from .refresh_tables import refresh_tables, write_refresh
+    from .refresh_choice import policy_choice, single_policy_tables
+    from .refresh_tables import provenance_table, refresh_tables, write_refresh
     from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
+    choice = policy_choice(getattr(args, "policy", None), getattr(args, "refresh_next", None),
+                           **{k: getattr(args, k, None) for k in POLICY_FLAGS})
+    if getattr(args, "rebuild_student_cache", False):
+        raise ValueError("--rebuild-student-cache cannot be used with refresh: a refresh splices teacher K/V into "
+                         "the student cache, which needs a student with the teacher's KV geometry")
+    if getattr(args, "timing_repeats", 2) < 0:
+        raise ValueError(f"--timing-repeats={args.timing_repeats} must be >= 0 (0 = no overhead timing)")
+    progress = not args.no_progress
     calib_rows = load_prompts(calibration_file(), n=min(getattr(args, "calib_prompts", 4), 32))
     calib = _replace(spec, prompts=tuple(r["prompt"] for r in calib_rows))
+    timing = {"timing_prompts": getattr(args, "timing_prompts", 2), "timing_repeats": getattr(args, "timing_repeats", 2)}
     teacher, student = _pair(args)
     store = RunStore(args.runs)
-    tables = refresh_tables(teacher, student, spec, store, calib, progress=not args.no_progress)
+    if choice is not None:
+        tables = single_policy_tables(teacher, student, spec, store, calib, choice, progress=progress, **timing)
+        paths = write_refresh(tables, args.out)
+        for name in tables:
+            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+        return paths
+    tables = refresh_tables(teacher, student, spec, store, calib, progress=progress, **timing)
     split = max(2, spec.tokens // 2)
     if spec.tokens >= 4:   # teacher-forced: same tokens, only the cache's writer changes
+        if progress:
+            print(f"forced table: {len(spec.prompts)} prompts (stored runs are reused)", flush=True)
         tables["refresh_forced"], _ = forced_table(teacher, student, spec.prompts, store, tokens=spec.tokens,
                                                    split=split, window=max(1, min(8, split - 1)))
+    tables["refresh_provenance"] = provenance_table(teacher, student, spec, progress=progress)
     paths = write_refresh(tables, args.out)
-    paths.append(render("refresh_pareto", args.out))
-    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_forced"):
+    paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := render(n, args.out)) is not None]
+    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_timing", "refresh_forced"):
         if (args.out / f"{name}.md").is_file():
             print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
     return paths
@@ -176,8 +200,17 @@ def cmd_sweep(args):
     return run(args)
 
 
+def _mc_real_small(args):
+    """mc-real inside the main job: a small, bounded size (at most 4 prompts × 64 tokens, N = 8,
+    p ∈ {0.05, 0.1, 0.2})."""
+    from argparse import Namespace
+
+    return cmd_mc_real(Namespace(**{**vars(args), "prompts": min(args.prompts, 4), "tokens": min(args.tokens, 64),
+                                    "passes": 8, "dropout": [0.05, 0.1, 0.2]}))
+
+
 # The main job: every table/figure, in order. Each entry: (name, handler).
-JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("refresh", cmd_refresh)]
+JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_real_small), ("refresh", cmd_refresh)]
 
 
 def cmd_all(args) -> list[Path]:
@@ -227,6 +260,38 @@ def cmd_bench(args) -> None:
 BENCHES = ("decode", "refresh", "surgery", "mc", "sweep")
 
 
+POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
+                "percentile", "signal", "probe_every", "refractory", "passes", "dropout")
+
+
+def _refresh_options(p: argparse.ArgumentParser) -> None:
+    """``refresh``: one policy and its parameters (checked in kvlab.refresh_choice), and the timing."""
+    g = p.add_argument_group("one policy (default: the full table of every policy)")
+    g.add_argument("--policy", default=None, help="periodic | entropy | probe-kl | speculative | mc")
+    g.add_argument("--T", type=int, default=None, help="periodic: refresh every T steps")
+    g.add_argument("--W", type=int, default=None, help="periodic/entropy/probe-kl: rewrite the last W entries")
+    g.add_argument("--tau", type=float, default=None, help="entropy: threshold in bits")
+    g.add_argument("--tau-percentile", type=float, default=None, help="entropy: τ = this percentile (calibrated)")
+    g.add_argument("--min-gap", type=int, default=None, help="entropy: steps between refreshes (default 1)")
+    g.add_argument("--M", type=int, default=None, help="probe-kl: probe every M steps")
+    g.add_argument("--kappa", type=float, default=None, help="probe-kl: KL threshold in nats")
+    g.add_argument("--kappa-percentile", type=float, default=None, help="probe-kl: κ = this percentile (calibrated)")
+    g.add_argument("--k", type=int, default=None, help="speculative: burst length")
+    g.add_argument("--threshold", type=float, default=None, help="mc: gate threshold on the signal")
+    g.add_argument("--percentile", type=float, default=None, help="mc: threshold = this percentile (calibrated)")
+    g.add_argument("--signal", default=None, help="mc: u | mi | flip (default mi)")
+    g.add_argument("--probe-every", type=int, default=None, help="mc: probe every this many steps (default 16)")
+    g.add_argument("--refractory", type=int, default=None, help="mc: steps after a refresh without firing (default 32)")
+    g.add_argument("--passes", type=int, default=None, help="mc: noisy passes per probe (default 8)")
+    g.add_argument("--dropout", type=float, default=None, help="mc: dropout probability (default 0.1)")
+    g.add_argument("--refresh-next", default=None, help="who picks the token after a refresh: rerun | student | teacher")
+    t = p.add_argument_group("overhead timing (side by side in this process)")
+    t.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=2,
+                   help="prompts timed (the first ones of the spec)")
+    t.add_argument("--timing-repeats", type=int, default=2,
+                   help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -259,9 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
+    _refresh_options(p)
     p.set_defaults(fn=cmd_refresh)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
     _common(p)
+    p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
+                   help="refresh: calibration prompts for the entropy/KL thresholds")
+    p.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=2,
+                   help="refresh: prompts timed side by side for the overhead")
+    p.add_argument("--timing-repeats", type=int, default=2, help="refresh: paired timings per prompt and policy")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
@@ -281,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import os
+
+    os.environ.setdefault("MPLBACKEND", "Agg")   # headless rendering; kvlab figures never need pyplot
     ap = build_parser()
     args = ap.parse_args(argv)
     from .store import SESSION

@@ -43,7 +43,8 @@ class IncompatiblePairError(ValueError):
     def __init__(self, compat: Compat):
         self.compat = compat
         super().__init__(f"{compat}. Use a student with the teacher's KV geometry, or pass "
-                         "rebuild_student_cache=True to recompute the student's cache from text.")
+                         "rebuild_student_cache=True (DecodeConfig; on the command line: --rebuild-student-cache) "
+                         "to recompute the student's cache from text (no refresh then: it needs one geometry).")
 
 
 def _head_dim(cfg) -> int:

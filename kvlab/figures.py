@@ -1,36 +1,20 @@
 """Figures registered by name. Each is a function of stored tables (CSV files written by the
 experiments into an output folder) that returns a matplotlib Figure; :func:`render_all` saves
-every figure whose inputs exist. Plot functions never call ``savefig`` themselves.
+every figure whose inputs exist. Plot functions never call ``savefig`` themselves. The registry
+and the figure class are in :mod:`kvlab.figbase`.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 
-FIGURES: dict[str, tuple[tuple[str, ...], Callable]] = {}
-
-
-def figure(name: str, needs: tuple[str, ...]):
-    """Register ``fn(tables: dict[str, DataFrame]) -> Figure`` under ``name``; ``needs`` are CSV stems."""
-    def deco(fn):
-        FIGURES[name] = (needs, fn)
-        return fn
-    return deco
-
-
-def _mpl():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    return Figure
+from .figbase import FIGURES, figure, new_figure  # noqa: F401  (the registry lives in figbase)
 
 
 def render(name: str, out) -> Path | None:
     """Render one registered figure from the CSVs in ``out`` into ``out/<name>.png`` (None if inputs missing)."""
+    _load_registrations()
     needs, fn = FIGURES[name]
     out = Path(out)
     paths = {n: out / f"{n}.csv" for n in needs}
@@ -48,5 +32,6 @@ def render_all(out) -> list[Path]:
 
 
 def _load_registrations() -> None:
-    """Import the modules that register figures (kept lazy: no import-time side effects)."""
+    """Import the modules that register figures (kept lazy: no import-time side effects;
+    they import :mod:`kvlab.figbase`, never this module)."""
     from . import plots  # noqa: F401

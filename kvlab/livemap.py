@@ -15,10 +15,9 @@ def live_map_figure(ledger, maps: dict[str, Sequence[int]], labels=None, title: 
     """One panel per live map: x = slot, y = the ledger row it points at (colour = how the row was
     written); the lower panel shows each slot's RoPE position. ``labels``: ``token_id -> str``
     (e.g. the tokenizer's decode) to annotate slots whose row is not original."""
-    from .figures import _mpl
+    from .figbase import new_figure
 
-    Figure = _mpl()
-    fig = Figure(figsize=(12, 2.4 * len(maps) + 1.6))
+    fig = new_figure(figsize=(12, 2.4 * len(maps) + 1.6))
     axes = fig.subplots(len(maps) + 1, 1, squeeze=False)[:, 0]
     origin = ledger.set_index("row")["origin"]
     position = ledger.set_index("row")["position"]

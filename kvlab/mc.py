@@ -425,11 +425,11 @@ def correlation_study(teacher, student, prompts: Sequence[str], *, ps: Sequence[
 
 def plot_real_trace(df, fires: Mapping[str, Sequence[int]] | None = None, title: str = ""):
     """Student entropy, U(t), MI and flip rate of one MC trace on stacked axes; gate fires marked."""
-    from matplotlib.figure import Figure
+    from .figbase import new_figure
 
     panels = [("entropy", "student entropy (nats)"), ("u", "U(t): mean logit var"), ("mi", "MI (nats)"),
               ("flip", "argmax-flip rate")]
-    fig = Figure(figsize=(10, 7))
+    fig = new_figure(figsize=(10, 7))
     axes = fig.subplots(len(panels), 1, sharex=True)
     steps = df["step"].to_numpy()
     for ax, (col, label) in zip(axes, panels):

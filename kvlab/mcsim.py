@@ -21,6 +21,15 @@ import pandas as pd
 
 PHASES = ("conf", "drift", "post", "alea")
 PHASE_COLORS = {"conf": "#c7e9c0", "drift": "#fdd0a2", "post": "#c7e9c0", "alea": "#c6dbef"}
+PHASE_LABELS = {"conf": "confident", "drift": "epistemic drift", "post": "post-refresh", "alea": "aleatoric"}
+
+
+def phase_legend_labels() -> dict[str, str]:
+    """Legend text per shading colour: phases that share a colour share an entry."""
+    by_color: dict[str, list[str]] = {}
+    for ph in PHASES:
+        by_color.setdefault(PHASE_COLORS[ph], []).append(PHASE_LABELS[ph])
+    return {c: "phase: " + " / ".join(names) for c, names in by_color.items()}
 TIME_SERIES_COLUMNS = ("t", "phase", "entropy", "mc_var", "entropy_fire", "mcvar_fire")
 SUMMARY_COLUMNS = ("steps", "mean_entropy", "mean_mcvar", "frac_entropy_fire", "frac_mcvar_fire")
 
@@ -218,8 +227,10 @@ def _draw_series(ax, result: SimResult, signal: str) -> None:
     col, tau_attr, fires_attr, ylabel, _ = _SIGNALS[signal]
     ts, tau = result.time_series, getattr(result, tau_attr)
     y = ts[col].to_numpy()
+    legend = phase_legend_labels()
     for lab, s, e in contiguous_spans(list(ts["phase"])):
-        ax.axvspan(s, e, alpha=0.2, color=PHASE_COLORS.get(lab, "#eeeeee"))
+        color = PHASE_COLORS.get(lab, "#eeeeee")
+        ax.axvspan(s, e, alpha=0.2, color=color, label=legend.pop(color, None))   # one legend entry per colour
     ax.plot(ts["t"].to_numpy(), y, label=col)
     ax.axhline(tau, linestyle="--", color="k", linewidth=1, label=f"tau = {tau:.4g}")
     idx = np.asarray(getattr(result, fires_attr), dtype=int)
@@ -229,14 +240,15 @@ def _draw_series(ax, result: SimResult, signal: str) -> None:
 
 
 def _figure(nrows: int, figsize: tuple[float, float]):
-    from matplotlib.figure import Figure  # lazy: no pyplot state, works headless
-    fig = Figure(figsize=figsize)
+    from .figbase import new_figure  # lazy: no pyplot state, works headless, displays in Jupyter
+    fig = new_figure(figsize=figsize)
     return fig, fig.subplots(nrows, 1, sharex=True, squeeze=False)[:, 0]
 
 
 def _plot_single(result: SimResult, signal: str):
     fig, (ax,) = _figure(1, (10, 4))
     _draw_series(ax, result, signal)
+    ax.legend(loc="upper left", fontsize=8)
     ax.set_title(_SIGNALS[signal][4])
     ax.set_xlabel("step t")
     return fig

@@ -31,7 +31,6 @@ N_PROMPTS = 1 if SMOKE else 8           # prompts in the baselines table
 TABLE_TOKENS = 8 if SMOKE else 128      # tokens per run in the table
 
 # %%
-# %matplotlib inline
 import kvlab
 from kvlab.models import load_pair
 
@@ -79,15 +78,9 @@ ledger["text"] = [teacher.tokenizer.decode([t]) for t in ledger["token_id"]]
 ledger.tail(N_TOKENS + 3)
 
 # %%
-import matplotlib.pyplot as plt
+from kvlab.plots import plot_cache_writers
 
-colors = {"teacher": "#1b9e77", "student": "#d95f02"}
-fig, ax = plt.subplots(figsize=(10, 1.4))
-ax.bar(ledger["slot"], 1, width=1.0, color=[colors[w] for w in ledger["writer"]])
-ax.set_yticks([])
-ax.set_xlabel("cache slot")
-ax.set_title("cache provenance: teacher prefill (green) → student decode (orange)")
-plt.show()
+plot_cache_writers(ledger["writer"])
 
 # %% [markdown]
 # ## Baselines: Teacher / OverFill / Student

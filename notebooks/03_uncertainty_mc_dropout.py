@@ -42,35 +42,50 @@ REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 
 # %% [markdown]
 # ## Part 1 — the blog's simulation
-# 400 steps, 16 simulated passes over a 5000-word vocabulary, four phases: confident, epistemic
-# drift (passes disagree *and* the distribution is flat), post-refresh confident, aleatoric
-# ambiguity (flat distribution, passes agree). Both gates probe every 16 steps with a 32-step
-# refractory gap; thresholds are the 90th (entropy) and 70th (MC variance) percentiles.
+# Four phases: confident, epistemic drift (passes disagree *and* the distribution is flat),
+# post-refresh confident, aleatoric ambiguity (flat distribution, passes agree). Both gates probe
+# at a fixed interval with a refractory gap; thresholds are percentiles of each signal. The
+# blog's settings (`mcsim.SimConfig` defaults) are printed with the result.
 
 # %%
-# %matplotlib inline
+from IPython.display import Markdown, display
+
 from kvlab import mcsim
 
 sim = mcsim.simulate()
+cfg = sim.config
+display(Markdown(f"{cfg.T} steps, {cfg.N} simulated passes over a {cfg.D}-word vocabulary; the gates probe every "
+                 f"{cfg.probe_M} steps with a {cfg.refractory}-step refractory gap; thresholds: the "
+                 f"{cfg.entropy_pct:g}th (entropy) and {cfg.mcvar_pct:g}th (MC variance) percentiles."))
 print(mcsim.format_summary(sim))
 
 # %%
 mcsim.plot_triggers(sim)
 
-# %% [markdown]
-# Entropy cannot tell the phases apart: drift and ambiguity are both flat, and its one fire
-# (step 320) lands in the *aleatoric* phase, where a refresh cannot help. MC variance fires three
-# times during drift (112, 144, 176) and stays quiet while the model is "confidently uncertain".
-# Its fourth fire (336) is an artefact of the percentile threshold: 70% of the steps are quiet
-# phases whose variance sits just around $\tau$, so noise crosses it.
+# %%
+phase_of = dict(zip(sim.time_series["t"], sim.time_series["phase"]))
+
+
+def fires_by_phase(fires):
+    return ", ".join(f"{t} ({mcsim.PHASE_LABELS[phase_of[t]]})" for t in fires) or "none"
+
+
+outside = (sim.time_series["phase"] != "drift").mean()
+in_drift = [t for t in sim.fires_mcvar if phase_of[t] == "drift"]
+display(Markdown(
+    f"Entropy cannot tell the phases apart: drift and ambiguity are both flat. Its fires: "
+    f"{fires_by_phase(sim.fires_entropy)}. MC variance fires at {fires_by_phase(sim.fires_mcvar)}: "
+    f"{len(in_drift)} of its {len(sim.fires_mcvar)} fires fall in the epistemic drift, where a refresh can help. "
+    f"A fire outside the drift is an artefact of the percentile threshold: {outside:.0%} of the steps lie outside "
+    f"the drift, so the {sim.config.mcvar_pct:g}th percentile puts τ among their variances and noise crosses it."))
 
 # %%
 sim.phase_summary.round(4)
 
 # %% [markdown]
 # ## Part 2 — real MC dropout on the student
-# The embedded student (SmolLM2-135M with 45% of its MLP channels pruned) was not trained with
-# dropout, so `kvlab.mc.mc_dropout` *injects* it: forward hooks multiply every decoder layer's
+# The embedded student (SmolLM2-135M with part of its MLP channels pruned; the share is printed
+# below) was not trained with dropout, so `kvlab.mc.mc_dropout` *injects* it: forward hooks multiply every decoder layer's
 # attention and MLP output by an inverted-dropout mask, independently per batch row, and come
 # off on exit (also on error). At a decode step the clean forward drives decoding;
 # `KVCache.probe_last` re-runs the same step as one batch of N on `expand`-ed views of the prefix
@@ -87,23 +102,36 @@ from kvlab.data import load_prompts
 from kvlab.models import load_pair
 
 teacher, student = load_pair()
+pruned = 1 - student.config.intermediate_size / teacher.config.intermediate_size
+print(f"student: {pruned:.0%} of the MLP channels pruned "
+      f"({teacher.config.intermediate_size} → {student.config.intermediate_size} per layer)")
 prompts = [r["prompt"] for r in load_prompts(n=N_PROMPTS)]
 traces, corr = mc.correlation_study(teacher, student, prompts, ps=(P_DROP,), tokens=N_TOKENS, n_passes=N_PASSES)
 corr.round(3)
 
 # %% [markdown]
 # `r_*` are Pearson correlations with the student's entropy over all probed steps (greedy
-# OverFill decodes here; step 1 comes from the teacher's prefill and is not probed). In the full
-# setting of this notebook (8 prompts × 64 tokens, N = 8, p = 0.1, greedy) we measured
-# r_U ≈ 0.06, r_MI ≈ 0.50, r_flip ≈ 0.71; with the lab's sampled decoding (T = 0.7, top-p 0.9;
-# `python -m kvlab mc-real --dropout 0.05 0.1 0.2`) r_U ≈ −0.01 / 0.01 / 0.05,
-# r_MI ≈ 0.47 / 0.42 / 0.36, r_flip ≈ 0.63 / 0.65 / 0.54 for p = 0.05 / 0.1 / 0.2.
-# **The seed's $U(t)$ is essentially uncorrelated with entropy.** A plausible reason (not tested
-# here): it averages the variance of all 49 152 logits, so it is dominated by the tail that
-# dropout shakes whatever the head of the distribution looks like. MI and the flip rate look at
-# probabilities and the argmax, and they move with the student's uncertainty. That is a
-# warning, not a verdict: a signal that *only* tracked entropy would add nothing over the
-# entropy gate.
+# OverFill decodes here; step 1 comes from the teacher's prefill and is not probed). The reading
+# below is computed from this run's table; `make figures` measures the same correlations with
+# sampled decoding at three dropout rates (`figures/mc_real_correlations.md`, `mc_real.png`).
+
+# %%
+c = corr.iloc[0]
+vocab = student.model.get_output_embeddings().weight.shape[0]
+
+
+def strength(r):
+    return "essentially uncorrelated with" if abs(r) < 0.2 else ("weakly tied to" if abs(r) < 0.4 else "tracks")
+
+
+display(Markdown(
+    f"Over {int(c.steps)} probed steps ({len(prompts)} prompts × {N_TOKENS} tokens, N = {N_PASSES}, p = {P_DROP}): "
+    f"r_U = {c.r_u:+.2f}, r_MI = {c.r_mi:+.2f}, r_flip = {c.r_flip:+.2f}. "
+    f"**The seed's U(t) is {strength(c.r_u)} the student's entropy; MI is {strength(c.r_mi)} it and the flip rate "
+    f"{strength(c.r_flip)} it.** A plausible reason for U (not tested here): it averages the variance of all "
+    f"{vocab:,} logits, so the tail that dropout shakes whatever the head of the distribution looks like weighs "
+    f"as much as the head. MI and the flip rate look at probabilities and the argmax. A signal that *only* "
+    f"tracked entropy would add nothing over the entropy gate, so this is a warning, not a verdict."))
 
 # %%
 first = traces[traces["prompt"] == 0]
@@ -153,9 +181,9 @@ mc.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (
                                        "dashed = gate fires")
 
 # %% [markdown]
-# **Reading.** On this student the seed's $U(t)$ is not the clean epistemic signal the
-# simulation suggests: it does not follow the student's uncertainty, so a $U$-gate's fires are
-# unrelated to where the student is unsure. MI and the flip rate are the better-behaved MC
-# signals. Whether they fire *where refreshing helps* (lower KL to the teacher afterwards) is a
+# **Reading.** Compare the correlations measured above with the simulation: there $U(t)$ separates
+# epistemic drift from aleatoric ambiguity by construction; on a real student it is only useful if
+# it moves with where the student is unsure (the `r_u` column; `make figures` measures it at three
+# dropout rates in `figures/mc_real_correlations.md`). Whether a signal fires *where refreshing helps* (lower KL to the teacher afterwards) is a
 # question for the refresh loop: with `PROBES["mc"]` wired in, `MCGate` can be compared with the
 # entropy gate at equal cost (its N extra student passes per probe are counted).

@@ -143,4 +143,4 @@ from kvlab.sweep.tables import refresh_from_rows, usable
 
 tables = refresh_from_rows(usable(rows))
 display(Markdown(to_markdown(tables["refresh_periodic"][["policy", "T", "kl", "d_kl", "d_kl_lo", "d_kl_hi", "refreshes",
-                                                         "teacher_tokens", "overhead_pct", "n_prompts"]].round(3))))
+                                                         "teacher_tokens", "n_prompts"]].round(3))))

@@ -140,6 +140,9 @@ def test_single_plots(result, fn, title, tau_attr):
     assert ax.get_title() == title
     assert any(np.isclose(ln.get_ydata()[0], getattr(result, tau_attr)) for ln in _hlines(ax))
     assert len(ax.collections) == 1 and len(ax.patches) >= 6  # fire markers, phase spans
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    for phase in ("confident", "epistemic drift", "post-refresh", "aleatoric"):   # the shading is explained
+        assert any(phase in t for t in legend), legend
     fig.savefig(io.BytesIO(), format="png")  # renders headless
 
 
@@ -152,6 +155,7 @@ def test_trigger_plot(result):
                               (result.fires_entropy, result.fires_mcvar)):
         assert any(np.isclose(ln.get_ydata()[0], tau) for ln in _hlines(ax))
         assert len(ax.collections[0].get_offsets()) == len(fires)
+        assert any("aleatoric" in t.get_text() for t in ax.get_legend().get_texts())
     fig.savefig(io.BytesIO(), format="png")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pandas as pd
 import pytest
 import torch
 
@@ -333,15 +334,15 @@ def test_append_from_and_splice_positions_check_tokens(tiny_teacher, tiny_studen
 def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
     from kvlab.experiment import RunSpec
     from kvlab.figures import render
-    from kvlab.plots import refresh_pareto_figure  # noqa: F401
-    from kvlab.refresh_tables import periods_for, refresh_tables, write_refresh
+    from kvlab.refresh_tables import TIME_COLUMNS, periods_for, refresh_tables, write_refresh
     from kvlab.store import RunStore
 
     samp = Sampling(0.7, 0.9, 0)
-    spec = RunSpec(prompts=("hello there", "a b c d"), tokens=24, sampling=samp)
+    spec = RunSpec(prompts=("hello there", "a b c d", "third prompt"), tokens=24, sampling=samp)
     calib = RunSpec(prompts=("calib one",), tokens=24, sampling=samp)
     store = RunStore(tmp_path / "runs")
-    tabs = refresh_tables(tiny_teacher, tiny_student, spec, store, calib, progress=False)
+    tabs = refresh_tables(tiny_teacher, tiny_student, spec, store, calib, progress=False, timing_prompts=2,
+                          timing_repeats=2)
     write_refresh(tabs, tmp_path)
     assert render("refresh_pareto", tmp_path).is_file()
     for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
@@ -349,16 +350,58 @@ def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
         # teacher-PPL rewards loops: every table shows KL and repeat@3 beside it, with spread
         assert {"teacher_ppl", "kl", "kl_std", "repeat3", "repeat3_std"} <= set(tabs[name].columns)
         assert tabs[name][["kl", "repeat3"]].notna().all().all()
+    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_all", "refresh_runs"):
+        # machine-dependent times stay out of the quality tables
+        assert not set(TIME_COLUMNS) & set(tabs[name].columns), name
+        assert not any(c.startswith("overhead") for c in tabs[name].columns), name
     per = tabs["refresh_periodic"].set_index("policy")
     assert list(per.index) == ["none"] + [f"periodic_T{T}" for T in periods_for(24)]
-    assert per.loc["none", "overhead_pct"] == 0 and per.loc["none", "teacher_tokens"] == 0
+    assert per.loc["none", "teacher_tokens"] == 0
+    # overhead: every policy timed against no refresh side by side, 2 prompts × 2 repeats
+    timing = tabs["refresh_timing"].set_index("policy")
+    assert list(timing.index) == list(tabs["refresh_all"].policy)
+    assert (timing["pairs"] == 4).all() and (timing["timing_prompts"] == 2).all()
+    assert (timing["overhead_pct_q25"] <= timing["overhead_pct"]).all()
+    assert (timing["overhead_pct"] <= timing["overhead_pct_q75"]).all()
+    pairs = tabs["refresh_timing_runs"]
+    assert len(pairs) == 4 * len(timing) and set(pairs["first"]) == {"ref", "pol"}   # order alternates
+    assert pairs["ratio"].to_numpy() == pytest.approx((pairs["total_s"] / pairs["ref_total_s"]).to_numpy())
+    assert (pairs["tokens"] == 24).all()
+    # the timed runs are the stored runs' decodes: same refresh count on the same prompt and seed
+    stored = tabs["refresh_runs"].set_index(["policy", "prompt_idx"])["refreshes"]
+    for r in pairs.itertuples():
+        assert r.refreshes == stored[r.policy, r.prompt_idx]
+    assert "back to back in one process" in (tmp_path / "refresh_timing.md").read_text()
     runs = tabs["refresh_runs"]
     assert (runs.teacher_tokens < 24).all()
     meth = tabs["refresh_methods"].set_index("policy")
     assert meth.loc["speculative_k8", "max_delta"] == 8          # constant teacher work per refresh
     n_runs = len(store)
-    refresh_tables(tiny_teacher, tiny_student, spec, store, calib, progress=False)
+    again = refresh_tables(tiny_teacher, tiny_student, spec, store, calib, progress=False, timing_repeats=0)
     assert len(store) == n_runs                                   # a rerun reuses every stored run
+    assert "refresh_timing" not in again
+    pd.testing.assert_frame_equal(again["refresh_all"], tabs["refresh_all"])   # quality: deterministic
+
+
+def test_provenance_table_and_figure(tiny_teacher, tiny_student, tmp_path):
+    from kvlab.experiment import RunSpec
+    from kvlab.figures import render
+    from kvlab.refresh_tables import provenance_table
+
+    spec = RunSpec(prompts=("hello there",), tokens=12, sampling=Sampling(0.7, 0.9, 0))
+    df = provenance_table(tiny_teacher, tiny_student, spec, T=4)
+    assert df["condition"].nunique() == 3 and len(df) == 3 * 12
+    L = int(df["prompt_len"].iloc[0])
+    first = df.groupby("condition", sort=False).first()
+    assert all(w == "T" * L for w in first["writers"])              # step 1: the teacher's prefill only
+    last = df.groupby("condition", sort=False).last()
+    none, full, window = last["writers"]
+    assert set(none[L:]) == {"S"}                                   # OverFill: the student writes the rest
+    assert full[L:L + 8] == "T" * 8                                 # re-prefilled at steps 4, 8
+    assert window[L:L + 2] == "SS" and window[L + 2:L + 4] == "TT"  # W=2 < T=4 leaves older student entries
+    assert full.count("T") > window.count("T") > none.count("T") == L
+    df.to_csv(tmp_path / "refresh_provenance.csv", index=False)
+    assert render("refresh_provenance", tmp_path).is_file()
 
 
 @pytest.mark.integration

@@ -235,7 +235,10 @@ def test_rows_share_the_run_store_and_rebuild_the_tables(tmp_path):
     periodic = pd.read_csv(tmp_path / "out" / "refresh_periodic.csv")
     assert periodic.policy.tolist() == ["none", "periodic_T2", "periodic_T4"] and (periodic.n_prompts == 2).all()
     assert periodic.refreshes.tolist() == [0, 2, 1]                       # N=6: T=2 fires at 2, 4; T=4 at 4
-    assert (tmp_path / "out" / "refresh_pareto.png").is_file() and (tmp_path / "out" / "baselines.png").is_file()
+    assert (tmp_path / "out" / "baselines.png").is_file()
+    # overhead is a ratio of side-by-side timings (refresh_timing), never of stored runs' times: results
+    # rows alone do not draw the quality-vs-overhead Pareto figure
+    assert not (tmp_path / "out" / "refresh_pareto.png").exists()
     # the JSON store imports into a fresh results root as the same runs
     fresh = Results(tmp_path / "imported")
     assert fresh.import_store(tmp_path / "runs") == len(rows)
