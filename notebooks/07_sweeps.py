@@ -48,7 +48,7 @@ from kvlab.sweep.tables import config_summary, pareto_mask
 # %% [markdown]
 # ## The grid
 # A TOML spec (the same text works as a file). Refresh policies apply to OverFill; `baseline = true`
-# adds each mode's run without a policy, which is what the costs and overheads are measured against.
+# adds each mode's run without a policy, which is what the costs are measured against.
 
 # %%
 GRID = f"""
@@ -102,7 +102,9 @@ trace[["step", "token_id", "entropy_bits", "source", "refreshed", "teacher_token
 # %% [markdown]
 # ## Quality vs cost: the Pareto front
 # Per config: mean KL(p_T‖q) and teacher-PPL against two costs — teacher tokens per generated token
-# (refresh prefills + probes) and the paired latency overhead vs OverFill without refresh. Circled
+# (refresh prefills + probes) and the in-run teacher share (teacher compute time / the rest of the same
+# run, both timed inside one run; latency ratios *between* sweep rows would compare machines and
+# moments, not policies — `python -m kvlab refresh` times policies side by side for that). Circled
 # points are Pareto-optimal (no other config is both cheaper and better).
 
 # %%
@@ -111,9 +113,9 @@ colors = {"teacher": "#1b9e77", "student": "#d95f02", "overfill": "#7570b3", "pe
           "entropy": "#e7298a", "speculative": "#e6ab02", "probe_kl": "#a6761d", "mc": "#666666"}
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
 for ax, (x, xlabel), (y, ylabel) in zip(axes, [("teacher_tokens_per_token", "teacher tokens per generated token"),
-                                               ("overhead_pct", "latency overhead % vs OverFill (paired)")],
+                                               ("teacher_pct", "in-run teacher time % of the run")],
                                         [("kl", "KL(p_T‖q) nats ↓"), ("teacher_ppl", "teacher-PPL ↓")]):
-    pts = summary[summary["policy"] != "teacher"] if x == "overhead_pct" else summary
+    pts = summary[summary["policy"] != "teacher"] if x == "teacher_pct" else summary
     for fam, g in pts.groupby("family", sort=False):
         ax.scatter(g[x], g[y], color=colors.get(fam, "gray"), label=fam, s=36, zorder=3)
         for r in g.itertuples():
@@ -132,7 +134,7 @@ plt.close(fig)
 
 # %%
 display(Markdown(to_markdown(summary[["policy", "family", "kl", "kl_std", "teacher_ppl", "repeat3", "refreshes",
-                                      "teacher_tokens_per_token", "overhead_pct", "n_runs"]].round(3))))
+                                      "teacher_tokens_per_token", "teacher_pct", "n_runs"]].round(3))))
 
 # %% [markdown]
 # ## The blog's tables from the same rows
