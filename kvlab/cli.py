@@ -137,8 +137,48 @@ def cmd_figures(args) -> list[Path]:
     return paths
 
 
+def _evict_args(p: argparse.ArgumentParser) -> None:
+    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.needle's)."""
+    p.add_argument("--gamma", type=float, default=0.7, help="evict: Conf-KV confidence threshold γ in [0, 1]")
+    p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
+                   help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
+    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="evict: needle depths in [0, 1] (0 = oldest)")
+    p.add_argument("--needle-reps", type=positive_int("--needle-reps"), default=1, help="evict: keys per grid cell")
+    p.add_argument("--needle-budget", type=positive_int("--needle-budget"), default=128,
+                   help="evict: peak cache entries of every policy in the needle grid")
+    p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
+
+
+def cmd_evict(args) -> list[Path]:
+    """Eviction experiments: sawtooth figure, matched-memory table, needle-retrieval table."""
+    from dataclasses import replace as _replace
+
+    from .evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from .figures import render
+    from .policies import Periodic
+    from .store import RunStore
+
+    spec = _spec(args)              # validates everything before any model loads
+    n = getattr(args, "evict_prompts", None)
+    if n is not None and n < len(spec.prompts):
+        spec = _replace(spec, prompts=spec.prompts[:n])
+    study = EvictStudy(gamma=args.gamma)
+    grid = None if args.no_needle else NeedleGrid(tuple(args.needle_lengths), tuple(args.needle_depths),
+                                                   args.needle_reps, args.needle_budget)
+    teacher, student = _pair(args)
+    tables = evict_tables(teacher, student, spec, RunStore(args.runs), study, grid,
+                          refresh=Periodic(max(2, spec.tokens // 4)), progress=not args.no_progress)
+    paths = write_evict(tables, args.out)
+    paths += [p for p in (render("evict_sawtooth", args.out), render("evict_needle", args.out)) if p is not None]
+    for name in ("evict_matched", "evict_needle"):
+        if (args.out / f"{name}.md").is_file():
+            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+    return paths
+
+
 # The main job: every table/figure, in order. Each entry: (name, handler).
-JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("refresh", cmd_refresh)]
+JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("refresh", cmd_refresh), ("evict", cmd_evict)]
 
 
 def cmd_all(args) -> list[Path]:
@@ -206,8 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
     p.set_defaults(fn=cmd_refresh)
+    p = sub.add_parser("evict", help="eviction: sawtooth figure, matched-memory table, needle-retrieval table")
+    _common(p, prompts=4, tokens=128)
+    _evict_args(p)
+    p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
     _common(p)
+    _evict_args(p)
+    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=4,
+                   help="prompts of the eviction job (the first of --prompts; it runs ~12 policies)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
