@@ -219,9 +219,19 @@ def cmd_bench(args) -> None:
         prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
+    elif args.what == "evict":
+        from .bench import bench_evict
+
+        if not 16 <= args.budget < args.cache_len:   # before any model loads
+            raise ValueError(f"--budget={args.budget} must be in [16, --cache-len={args.cache_len})")
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, budget=args.budget,
+                          repeats=args.repeats)
+        print(json.dumps(res.attrs["info"]))
+        print(res.to_string(index=False))
 
 
-BENCHES = ("decode", "refresh", "surgery", "mc")
+BENCHES = ("decode", "refresh", "surgery", "mc", "evict")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,11 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=BENCHES)
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
-                   help="default: decode 64, refresh 256, mc 64")
+                   help="default: decode 64, refresh 256, mc 64, evict 16")
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
-    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery: cache entries")
+    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
+    p.add_argument("--budget", type=positive_int("--budget"), default=512, help="evict: cache budget of each policy")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
     p.add_argument("--device", default=None)

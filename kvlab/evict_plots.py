@@ -88,3 +88,36 @@ def evict_needle_figure(tables):
         fig.colorbar(im, ax=list(axes), shrink=0.8, label="exact retrieval")
     fig.suptitle("Passkey retrieval under eviction (SmolLM2-135M-Instruct, greedy)")
     return fig
+
+
+def plot_confidence_trace(records, gamma: float, title: str = ""):
+    """A live run's Conf-KV confidence per step with γ, the budget it chose and the cache length
+    (records of a :class:`kvlab.decode.Decoding` with ``evict=ConfKV(...)``; not a registered figure).
+    Eviction steps are marked on the cache-length curve."""
+    Figure = _mpl()
+    fig = Figure(figsize=(11, 4.6))
+    ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.2])
+    steps = [r.step for r in records]
+    conf = [r.signals.get("confidence", float("nan")) for r in records]
+    budget = [r.signals.get("budget", float("nan")) for r in records]
+    ax.plot(steps, conf, color=_color("confkv", 0), lw=1.0, label="confidence")
+    ax.axhline(gamma, color="k", ls="--", lw=0.9, label=f"γ = {gamma:g}")
+    tight = [s for s, c in zip(steps, conf) if c >= gamma]
+    ax.scatter(tight, [1.01] * len(tight), marker="|", color="#444", s=30, label="confident → tight budget")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_ylabel("confidence")
+    ax.legend(fontsize=7, loc="lower left", ncol=3)
+    ax2.plot(steps, [r.cache_len for r in records], color=_color("confkv", 0), lw=1.3, drawstyle="steps-post",
+             label="cache entries")
+    ax2.plot(steps, budget, color="#555", lw=0.9, ls=":", drawstyle="steps-post", label="budget chosen")
+    ev = [r for r in records if r.evicted]
+    ax2.scatter([r.step for r in ev], [r.cache_len for r in ev], color=_color("confkv", 0), s=10, zorder=3,
+                label=f"eviction ({sum(r.evicted for r in ev)} entries in {len(ev)} events)")
+    ax2.set_ylabel("entries")
+    ax2.set_xlabel("decode step t")
+    ax2.legend(fontsize=7, loc="upper left")
+    for a in (ax, ax2):
+        a.grid(linestyle=":", linewidth=0.6)
+    fig.suptitle(title or "Conf-KV: confidence, γ and the budget")
+    fig.tight_layout()
+    return fig

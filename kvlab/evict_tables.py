@@ -204,9 +204,8 @@ class EvictStudy:
 # Conf-KV variants by constructor keyword (names agreed in team/EVICTION_API.md); a variant whose
 # keywords the installed ConfKV lacks is skipped.
 ABLATIONS = {
-    "confkv_recency": {"w_attention": 0.0},
-    "confkv_attention": {"w_attention": 1.0},
-    "confkv_random": {"ranker": "random"},
+    "confkv_recency": {"attn_weight": 0.0},
+    "confkv_attention": {"attn_weight": 1.0},
     "confkv_int8": {"int8_window": 32},
     "confkv_pyramidal": {"pyramidal": True},
 }
