@@ -7,7 +7,7 @@ from .figures import _mpl, figure
 
 EVICT_COLORS = {"full": "#222222", "sliding": "#1b9e77", "h2o": "#d95f02", "random": "#999999", "block": "#7570b3",
                 "confkv": "#e7298a", "confkv_recency": "#66a61e", "confkv_attention": "#e6ab02",
-                "confkv_random": "#a6761d", "confkv_int8": "#1f78b4", "confkv_pyramidal": "#fb9a99",
+                "random_rate": "#a6761d", "confkv_int8": "#1f78b4", "confkv_pyramidal": "#fb9a99",
                 "confkv+overfill+refresh": "#6a3d9a"}
 
 

@@ -220,26 +220,48 @@ def runs_of(teacher, spec: RunSpec, evict, store: RunStore) -> list[dict]:
     return [scored_run(teacher, None, p, _cfg(spec, i, evict), store) for i, p in enumerate(spec.prompts)]
 
 
+def eviction_rate(steps_list: Sequence[dict], budget: int) -> float:
+    """Conf-KV's per-step eviction probability where it *could* evict to ``budget``: events over steps
+    whose cache exceeded ``budget`` before the evict phase (``cache_len + evicted > budget``)."""
+    eligible = events = 0
+    for st in steps_list:
+        for n, e in zip(st["cache_len"], st["evicted"]):
+            if n + e > budget:
+                eligible += 1
+                events += e > 0
+    return events / eligible if eligible else 0.0
+
+
 def _mean_mb(results) -> float:
     return float(np.mean([run_memory(r["steps"])["mean_mb"] for r in results]))
 
 
 def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = EvictStudy(),
-                 progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Run the study; returns (per-run rows, per-policy info incl. the solver's probes)."""
+                 progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Run the study; returns (per-run rows, per-policy info incl. the solver's probes, name -> policy)."""
     from tqdm.auto import tqdm
 
     runs: dict[str, list[dict]] = {}
+    pols: dict[str, object] = {"full": None}
     info: list[dict] = []
     bar = tqdm(total=0, disable=not progress, desc="evict", unit="policy")
     runs["full"] = runs_of(teacher, spec, None, store)
     info.append({"policy": "full", "family": "full", "params": "", "matched_by": "reference"})
     for name, pol in study.ablations().items():
+        pols[name] = pol
         runs[name] = runs_of(teacher, spec, pol, store)
         info.append({"policy": name, "family": "confkv", "params": _params(pol),
                      "matched_by": "target" if name == "confkv" else "Conf-KV schedule"})
         bar.update()
     target = _mean_mb(runs["confkv"])
+    rate = eviction_rate([r["steps"] for r in runs["confkv"]], study.tight)
+    from .eviction import RandomEvict
+
+    rnd = RandomEvict(budget=study.tight, recent=study.protect, seed=0, rate=round(max(rate, 1e-3), 4))
+    runs["random_rate"] = runs_of(teacher, spec, rnd, store)
+    pols["random_rate"] = rnd
+    info.append({"policy": "random_rate", "family": "random_rate", "params": _params(rnd),
+                 "matched_by": f"Conf-KV eviction rate {rate:.3f}"})
     full_traj = [r["steps"]["cache_len"] for r in runs["full"]]
     mb_per_entry = _mean_mb(runs["full"]) / float(np.mean([np.mean(t) for t in full_traj]))
     for fam, (make, lo, hi) in study.families().items():
@@ -256,6 +278,7 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
 
         sol = solve_budget(measure, target, lo, hi, guess=guess, tol=study.tol)
         runs[fam] = cache[sol.knob]
+        pols[fam] = make(sol.knob)
         info.append({"policy": fam, "family": fam, "params": _params(make(sol.knob)), "matched_by": "solved budget",
                      "knob": sol.knob, "probes": ";".join(f"{k}:{v:.4f}" for k, v in sol.probes.items())})
         bar.update()
@@ -269,7 +292,7 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
     per_run = pd.DataFrame(rows)
     info = pd.DataFrame(info)
     info["target_mb"] = target
-    return per_run, info
+    return per_run, info, pols
 
 
 def _params(policy) -> str:
@@ -345,20 +368,16 @@ def sawtooth_frame(results: dict[str, dict], gamma: float | None = None) -> pd.D
     return pd.DataFrame(rows, columns=SAWTOOTH_COLS)
 
 
-def sawtooth_runs(teacher, student, spec: RunSpec, store: RunStore, study: EvictStudy, per_run_info: pd.DataFrame,
-                  refresh=None) -> dict[str, dict]:
-    """Prompt 0 under every policy of the matched study (stored runs, so free after the table),
-    plus Conf-KV on OverFill with a refresh policy (eviction composed with refresh) when given."""
-    from .eviction import EVICTION_POLICIES  # noqa: F401  (fails early without the package)
+SAWTOOTH_POLICIES = ("full", "sliding", "h2o", "random", "block", "confkv")
 
-    out = {"full": scored_run(teacher, None, spec.prompts[0], _cfg(spec, 0, None), store)}
-    pols = dict(study.ablations())
-    fams = study.families()
-    for r in per_run_info.itertuples():
-        if r.family in fams and not (isinstance(r.knob, float) and math.isnan(r.knob)):
-            pols[r.policy] = fams[r.family][0](int(r.knob))
-    for name, pol in pols.items():
-        out[name] = scored_run(teacher, None, spec.prompts[0], _cfg(spec, 0, pol), store)
+
+def sawtooth_runs(teacher, student, spec: RunSpec, store: RunStore, policies: dict, study: EvictStudy,
+                  names: Sequence[str] = SAWTOOTH_POLICIES, refresh=None) -> dict[str, dict]:
+    """Prompt 0 under the named policies of the matched study (``policies``: name -> policy, as
+    :func:`matched_runs` returns; stored runs, so free after the table), plus Conf-KV on OverFill
+    with a refresh policy (eviction composed with refresh) when ``refresh`` and a student are given."""
+    out = {n: scored_run(teacher, None, spec.prompts[0], _cfg(spec, 0, policies[n]), store)
+           for n in names if n in policies}
     if refresh is not None and student is not None:
         cfg = DecodeConfig(mode="overfill", max_new_tokens=spec.tokens, sampling=spec.sampling_for(0),
                            evict=study.confkv(), refresh=refresh)
@@ -391,9 +410,9 @@ def evict_tables(teacher, student, spec: RunSpec, store: RunStore, study: EvictS
     """Every table of ``python -m kvlab evict`` from stored runs (computed where missing)."""
     from . import needle
 
-    per_run, info = matched_runs(teacher, spec, store, study, progress)
+    per_run, info, pols = matched_runs(teacher, spec, store, study, progress)
     tables = {"evict_matched": matched_table(per_run, info), "evict_matched_runs": per_run}
-    saw = sawtooth_runs(teacher, student, spec, store, study, info, refresh=refresh)
+    saw = sawtooth_runs(teacher, student, spec, store, pols, study, refresh=refresh)
     tables["evict_sawtooth"] = sawtooth_frame(saw, gamma=study.gamma)
     if grid is not None:
         cases = needle.make_cases(teacher.tokenizer, grid.lengths, grid.depths, grid.reps, grid.seed)
@@ -419,5 +438,5 @@ def write_evict(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
 
 
 __all__ = ["EvictStudy", "Solved", "solve_budget", "capped_mean", "invert_capped", "run_memory", "matched_runs",
-           "matched_table", "paired_ci", "sawtooth_frame", "sawtooth_runs", "write_evict",
+           "matched_table", "paired_ci", "eviction_rate", "sawtooth_frame", "sawtooth_runs", "write_evict",
            "NeedleGrid", "evict_tables"]
