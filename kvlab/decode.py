@@ -22,26 +22,46 @@ Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is
    last refresh, or a probe that caught it up). It prefills only ``Δ = y_{s+1..t}`` — which
    includes ``y_t`` — and now holds ``x, y_≤t``; its last logits are ``p_T(· | x, y_≤t)``.
    Teacher tokens of the refresh = ``|Δ|``.
-2. **Rewritten positions.** ``k = min(W, t - t_prev)`` where ``t_prev`` is the previous refresh
-   step (0 at the start): the positions ``P = L+t-k .. L+t-1`` of ``y_{t-k+1} .. y_t`` — the
-   entries the student wrote since the last refresh, capped by the window.
+2. **Rewritten positions.** The loop keeps a *frontier* ``f``: every generated entry ``y_≤f``
+   of the student cache has been offered to a refresh already, the entries ``y_{f+1..}`` are the
+   student's since then (``f = 0`` at the start, so OverFill's ``y_1`` — written by the student at
+   step 2 — is included). A refresh rewrites the stale entries ``y_{f+1..e}``, capped to their last
+   ``W`` (``window``), where ``e`` is the newest entry the student cache holds or receives in the
+   refresh: ``e = t`` for ``"teacher"``/``"student"``, ``e = t - 1`` for ``"rerun"`` (``y_t``'s
+   entry is written by the student's next step). Then ``f = e``. So with an unbounded window every
+   generated entry up to ``e`` is teacher-written after a refresh (seed 000: ``C_t ←
+   Prefill_T([x; y≤t])``), and the entry ``"rerun"`` leaves to the student at one refresh is
+   rewritten at the next (a refresh at every step, ``k = 1``, rewrites ``y_{t-1}``).
 3. **Splice + next token**, by ``DecodeConfig.refresh_next``. Because the student cache lags by
    one entry (it holds ``x, y_<t`` when ``y_t`` is emitted), the three variants differ on ``y_t``:
 
-   * ``"teacher"`` — the student cache gets the teacher's entries at ``P`` (``splice_positions``
-     for ``y_{t-k+1..t-1}``, ``append_from`` for ``y_t``) and ``y_{t+1}`` is drawn from the
-     teacher's delta-prefill logits (free). The student skips its forward on ``y_t``.
+   * ``"teacher"`` — the student cache gets the teacher's entries (``splice_positions`` for the
+     stale ``y_{..t-1}``, ``append_from`` for ``y_t``) and ``y_{t+1}`` is drawn from the teacher's
+     delta-prefill logits (free). The student skips its forward on ``y_t``.
    * ``"student"`` — the student runs its ordinary step on ``y_t`` first (over the unrefreshed
-     cache), then ``splice_last(teacher_cache, k)`` rewrites all of ``P``; ``y_{t+1}`` is drawn
-     from those (pre-refresh) student logits.
-   * ``"rerun"`` (default; the blog's loop with its off-by-one fixed) — the teacher's entries are
-     spliced at ``P`` minus ``y_t``'s position; the student's next step runs on ``y_t`` over the
-     refreshed prefix, so ``y_t``'s entry is the student's and ``y_{t+1}`` comes from fresh
-     student logits. (Identical to splicing all of ``P`` and re-running the student on ``y_t``,
-     without the discarded pass.) ``k - 1`` entries are rewritten.
+     cache), then the stale entries ``y_{f+1..t}`` are spliced; ``y_{t+1}`` is drawn from those
+     (pre-refresh) student logits.
+   * ``"rerun"`` (default; the blog's loop with its off-by-one fixed) — the stale entries
+     ``y_{f+1..t-1}`` are spliced; the student's next step runs on ``y_t`` over the refreshed
+     prefix, so ``y_{t+1}`` comes from fresh student logits. ``y_t``'s student entry is stale and
+     becomes part of the next refresh's span.
 
-   In ``"teacher"`` and ``"student"`` the student cache equals the teacher cache over ``P``
-   entry by entry afterwards, and the ledger says ``writer="teacher"`` there.
+   After a refresh the student cache equals the teacher cache over the rewritten entries, entry by
+   entry, and the ledger says ``writer="teacher"`` there; ``record.spliced`` counts them.
+
+Eviction (issue 9; every mode). ``DecodeConfig.evict`` is an eviction policy (:mod:`kvlab.eviction`;
+protocol in :mod:`kvlab.eviction.base`). Its phase runs last in each step, after the refresh: the
+policy sees the decoding cache (``x, y_<t``, or ``x, y_≤t`` after a ``"teacher"``/``"student"``
+refresh) and the step's record, returns the slots to keep, and the cache removes the rest
+(:meth:`KVCache.evict`, survivors keep their absolute positions unless the policy re-rotates), then
+stores entries older than the policy's INT8 window as INT8. Policies that ``needs_attention`` get
+the attention mass of every decoder forward (prefill included) from the cache's removable query
+hooks; others cost nothing extra. Only the decoding cache is evicted (the teacher's own cache in
+overfill mode is the refresh's helper). With refresh, a refresh splices only the positions of its
+span that are still live in the student cache — evicted positions stay evicted (``spliced``
+counts what was rewritten); re-rotating eviction (which moves positions) is refused with refresh.
+Records: ``cache_len`` / ``cache_bytes`` after the step, ``evicted``, and the policy's
+``confidence`` / ``budget`` in ``signals``.
 
 Each record carries the cost: ``teacher_tokens`` (probe + refresh prefill at this step),
 ``probe_tokens``, ``spliced`` (entries rewritten), ``teacher_s``; ``wall_s`` includes them.
@@ -60,6 +80,7 @@ import torch
 
 from .cache import KVCache
 from .compat import IncompatiblePairError, kv_compat
+from .eviction.base import EvictView, validate_evict
 from .refresh import PROBES, ProbeContext, policy_dict, validate_policy
 
 MODES = ("teacher", "student", "overfill")
@@ -99,6 +120,7 @@ class DecodeConfig:
     rebuild_student_cache: bool = False  # overfill with an incompatible pair: student prefills from text
     refresh: Any = None           # a refresh policy (kvlab.policies) or None; overfill only
     refresh_next: str = "rerun"   # who picks the token after a refresh: "rerun" | "student" | "teacher"
+    evict: Any = None             # an eviction policy (kvlab.eviction) or None; every mode
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -117,10 +139,18 @@ class DecodeConfig:
                 raise ValueError("refresh splices teacher K/V into the student cache, which needs the same KV "
                                  "geometry; rebuild_student_cache=True means it differs")
             validate_policy(self.refresh)
+        if self.evict is not None:
+            validate_evict(self.evict)
+            if getattr(self.evict, "rerotate", False) and self.refresh is not None:
+                raise ValueError("evict.rerotate=True moves the student's entries to new positions, but a refresh "
+                                 "splices teacher entries by absolute position; use rerotate=False with refresh")
 
     def to_dict(self) -> dict:
-        d = asdict(replace(self, refresh=None))
+        d = asdict(replace(self, refresh=None, evict=None))
         d["refresh"] = policy_dict(self.refresh)
+        del d["evict"]
+        if self.evict is not None:      # absent when None: stored-run keys of runs without eviction stay valid
+            d["evict"] = policy_dict(self.evict)
         return d
 
 
@@ -163,7 +193,7 @@ class StepRecord:
     entropy_bits: float  # entropy of that distribution, bits
     top1_prob: float
     margin: float        # p(top1) - p(top2)
-    cache_len: int       # decoding cache entries when the distribution was computed
+    cache_len: int       # decoding cache entries after this step (after its evict phase)
     source: str          # which model produced the distribution ("teacher"/"student")
     refreshed: bool      # a refresh happened after this step
     evicted: int         # cache entries evicted at this step
@@ -177,6 +207,7 @@ class StepRecord:
     probe_tokens: int = 0        # of which for the probe
     teacher_s: float = 0.0       # teacher compute time at this step
     probe_cost: tuple = ()       # the probe's cost counters, (name, value) pairs
+    cache_bytes: int = 0         # real bytes of the decoding cache's K/V after this step (INT8 counted as such)
 
 
 
@@ -312,67 +343,28 @@ class Decoding:
         return next(iter(self))
 
     def _steps(self) -> Iterator[StepRecord]:
+        """The loop, as named phases per step: advance (the decoder's forward on ``y_{t-1}``, or
+        the logits a refresh left), score (choose ``y_t``, build the record), probe, refresh,
+        evict. Each phase is a method; policies enter only through their protocols."""
         cfg = self.config
         dev = self.decoder.device
-        gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
-        tok = self.decoder.tokenizer
-        policy = cfg.refresh
-        probe = getattr(policy, "probe", None) if policy is not None else None
-        probe_every = getattr(policy, "probe_every", 1)
-
+        self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
         t0 = time.perf_counter()
         first = self.first_step
-        if self._resume is not None:        # continue on an existing cache (see Decoding.resume)
-            cache, last_token, logits = self._resume
-            if last_token is not None:
-                logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1)
-        else:
-            cache, logits = KVCache.prefill(self.prefiller.model, self.prompt_ids, writer=self.prefill_name)
-        if cfg.mode == "overfill":
-            self.teacher_cache = cache
-            self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
-            if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
-                cache, _ = KVCache.prefill(self.student.model, self.prompt_ids, writer="student")
-            else:
-                cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
-        self.cache = cache
+        logits = self._start()
+        self._pending = None       # (logits, source) for the next step, left by a refresh
+        self._last_refresh = first - 1
+        self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
         source = self.prefill_name
-        pending = None       # (logits, source) for the next step, left by a refresh
-        last_refresh = first - 1
         for step in range(first, first + cfg.max_new_tokens):
             if step > first:
                 t0 = time.perf_counter()
-                if pending is not None:
-                    logits, source = pending
-                    pending = None
-                else:
-                    prev = self.tokens[-1]
-                    logits = cache.forward(self.decoder.model, [prev], writer=self.decoder_name, step=step - 1)
-                    source = self.decoder_name
-            logp, ent, top1, margin = token_stats(logits)
-            token_id = choose(logits, cfg.sampling, gen)
-            if cfg.keep_dists:
-                self.dists.append(logp.cpu())
-            self.tokens.append(token_id)
-            rec = StepRecord(
-                step=step, token_id=token_id, token=tok.decode([token_id]), position=cache.next_position,
-                logprob=float(logp[token_id]), entropy_bits=ent, top1_prob=top1, margin=margin,
-                cache_len=len(cache), source=source, refreshed=False, evicted=0,
-                wall_s=0.0, elapsed_s=0.0, since_refresh=step - last_refresh)
+                logits, source = self._advance(step)
+            rec = self._score(step, logits, source)
             self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
-            if policy is not None:
-                if probe is not None and step % probe_every == 0:
-                    res = PROBES[probe](ProbeContext(
-                        teacher=self.teacher, student=self.student, cache=cache, teacher_cache=self.teacher_cache,
-                        prompt_ids=tuple(self.prompt_ids), tokens=tuple(self.tokens), logits=logits, step=step,
-                        config=cfg, teacher_logits=self._teacher_upto))
-                    rec = replace(rec, probed=True, signals=Signals(res.signals),
-                                  probe_tokens=self._acc["teacher_tokens"],
-                                  probe_cost=tuple(sorted((str(k), float(v)) for k, v in res.cost.items())))
-                if step < first + cfg.max_new_tokens - 1 and policy.should_refresh(rec):
-                    spliced, pending = self._refresh(step, last_refresh)
-                    last_refresh = step
-                    rec = replace(rec, refreshed=True, spliced=spliced)
+            rec = self._probe(rec, logits)
+            rec = self._refresh_phase(rec)
+            rec = self._evict(rec, logits)
             _sync(dev)
             wall = time.perf_counter() - t0
             self.elapsed_s += wall
@@ -381,8 +373,112 @@ class Decoding:
             rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
                           teacher_s=self._acc["teacher_s"])
             yield rec
-            if token_id in self.eos_ids and not cfg.ignore_eos:
+            if rec.token_id in self.eos_ids and not cfg.ignore_eos:
                 return
+
+    @property
+    def _needs_attention(self) -> bool:
+        ev = self.config.evict
+        return ev is not None and bool(getattr(ev, "needs_attention", False))
+
+    def _track(self, cache: KVCache) -> None:
+        if self._needs_attention:
+            cache.track_attention(getattr(self.config.evict, "ema_decay", 0.9))
+
+    def _start(self) -> torch.Tensor:
+        """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""
+        cfg, first = self.config, self.first_step
+        attn = self._needs_attention
+        if self._resume is not None:        # continue on an existing cache (see Decoding.resume)
+            cache, last_token, logits = self._resume
+            self._track(cache)
+            if last_token is not None:
+                logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1,
+                                       attention=attn)
+        else:
+            cache = KVCache()
+            self._track(cache)
+            logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
+                                   attention=attn)
+        if cfg.mode == "overfill":
+            self.teacher_cache = cache
+            self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
+            if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
+                cache = KVCache()
+                self._track(cache)
+                cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
+            else:
+                cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
+        self.cache = cache
+        return logits
+
+    def _advance(self, step: int) -> tuple[torch.Tensor, str]:
+        """Phase 1: the logits of step ``step`` — a refresh's pending ones, or the decoder's
+        forward on ``y_{step-1}`` (with attention mass when the eviction policy needs it)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return pending
+        logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name, step=step - 1,
+                                    attention=self._needs_attention)
+        return logits, self.decoder_name
+
+    def _score(self, step: int, logits: torch.Tensor, source: str) -> StepRecord:
+        """Phase 2: choose ``y_step`` and build its record."""
+        cfg, cache = self.config, self.cache
+        logp, ent, top1, margin = token_stats(logits)
+        token_id = choose(logits, cfg.sampling, self._gen)
+        if cfg.keep_dists:
+            self.dists.append(logp.cpu())
+        self.tokens.append(token_id)
+        return StepRecord(
+            step=step, token_id=token_id, token=self.decoder.tokenizer.decode([token_id]),
+            position=cache.next_position, logprob=float(logp[token_id]), entropy_bits=ent, top1_prob=top1,
+            margin=margin, cache_len=len(cache), source=source, refreshed=False, evicted=0,
+            wall_s=0.0, elapsed_s=0.0, since_refresh=step - self._last_refresh)
+
+    def _probe(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
+        """Phase 3: the refresh policy's probe, when one is due (signals go on the record)."""
+        cfg = self.config
+        policy = cfg.refresh
+        probe = getattr(policy, "probe", None) if policy is not None else None
+        if probe is None or rec.step % getattr(policy, "probe_every", 1) != 0:
+            return rec
+        res = PROBES[probe](ProbeContext(
+            teacher=self.teacher, student=self.student, cache=self.cache, teacher_cache=self.teacher_cache,
+            prompt_ids=tuple(self.prompt_ids), tokens=tuple(self.tokens), logits=logits, step=rec.step,
+            config=cfg, teacher_logits=self._teacher_upto))
+        return replace(rec, probed=True, signals=Signals(res.signals), probe_tokens=self._acc["teacher_tokens"],
+                       probe_cost=tuple(sorted((str(k), float(v)) for k, v in res.cost.items())))
+
+    def _refresh_phase(self, rec: StepRecord) -> StepRecord:
+        """Phase 4: ask the refresh policy; refresh (never after the last step)."""
+        cfg = self.config
+        if cfg.refresh is None or rec.step >= self.first_step + cfg.max_new_tokens - 1 \
+                or not cfg.refresh.should_refresh(rec):
+            return rec
+        spliced, self._pending = self._refresh(rec.step)
+        self._last_refresh = rec.step
+        return replace(rec, refreshed=True, spliced=spliced)
+
+    def _evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
+        """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
+        INT8 storage of older entries if the policy asks. Records the cache after the step."""
+        cache, policy = self.cache, self.config.evict
+        evicted = 0
+        signals = rec.signals
+        if policy is not None and len(cache):
+            view = EvictView(step=rec.step, length=len(cache), positions=tuple(cache.positions), record=rec,
+                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.attn)
+            decision = policy.keep(view)
+            drop = decision.dropped(len(cache))
+            if drop:
+                rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate)
+                evicted = rep.evicted
+            if decision.int8_window is not None:
+                cache.quantize_older(decision.int8_window, decision.int8_group)
+            if decision.signals():
+                signals = Signals({**signals.to_dict(), **decision.signals()})
+        return replace(rec, cache_len=len(cache), cache_bytes=cache.nbytes(), evicted=evicted, signals=signals)
 
     def _teacher_upto(self, n: int) -> torch.Tensor:
         """Extend the teacher's own cache to hold ``x, y_≤n`` (prefilling only what it lacks) and
@@ -402,25 +498,31 @@ class Decoding:
             self._acc["teacher_tokens"] += n - have
         return self._teacher_logits
 
-    def _refresh(self, t: int, last_refresh: int):
+    def _refresh(self, t: int) -> tuple[int, tuple | None]:
         """Refresh after ``y_t`` (see the module docstring). Returns (entries rewritten, pending)."""
         cfg, cache, tc = self.config, self.cache, self.teacher_cache
         L = len(self.prompt_ids)
         window = getattr(cfg.refresh, "window", None)
-        since = t - last_refresh
-        k = since if window is None else min(window, since)
         t_logits = self._teacher_upto(t)                          # Δ = y_{s+1..t}; teacher holds x, y_≤t
-        span = list(range(L + t - k, L + t))                      # positions of y_{t-k+1} .. y_t
+        end = t - 1 if cfg.refresh_next == "rerun" else t         # newest entry rewritten now
+        first = self._frontier + 1 if window is None else max(self._frontier + 1, end - window + 1)
+        span = list(range(L + first - 1, L + end))                # positions of y_first .. y_end
+        self._frontier = max(self._frontier, end)
+        # eviction: only positions still live in the student cache are spliced; evicted ones stay evicted
         if cfg.refresh_next == "teacher":
-            cache.splice_positions(tc, span[:-1])
+            live = cache.slots_at(span[:-1])
+            cache.splice_positions(tc, [p for p in span[:-1] if p in live])
             cache.append_from(tc, 1)                              # y_t: the entry the student lacked
-            return k, (t_logits, "teacher")
+            return len(live) + 1, (t_logits, "teacher")
         if cfg.refresh_next == "student":
-            logits = cache.forward(self.student.model, [self.tokens[-1]], writer="student", step=t)
-            cache.splice_last(tc, k)                              # both caches end on y_t now
-            return k, (logits, "student")
-        cache.splice_positions(tc, span[:-1])                     # "rerun": y_t's entry comes next step
-        return k - 1, None
+            logits = cache.forward(self.student.model, [self.tokens[-1]], writer="student", step=t,
+                                   attention=self._needs_attention)
+            live = cache.slots_at(span)
+            cache.splice_positions(tc, [p for p in span if p in live])   # both caches end on y_t now
+            return len(live), (logits, "student")
+        live = cache.slots_at(span)
+        cache.splice_positions(tc, [p for p in span if p in live])       # "rerun": y_t's entry comes next step
+        return len(live), None
 
 
 def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: torch.Tensor | None = None,

@@ -53,9 +53,8 @@ def run_config(teacher, student, prompt: str, cfg: DecodeConfig, extra: dict | N
 def records_columns(records) -> dict:
     """Per-step records as compact columns (what figures of traces need)."""
     keep = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source",
-            "refreshed", "evicted", "wall_s", "spliced", "teacher_tokens", "probe_tokens", "probed")
+            "refreshed", "evicted", "cache_bytes", "wall_s", "spliced", "teacher_tokens", "probe_tokens", "probed")
     rows = [asdict(r) for r in records]
-    keep += tuple(k for k in ("cache_bytes",) if rows and k in rows[0])   # eviction records (issue 9)
     out = {k: [r[k] for r in rows] for k in keep}
     out["signals"] = [dict(r.signals) for r in records]
     return out

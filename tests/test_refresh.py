@@ -40,30 +40,76 @@ def _writers_at(cache, positions):
 def test_refresh_rewrites_exactly_the_span_with_teacher_entries(tiny_teacher, tiny_student, nxt, W):
     d = Decoding(tiny_teacher, tiny_student, PROMPT, _cfg(Periodic(6, W=W), nxt, n=20))
     L = len(d.prompt_ids)
-    prev, seen = 0, 0
+    frontier, seen = 0, 0
     for rec in d:
         d.cache.check()
         if not rec.refreshed:
             continue
         seen += 1
         t = rec.step
-        k = t - prev if W is None else min(W, t - prev)
-        span = list(range(L + t - k, L + t))               # positions of y_{t-k+1} .. y_t
+        end = t - 1 if nxt == "rerun" else t                # rerun: y_t's entry comes from the next step
+        first = frontier + 1 if W is None else max(frontier + 1, end - W + 1)
+        span = list(range(L + first - 1, L + end))          # positions of y_first .. y_end
         assert d.teacher_cache.next_position == L + t      # teacher holds x, y_<=t
         assert d.teacher_cache.token_ids[L:] == d.tokens
-        if nxt == "rerun":                                 # y_t's entry comes from the student's next step
-            assert len(d.cache) == L + t - 1 and rec.spliced == k - 1
-            span = span[:-1]
-        else:
-            assert len(d.cache) == L + t and rec.spliced == k
+        assert len(d.cache) == (L + t - 1 if nxt == "rerun" else L + t)
+        assert rec.spliced == len(span)
         for (sk, sv), (tk, tv) in zip(_kv_at(d.cache, span), _kv_at(d.teacher_cache, span)):
             assert torch.equal(sk, tk) and torch.equal(sv, tv)
         assert _writers_at(d.cache, span) == ["teacher"] * len(span)
-        # entries the window left alone stay the student's
-        rest = list(range(L + prev, L + t - k))
+        # stale entries the window left alone stay the student's
+        rest = list(range(L + frontier, L + first - 1))
         assert set(_writers_at(d.cache, rest)) <= {"student"}
-        prev = t
+        frontier = end
     assert seen == 3
+
+
+def _generated_writers(d):
+    """Writer of every generated entry in the student cache, as a string (T = teacher, s = student)."""
+    L = len(d.prompt_ids)
+    return "".join("T" if w == "teacher" else "s" for w in d.cache.writers[L:])
+
+
+@pytest.mark.parametrize("nxt", NEXT)
+@pytest.mark.parametrize("policy", [Periodic(6), Speculative(1), Periodic(1), Periodic(4, W=2)],
+                         ids=["periodic6", "speculative1", "periodic1", "periodic4_W2"])
+def test_every_slot_up_to_the_frontier_is_teacher_written(tiny_teacher, tiny_student, nxt, policy):
+    """Seed 000: C_t <- Prefill_T([x; y<=t]) (or its last W entries). After a refresh with an unbounded
+    window every generated entry the student cache holds up to the refresh's end is the teacher's; the
+    entry "rerun" leaves to the student at one boundary is rewritten at the next; k = 1 splices."""
+    d = Decoding(tiny_teacher, tiny_student, PROMPT, _cfg(policy, nxt, n=19))
+    L = len(d.prompt_ids)
+    W = policy.window
+    refreshes = last_end = 0
+    for rec in d:
+        if not rec.refreshed:
+            continue
+        refreshes += 1
+        t = rec.step
+        end = last_end = t - 1 if nxt == "rerun" else t
+        writers = _generated_writers(d)
+        assert len(writers) == (t - 1 if nxt == "rerun" else t)
+        if W is None:
+            assert writers[:end] == "T" * end, (t, writers)
+        else:
+            assert writers[max(0, end - W):end] == "T" * min(W, end), (t, writers)
+        if t >= 2:
+            assert rec.spliced >= 1, f"refresh at step {t} spliced nothing but spent {rec.teacher_tokens} teacher tokens"
+    assert refreshes >= 3
+    if W is None:     # the final cache: everything the last refresh covered is teacher-written
+        final = _generated_writers(d)
+        assert "s" not in final[:last_end]
+
+
+def test_periodic6_writer_pattern_has_no_student_boundary_entries(tiny_teacher, tiny_student):
+    """The regression of issue 8: rerun used to leave every boundary entry student-written (TTTTTsTTTTTs)."""
+    pats = {}
+    for nxt in NEXT:
+        d = Decoding(tiny_teacher, tiny_student, PROMPT, _cfg(Periodic(6), nxt, n=19))
+        list(d)
+        pats[nxt] = _generated_writers(d)
+    assert pats["teacher"][:18] == "T" * 18 and pats["student"][:18] == "T" * 18
+    assert pats["rerun"][:17] == "T" * 17          # y_18's entry belongs to the next (never-run) refresh
 
 
 @pytest.mark.parametrize("nxt", NEXT)

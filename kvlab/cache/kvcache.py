@@ -16,14 +16,32 @@ this module reads ``cache.layers[i].keys``: a transformers cache-API change brea
 Surgery (seed 004, "Step 4"): :meth:`KVCache.apply` executes an action list — ``delete``,
 ``insert``, ``replace_pair``, ``add`` — as one tick; :meth:`delete`, :meth:`insert`,
 :meth:`append` are one-action ticks. See :meth:`KVCache.apply` for the position semantics.
+
+Eviction (issue 9): :meth:`KVCache.evict` removes entries by slot from every layer, the live
+map and the per-entry attention statistics in one call (event ``evicted``); survivors keep their
+absolute positions unless ``rerotate=True``, which moves them to consecutive positions by
+rotating their post-RoPE keys (:meth:`reposition`, :mod:`.rope`). :meth:`quantize_older` moves
+entries older than an FP window to INT8 storage (:mod:`.int8`); the model still sees an ordinary
+``DynamicCache`` because every forward materializes the dequantized prefix for its duration.
+
+One live set for all layers. Per-layer (pyramidal) lengths were tried against transformers
+5.x: with ragged layers a one-token decode step works only under ``sdpa`` (its causal mask is
+skipped); ``eager`` fails (the mask is sized from layer 0), and every multi-token forward
+(surgery inserts, rebuilds, prefills over a cache) fails under both, because one mask sized
+by layer 0's length is shared by all layers. The mirror (ledger, live map, refresh splices by
+position) is also shared. So every layer keeps the same entries; see
+``tests/test_eviction_cache.py::test_ragged_layers_break_transformers_masks``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .attention import QueryCapture
+from .int8 import Int8Layer
 from .ledger import EventLog, Ledger, Row
 from .plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS, SPLICE_MODES, SurgeryError, TickPlan, TickReport, plan_actions
 
@@ -41,8 +59,11 @@ class KVCache:
         self.ledger = ledger if ledger is not None else Ledger()
         self.live: list[int] = live if live is not None else []
         self.next_position = int(next_position)
-        self.events = EventLog()   # append-only surgery history (see ledger_status)
-        self.ticks = 0             # surgery ticks attempted
+        self.events = EventLog()   # append-only edit history: surgery ticks and evictions (see ledger_status)
+        self.ticks = 0             # edit ticks attempted (surgery and eviction)
+        self._int8: list[Int8Layer] | None = None   # the oldest n_int8 slots of every layer, INT8
+        self.attn: dict[str, torch.Tensor] | None = None  # per-entry attention stats (track_attention)
+        self.ema_decay: float | None = None
         self.check()
 
     # ------------------------------------------------------------------ introspection
@@ -55,7 +76,12 @@ class KVCache:
         return len(self._hf.layers)
 
     def layer_lengths(self) -> list[int]:
-        return [_layer_len(layer) for layer in self._hf.layers]
+        return [self.n_int8 + _layer_len(layer) for layer in self._hf.layers]
+
+    @property
+    def n_int8(self) -> int:
+        """Entries (the oldest slots, same on every layer) held in INT8 storage."""
+        return len(self._int8[0]) if self._int8 else 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -82,35 +108,50 @@ class KVCache:
             if not isinstance(layer, DynamicLayer) or type(layer).__name__ != "DynamicLayer":
                 raise TypeError(f"layer {i} is {type(layer).__name__}; kvlab supports full-attention "
                                 "DynamicLayer caches only")
-            n = _layer_len(layer)
+            n = self.n_int8 + _layer_len(layer)
             if n != len(self.live):
                 raise AssertionError(f"cache/ledger out of step: layer {i} holds {n} entries, live map {len(self.live)}")
             if n and layer.keys.shape[0] != 1:
                 raise AssertionError(f"layer {i} has batch {layer.keys.shape[0]}; KVCache holds one sequence")
         if self.live and (min(self.live) < 0 or max(self.live) >= len(self.ledger)):
             raise AssertionError("live map points outside the ledger")
+        if self._int8 is not None and any(len(q) != self.n_int8 for q in self._int8):
+            raise AssertionError("INT8 stores of the layers hold different numbers of entries")
+        if self.attn is not None:
+            for name, t in self.attn.items():
+                if t.shape[-1] != len(self.live):
+                    raise AssertionError(f"attention stat {name!r} has {t.shape[-1]} entries, live map {len(self.live)}")
 
     def nbytes(self) -> int:
-        """Bytes held by K and V tensors over all layers."""
+        """Real bytes of K/V storage over all layers: the FP tensors at their dtype plus the INT8
+        entries with their scales and group ids (:mod:`.int8`). Attention statistics are not K/V
+        (see :meth:`meta_nbytes`)."""
         total = 0
         for layer in self._hf.layers:
             if _layer_len(layer):
                 total += layer.keys.numel() * layer.keys.element_size()
                 total += layer.values.numel() * layer.values.element_size()
+        for q in self._int8 or ():
+            total += q.nbytes()
         return total
+
+    def meta_nbytes(self) -> int:
+        """Bytes of the per-entry attention statistics kept for eviction policies."""
+        return sum(t.numel() * t.element_size() for t in (self.attn or {}).values())
 
     def geometry(self) -> dict:
         """Layers, KV heads, head dim, dtype of the stored tensors (empty dict before the first write)."""
-        layers = [layer for layer in self._hf.layers if _layer_len(layer)]
-        if not layers:
+        if not len(self) or not self.num_layers:
             return {}
-        b, h, _, d = layers[0].keys.shape  # (B, H_kv, T, D)
-        return {"layers": len(self._hf.layers), "kv_heads": h, "head_dim": d, "dtype": str(layers[0].keys.dtype)}
+        keys = self._hf.layers[0].keys
+        b, h, _, d = keys.shape  # (B, H_kv, T, D)
+        return {"layers": len(self._hf.layers), "kv_heads": h, "head_dim": d, "dtype": str(keys.dtype)}
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read-only copies of one layer's (keys, values), each (B, H_kv, T, D), for analysis."""
-        lay = self._hf.layers[layer]
-        return lay.keys.detach().clone(), lay.values.detach().clone()
+        """Read-only copies of one layer's (keys, values), each (B, H_kv, T, D), for analysis
+        (INT8 entries dequantized)."""
+        k, v = self._full_kv(layer)
+        return k.detach().clone(), v.detach().clone()
 
     def to_frame(self):
         """The live map as a DataFrame: slot, ledger row, token id, position, writer, step."""
@@ -136,13 +177,20 @@ class KVCache:
 
     @torch.inference_mode()
     def forward(self, model, token_ids: Sequence[int] | torch.Tensor, *, writer: str, step: int = -1,
-                positions: Sequence[int] | None = None, logits: str = "last") -> torch.Tensor:
+                positions: Sequence[int] | None = None, logits: str = "last", attention: bool = False) -> torch.Tensor:
         """Run ``model`` on ``token_ids`` over this cache, appending their K/V (prefill or decode step).
 
         Positions default to ``next_position, next_position+1, …`` and are passed explicitly as
         ``position_ids``. Returns logits ``(n, V)`` for ``logits="all"`` or ``(V,)`` for ``"last"``.
         On error the cache and ledger are rolled back to their state before the call.
+
+        ``attention=True`` (needs :meth:`track_attention` first) also measures this forward's
+        attention mass over every entry (:class:`~kvlab.cache.attention.QueryCapture`: hooks for
+        this call only) and folds it into :attr:`attn`. INT8 entries are dequantized into the
+        ``DynamicCache`` for the duration of the forward and dropped again afterwards.
         """
+        if attention and self.attn is None:
+            raise ValueError("attention=True needs cache.track_attention(ema_decay) first")
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = ids.numel()
         if n == 0:
@@ -157,15 +205,29 @@ class KVCache:
         device = next(model.parameters()).device
         before = len(self.live)
         n_rows = len(self.ledger)
+        nq = self.n_int8
         try:
-            out = model(input_ids=ids.to(device).view(1, n),                       # (1, n)
-                        position_ids=torch.tensor([positions], device=device),     # (1, n)
-                        past_key_values=self._hf, use_cache=True,
-                        logits_to_keep=0 if logits == "all" else 1)
+            self._materialize()
+            if attention:
+                with QueryCapture(model) as cap:
+                    out = model(input_ids=ids.to(device).view(1, n),                   # (1, n)
+                                position_ids=torch.tensor([positions], device=device),
+                                past_key_values=self._hf, use_cache=True,
+                                logits_to_keep=0 if logits == "all" else 1)
+                mass = cap.mass(lambda i: self._hf.layers[i].keys, n)                   # (L, T)
+            else:
+                out = model(input_ids=ids.to(device).view(1, n),                       # (1, n)
+                            position_ids=torch.tensor([positions], device=device),     # (1, n)
+                            past_key_values=self._hf, use_cache=True,
+                            logits_to_keep=0 if logits == "all" else 1)
+                mass = None
+            self._dematerialize(nq)
             rows = self.ledger.append(ids.tolist(), positions, writer, step)
             self.live.extend(rows)
+            self._meta_append(n, mass)
             self.check()
         except BaseException:
+            self._dematerialize(nq)
             self._rollback_append(before, n_rows)
             raise
         self.next_position = max(self.next_position, max(positions) + 1)
@@ -225,9 +287,12 @@ class KVCache:
                 raise ValueError(f"splice_last: entries differ (token {led.token_id[a]}@{led.position[a]} vs "
                                  f"{sled.token_id[b]}@{sled.position[b]}); both caches must end on the same tokens")
         self._check_geometry(src)
-        for dst, s in zip(self._hf.layers, src._hf.layers):
-            dst.keys[:, :, -k:, :] = s.keys[:, :, -k:, :].to(dst.keys.dtype)      # (1, H_kv, k, D)
-            dst.values[:, :, -k:, :] = s.values[:, :, -k:, :].to(dst.values.dtype)
+        n = len(self)
+        di = list(range(n - k, n))
+        si = list(range(len(src) - k, len(src)))
+        for i in range(self.num_layers):
+            sk, sv = src._read_slots(i, si)                                        # (1, H_kv, k, D)
+            self._write_slots(i, di, sk, sv)
         self.live[-k:] = [led.copy_row(sled, b) for b in theirs]
         return list(range(len(self) - k, len(self)))
 
@@ -253,11 +318,9 @@ class KVCache:
                                  f"{sled.token_id[src.live[b]]} at position {led.position[self.live[a]]}; "
                                  "both caches must hold the same tokens there")
         self._check_geometry(src)
-        di = torch.tensor(mine)
-        si = torch.tensor(theirs)
-        for dst, s in zip(self._hf.layers, src._hf.layers):
-            dst.keys[:, :, di, :] = s.keys[:, :, si.to(s.keys.device), :].to(dst.keys)   # (1, H_kv, n, D)
-            dst.values[:, :, di, :] = s.values[:, :, si.to(s.values.device), :].to(dst.values)
+        for i in range(self.num_layers):
+            sk, sv = src._read_slots(i, theirs)                                    # (1, H_kv, n, D)
+            self._write_slots(i, mine, sk, sv)
         for a, b in zip(mine, theirs):
             self.live[a] = led.copy_row(sled, src.live[b])
         return mine
@@ -288,6 +351,7 @@ class KVCache:
                 else:
                     self._hf.update(k.clone(), v.clone(), i)
             self.live += [self.ledger.copy_row(src.ledger, src.live[b]) for b in theirs]
+            self._meta_append(n, None)
             self.check()
         except BaseException:
             self._rollback_append(before, n_rows)
@@ -307,23 +371,32 @@ class KVCache:
         """Keep the first ``n`` entries (``n >= 0``); ``next_position`` is unchanged."""
         if not isinstance(n, int) or not 0 <= n <= len(self):
             raise ValueError(f"n={n!r} must be an int in [0, {len(self)}]")
+        if n < self.n_int8:
+            self.dequantize()
         self._truncate_tensors(n)
         del self.live[n:]
+        self._meta_keep(list(range(n)))
 
     @torch.inference_mode()
     def copy(self) -> "KVCache":
         """A deep copy: new tensors, new ledger, new live map."""
         kvs = [(layer.keys.clone(), layer.values.clone()) for layer in self._hf.layers]
         hf = DynamicCache(ddp_cache_data=kvs) if kvs and len(self) else DynamicCache()
-        new = KVCache(hf, self.ledger.copy(), list(self.live), self.next_position)
+        new = KVCache.__new__(KVCache)
+        new._hf, new.ledger, new.live, new.next_position = hf, self.ledger.copy(), list(self.live), self.next_position
         new.events, new.ticks = self.events.copy(), self.ticks
+        new._int8 = [q.clone() for q in self._int8] if self._int8 is not None else None
+        new.attn = {k: t.clone() for k, t in self.attn.items()} if self.attn is not None else None
+        new.ema_decay = self.ema_decay
+        new.check()
         return new
 
     # ------------------------------------------------------------------ surgery (seed 004, "Step 4")
 
     @torch.inference_mode()
     def apply(self, actions: Sequence[Mapping], model, *, writer: str, step: int = -1,
-              splice: str = "gather", fault_hook: Callable[[str], None] | None = None) -> "TickReport":
+              splice: str = "gather", fault_hook: Callable[[str], None] | None = None,
+              rerotate: bool = False) -> "TickReport":
         """Execute an action list as one tick; tensors and live map are cut by the same layout.
 
         Actions (every position is a slot of the cache as it is *before* the tick):
@@ -355,6 +428,18 @@ class KVCache:
         may reach or pass those of its right neighbours (RoPE sees only relative distance);
         ``next_position`` becomes ``max(next_position, newest + 1)``, so decoding continues
         above every live position.
+
+        Positions with ``rerotate=True`` (final positions): entries left of the first edited slot
+        keep their positions; from the first edit on, every entry of the edited cache gets
+        consecutive positions (left neighbour + 1) — new blocks are computed at those final
+        positions (over the original left context ``[0, s)``), and surviving right neighbours are
+        moved there by rotating their post-RoPE keys by the delta (:meth:`reposition`, one
+        operation: keys rotated, new ledger rows, events ``moved``). So an interior insert no
+        longer collides with its right neighbour, and a delete closes its gap. ``next_position``
+        becomes the last entry's position + 1 before the adds run.
+
+        INT8 entries (:meth:`quantize_older`) are dequantized before the tick; surgery edits a
+        full-precision cache. Attention statistics follow their entries (zeros for new ones).
 
         Failure after validation (OOM, a model error, ``fault_hook``): no VRAM snapshot is
         kept; the live map is reset to its pre-tick content (a list of ints, the mirror) and
@@ -388,6 +473,10 @@ class KVCache:
                 raise ValueError(f"model dtype {mdtype} differs from the cache's {geo['dtype']}; load the model in "
                                  f"{geo['dtype']}")
         plan = plan_actions(actions, len(self), _vocab_size(model))
+        rope = _rope_of(model) if rerotate else None
+        if self.n_int8:
+            self.dequantize()
+        final = self._final_positions(plan) if rerotate else None
         hook = fault_hook if fault_hook is not None else _no_fault
         tick = self.ticks
         self.ticks += 1
@@ -400,11 +489,15 @@ class KVCache:
             blocks = []                                   # per block: (positions, [(K, V) per layer])
             for j, b in enumerate(plan.blocks):
                 hook(f"compute:{j}")
-                pos = self._block_positions(b.anchor, len(b.token_ids), plan.length)
+                pos = (final[1][j] if final is not None
+                       else self._block_positions(b.anchor, len(b.token_ids), plan.length))
                 blocks.append((pos, self._kv_over_prefix(model, b.anchor, b.token_ids, pos)))
             t1 = time.perf_counter()
             if plan.deleted or plan.blocks:
                 nbytes = self._splice(plan, blocks, writer, step, tick, hook, splice)
+                if final is not None:
+                    hook("rerotate")
+                    self._reposition(rope, final[0], tick)
             t2 = time.perf_counter()
             if plan.adds:
                 hook("add")
@@ -510,6 +603,9 @@ class KVCache:
                         setattr(lay, name, new)
                         nbytes += new.numel() * new.element_size()
         hook("map")
+        if self.attn is not None:
+            idx = plan.apply_to_list(list(range(plan.length)), [[-1] * len(b.token_ids) for b in plan.blocks])
+            self._meta_remap(idx)
         new_rows = []
         for b, (pos, _) in zip(plan.blocks, blocks):
             new_rows.append(self.ledger.append(b.token_ids, pos, writer, step))
@@ -532,6 +628,9 @@ class KVCache:
         positions = [led.position[r] for r in live]
         stale = list(dict.fromkeys(live + self.live))
         self._hf, self.live, self.next_position = DynamicCache(), [], next_position
+        self._int8 = None
+        if self.attn is not None:           # the history of the rebuilt entries is not recoverable: zeros
+            self.attn = {k: t[..., :0] for k, t in self.attn.items()}
         if tokens:
             try:
                 self.forward(model, tokens, writer=writer, step=step, positions=positions)
@@ -553,8 +652,9 @@ class KVCache:
         """
         if not s or not self.num_layers:
             return DynamicCache()
-        views = [(lay.keys[:, :, :s, :].expand(batch, -1, -1, -1),                 # (batch, H_kv, s, D)
-                  lay.values[:, :, :s, :].expand(batch, -1, -1, -1)) for lay in self._hf.layers]
+        full = [self._full_kv(i) for i in range(self.num_layers)]   # views unless INT8 entries exist
+        views = [(k[:, :, :s, :].expand(batch, -1, -1, -1),                         # (batch, H_kv, s, D)
+                  v[:, :, :s, :].expand(batch, -1, -1, -1)) for k, v in full]
         tmp = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in views])
         for lay, (k, v) in zip(tmp.layers, views):
             lay.keys, lay.values = k, v
@@ -565,12 +665,321 @@ class KVCache:
         self._truncate_tensors(length)
         self.ledger.truncate(n_rows)
         del self.live[length:]
+        if self.attn is not None:
+            self.attn = {k: t[..., :length] for k, t in self.attn.items()}
 
     def _truncate_tensors(self, n: int) -> None:
+        n = n - self.n_int8                  # FP tail length (callers dequantize first if n < n_int8)
         for layer in self._hf.layers:
             if _layer_len(layer) > n:
                 layer.keys = layer.keys[:, :, :n, :]
                 layer.values = layer.values[:, :, :n, :]
+
+    # ------------------------------------------------------------------ eviction (issue 9)
+
+    def track_attention(self, ema_decay: float = 0.9) -> None:
+        """Start keeping per-entry attention statistics (``attn``), updated by every
+        ``forward(..., attention=True)`` and carried through every edit:
+
+        * ``attn["acc"]`` (L, T): accumulated mass ``Σ_steps mass`` (H2O),
+        * ``attn["ema"]`` (L, T): ``ema ← β·ema + (1-β)·mass`` with ``β = ema_decay`` (Conf-KV),
+        * ``attn["count"]`` (T,): how many measured forwards saw the entry (NORM_SUM).
+
+        Entries present before tracking starts, or written by a forward without
+        ``attention=True``, start at 0. Idempotent for the same ``ema_decay``."""
+        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1)")
+        if self.attn is not None:
+            if self.ema_decay != float(ema_decay):
+                raise ValueError(f"attention is already tracked with ema_decay={self.ema_decay}")
+            return
+        dev = self._hf.layers[0].keys.device if len(self) else torch.device("cpu")
+        n, layers = len(self), self.num_layers
+        self.attn = {"acc": torch.zeros(layers, n, device=dev), "ema": torch.zeros(layers, n, device=dev),
+                     "count": torch.zeros(n, device=dev)}
+        self.ema_decay = float(ema_decay)
+
+    def attention_stats(self) -> dict[str, torch.Tensor] | None:
+        """Copies of the attention statistics (None when not tracked), for policies."""
+        return None if self.attn is None else {k: t.detach().clone() for k, t in self.attn.items()}
+
+    def slots_at(self, positions: Sequence[int]) -> dict[int, int]:
+        """``{position: slot}`` for those of ``positions`` that are live (evicted ones are absent)."""
+        pos = self.ledger.position
+        where = {pos[r]: s for s, r in enumerate(self.live)}
+        return {int(p): where[int(p)] for p in positions if int(p) in where}
+
+    @torch.inference_mode()
+    def evict(self, slots: Sequence[int], *, model=None, rerotate: bool = False) -> "EvictReport":
+        """Remove the entries at ``slots`` from every layer, the live map and the attention
+        statistics, in one call; log ``evicted`` for their ledger rows.
+
+        Survivors keep their absolute positions (the decode loop passes explicit
+        ``position_ids``, so RoPE distances stay right) unless ``rerotate=True`` (needs
+        ``model`` for its RoPE): then survivors move to consecutive positions from the first
+        slot's position on (:meth:`reposition`), like seed 003's ``apply_rotation``, and
+        ``next_position`` becomes the last position + 1. Validation (ints, distinct, in range)
+        happens before any tensor is touched; the new tensors of every layer are built first and
+        swapped in together, so an error leaves the cache as it was.
+        """
+        import time
+
+        n = len(self)
+        slots = list(slots)
+        for s in slots:
+            if isinstance(s, bool) or not hasattr(s, "__index__"):
+                raise ValueError(f"slots holds {s!r}; slots must be ints")
+        slots = sorted(int(s) for s in slots)
+        if len(set(slots)) != len(slots):
+            raise ValueError("slots must be distinct")
+        if slots and (slots[0] < 0 or slots[-1] >= n):
+            raise ValueError(f"slots must lie in [0, {n}); got {slots[0]}..{slots[-1]}")
+        if rerotate and model is None:
+            raise ValueError("rerotate=True needs model= (its rotary embedding gives the rotation)")
+        rope = _rope_of(model) if rerotate else None
+        t0 = time.perf_counter()
+        if not slots:
+            return EvictReport(0, 0, n, 0.0, 0.0)
+        gone = set(slots)
+        keep = [s for s in range(n) if s not in gone]
+        if rerotate and self.n_int8:
+            self.dequantize()
+        nq = self.n_int8
+        kq = [s for s in keep if s < nq]
+        kt = [s - nq for s in keep if s >= nq]
+        dev = self._hf.layers[0].keys.device
+        iq, it = torch.tensor(kq, dtype=torch.long, device=dev), torch.tensor(kt, dtype=torch.long, device=dev)
+        new_fp = [(lay.keys[:, :, it, :], lay.values[:, :, it, :]) for lay in self._hf.layers]  # (1, H_kv, T', D)
+        new_q = [q.gather(iq) for q in self._int8] if self._int8 is not None else None
+        # swap (no failure point below but the ledger's pure-Python bookkeeping)
+        for lay, (k, v) in zip(self._hf.layers, new_fp):
+            lay.keys, lay.values = k, v
+        self._int8 = new_q
+        removed = [self.live[s] for s in slots]
+        self.live = [self.live[s] for s in keep]
+        self._meta_keep(keep)
+        tick = self.ticks
+        self.ticks += 1
+        for r in removed:
+            self.events.append(tick, r, "evicted")
+        t1 = time.perf_counter()
+        moved = 0
+        if rerotate and self.live:
+            p0 = self.ledger.position[self.live[0]]
+            moved = self._reposition(rope, list(range(p0, p0 + len(self.live))), tick)
+        self.check()
+        return EvictReport(len(slots), moved, len(self), t1 - t0, time.perf_counter() - t1)
+
+    @torch.inference_mode()
+    def reposition(self, model, positions: Sequence[int]) -> int:
+        """Move every live entry to ``positions`` (one per slot) by rotating its post-RoPE key by
+        ``new - old`` (:mod:`.rope`, the model's rotary config). Values are untouched. Moved entries
+        get new ledger rows (token, writer, step copied; new position) and events ``moved``; the
+        old rows' status becomes ``moved``. ``next_position`` becomes ``max(positions) + 1``.
+        Returns how many entries moved. Positions must be distinct ints."""
+        positions = [int(p) for p in positions]
+        if len(positions) != len(self):
+            raise ValueError(f"positions has {len(positions)} entries for {len(self)} slots")
+        if len(set(positions)) != len(positions) or (positions and min(positions) < 0):
+            raise ValueError("positions must be distinct non-negative ints")
+        rope = _rope_of(model)
+        if self.n_int8:
+            self.dequantize()
+        tick = self.ticks
+        self.ticks += 1
+        moved = self._reposition(rope, positions, tick)
+        self.check()
+        return moved
+
+    def _reposition(self, rope, positions: list[int], tick: int) -> int:
+        led = self.ledger
+        old = [led.position[r] for r in self.live]
+        slots = [s for s, (a, b) in enumerate(zip(old, positions)) if a != b]
+        if slots:
+            dev = self._hf.layers[0].keys.device
+            idx = torch.tensor(slots, dtype=torch.long, device=dev)
+            delta = torch.tensor([positions[s] - old[s] for s in slots], dtype=torch.long, device=dev)
+            new_keys = [rope.rotate(lay.keys[:, :, idx, :], delta) for lay in self._hf.layers]  # (1, H_kv, m, D)
+            for lay, k in zip(self._hf.layers, new_keys):
+                lay.keys = lay.keys.clone()
+                lay.keys[:, :, idx, :] = k
+            for s in slots:
+                r = self.live[s]
+                new = led.append([led.token_id[r]], [positions[s]], led.writer[r], led.step[r])[0]
+                self.events.append(tick, r, "moved")
+                self.events.append(tick, new, "moved_to")
+                self.live[s] = new
+        if positions:
+            self.next_position = max(positions) + 1
+        return len(slots)
+
+    def _final_positions(self, plan: "TickPlan") -> tuple[list[int], list[list[int]]]:
+        """Final positions for a rerotating tick: per slot of the edited cache (before adds), per block."""
+        pos = self.positions
+        out: list[int] = []
+        per_block: dict[int, list[int]] = {}
+        shifted, expected = False, 0
+        for kind, a, b in plan.layout:
+            if kind == "old":
+                if not shifted and a == expected:
+                    out.extend(pos[a:b])
+                    expected = b
+                    continue
+                shifted = True
+                n = b - a
+            else:
+                shifted = True
+                n = len(plan.blocks[a].token_ids)
+            start = out[-1] + 1 if out else 0
+            new = list(range(start, start + n))
+            out.extend(new)
+            if kind == "new":
+                per_block[a] = new
+        return out, [per_block[j] for j in range(len(plan.blocks))]
+
+    # ------------------------------------------------------------------ INT8 storage
+
+    @torch.inference_mode()
+    def quantize_older(self, window: int, group: int = 64) -> int:
+        """Move every FP entry older than the newest ``window`` entries to INT8 (:mod:`.int8`),
+        once at least ``group`` of them are waiting (they form one scale group). Returns how
+        many entries were quantized (0 if fewer than ``group`` wait)."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an int >= 1 (newest entries kept in FP)")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group={group!r} must be an int >= 1 (entries per scale group)")
+        m = len(self) - self.n_int8 - window
+        if m < group:
+            return 0
+        new_q = []
+        for i, lay in enumerate(self._hf.layers):
+            base = self._int8[i] if self._int8 is not None else Int8Layer.empty_like(lay.keys)
+            new_q.append(base.append_group(lay.keys[:, :, :m, :], lay.values[:, :, :m, :]))
+        new_fp = [(lay.keys[:, :, m:, :].clone(), lay.values[:, :, m:, :].clone()) for lay in self._hf.layers]
+        for lay, (k, v) in zip(self._hf.layers, new_fp):
+            lay.keys, lay.values = k, v
+        self._int8 = new_q
+        self.check()
+        return m
+
+    @torch.inference_mode()
+    def dequantize(self) -> None:
+        """Turn every INT8 entry back into an FP entry (values as dequantized)."""
+        if not self.n_int8:
+            self._int8 = None
+            return
+        for q, lay in zip(self._int8, self._hf.layers):
+            k, v = q.dequant(lay.keys.dtype)
+            lay.keys = torch.cat([k, lay.keys], dim=2)
+            lay.values = torch.cat([v, lay.values], dim=2)
+        self._int8 = None
+        self.check()
+
+    def _materialize(self) -> None:
+        """Put the dequantized INT8 prefix in front of every layer's FP tail (for one forward)."""
+        if not self.n_int8:
+            return
+        for q, lay in zip(self._int8, self._hf.layers):
+            k, v = q.dequant(lay.keys.dtype)
+            lay.keys = torch.cat([k, lay.keys], dim=2)
+            lay.values = torch.cat([v, lay.values], dim=2)
+        self._materialized = True
+
+    def _dematerialize(self, nq: int) -> None:
+        """Drop the materialized prefix again (a no-op unless :meth:`_materialize` ran)."""
+        if not getattr(self, "_materialized", False):
+            return
+        for lay in self._hf.layers:
+            lay.keys = lay.keys[:, :, nq:, :].clone()
+            lay.values = lay.values[:, :, nq:, :].clone()
+        self._materialized = False
+
+    def _full_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self._hf.layers[i]
+        if not self.n_int8:
+            return lay.keys, lay.values
+        k, v = self._int8[i].dequant(lay.keys.dtype)
+        return torch.cat([k, lay.keys], dim=2), torch.cat([v, lay.values], dim=2)
+
+    def _read_slots(self, i: int, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of layer ``i`` at ``slots``, each (1, H_kv, n, D), INT8 dequantized."""
+        nq, lay = self.n_int8, self._hf.layers[i]
+        if not nq:
+            idx = torch.tensor(list(slots), dtype=torch.long, device=lay.keys.device)
+            return lay.keys[:, :, idx, :], lay.values[:, :, idx, :]
+        k, v = self._full_kv(i)
+        idx = torch.tensor(list(slots), dtype=torch.long, device=k.device)
+        return k[:, :, idx, :], v[:, :, idx, :]
+
+    def _write_slots(self, i: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite layer ``i``'s ``slots`` with ``k, v`` (1, H_kv, n, D); INT8 slots are quantized
+        with their group's scales."""
+        nq, lay = self.n_int8, self._hf.layers[i]
+        slots = list(slots)
+        dev = lay.keys.device
+        q_pick = [j for j, s in enumerate(slots) if s < nq]
+        t_pick = [j for j, s in enumerate(slots) if s >= nq]
+        if t_pick:
+            src = torch.tensor(t_pick, dtype=torch.long, device=dev)
+            dst = torch.tensor([slots[j] - nq for j in t_pick], dtype=torch.long, device=dev)
+            lay.keys[:, :, dst, :] = k[:, :, src.to(k.device), :].to(lay.keys)
+            lay.values[:, :, dst, :] = v[:, :, src.to(v.device), :].to(lay.values)
+        if q_pick:
+            src = torch.tensor(q_pick, dtype=torch.long, device=k.device)
+            dst = torch.tensor([slots[j] for j in q_pick], dtype=torch.long, device=dev)
+            self._int8[i].write(dst, k[:, :, src, :].to(dev), v[:, :, src, :].to(dev))
+
+    def _meta_append(self, n: int, mass: torch.Tensor | None) -> None:
+        if self.attn is None:
+            return
+        a = self.attn
+        dev = a["acc"].device
+        layers = self.num_layers
+        if a["acc"].shape[0] != layers:        # tracking started on an empty cache
+            a["acc"] = torch.zeros(layers, a["acc"].shape[1], device=dev)
+            a["ema"] = torch.zeros(layers, a["ema"].shape[1], device=dev)
+        acc = torch.cat([a["acc"], torch.zeros(layers, n, device=dev)], dim=1)
+        ema = torch.cat([a["ema"], torch.zeros(layers, n, device=dev)], dim=1)
+        count = torch.cat([a["count"], torch.zeros(n, device=dev)])
+        if mass is not None:
+            mass = mass.to(dev)
+            acc = acc + mass
+            ema = self.ema_decay * ema + (1.0 - self.ema_decay) * mass
+            count = count + 1
+        self.attn = {"acc": acc, "ema": ema, "count": count}
+
+    def _meta_keep(self, keep: Sequence[int]) -> None:
+        if self.attn is None:
+            return
+        idx = torch.tensor(list(keep), dtype=torch.long, device=self.attn["count"].device)
+        self.attn = {k: t[..., idx] for k, t in self.attn.items()}
+
+    def _meta_remap(self, idx: Sequence[int]) -> None:
+        """Stats for a new slot order: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
+        if self.attn is None:
+            return
+        dev = self.attn["count"].device
+        src = torch.tensor([max(i, 0) for i in idx], dtype=torch.long, device=dev)
+        new = torch.tensor([i < 0 for i in idx], dtype=torch.bool, device=dev)
+        self.attn = {k: t[..., src].masked_fill(new, 0.0) for k, t in self.attn.items()}
+
+
+@dataclass(frozen=True)
+class EvictReport:
+    """What one :meth:`KVCache.evict` did: entries removed, entries re-rotated, length after,
+    seconds spent compacting (gather of every layer + mirror) and re-rotating."""
+
+    evicted: int
+    moved: int
+    length: int
+    compact_s: float
+    rotate_s: float
+
+
+def _rope_of(model):
+    from .rope import rope_of
+
+    return rope_of(model)
 
 
 def _layer_len(layer) -> int:

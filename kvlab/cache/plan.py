@@ -18,8 +18,9 @@ ACTIONS = {  # action -> its keys besides 'action'
     "add": ("token_id",),
 }
 SPLICE_MODES = ("gather", "per_row")
-_REMOVAL_EVENTS = {"deleted": "deleted", "replaced": "replaced", "superseded": "superseded"}
-_ORIGIN_EVENTS = ("inserted", "replacement", "added", "rebuilt")
+_REMOVAL_EVENTS = {"deleted": "deleted", "replaced": "replaced", "superseded": "superseded",
+                   "evicted": "evicted", "moved": "moved"}
+_ORIGIN_EVENTS = ("inserted", "replacement", "added", "rebuilt", "moved_to")
 
 
 class SurgeryError(RuntimeError):

@@ -1,0 +1,97 @@
+"""Attention mass of one forward, from its queries and the cached keys (no attention forward is patched).
+
+:class:`QueryCapture` is a context manager that registers removable hooks for ONE forward: a
+forward hook on each attention module's query projection (``q_norm`` when the module has one,
+else ``q_proj``: the pre-RoPE queries ``(B, n, H*D)``) and a kwargs pre-hook on the attention
+module for the ``position_embeddings`` ``(cos, sin)`` the model itself used. After the forward,
+:meth:`QueryCapture.mass` rebuilds the post-RoPE queries with the model's own
+``apply_rotary_pos_emb`` and computes, per layer,
+
+    A = softmax(q · Kᵀ · scaling + causal)        # (H, n, T), K = that layer's cached keys (GQA-repeated)
+    mass_j = Σ_i mean_h A[h, i, j]                 # (T,)  summed over the n new queries
+
+— the attention probabilities the model computed (for full attention without softcapping). The
+ordinary path never pays for it: the hooks exist only inside the ``with`` block and are removed
+on exit, error or not.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """Self-attention modules (have ``q_proj`` and ``layer_idx``), in layer order."""
+    mods = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+class QueryCapture:
+    def __init__(self, model):
+        self.modules = attention_modules(model)
+        if not self.modules:
+            raise ValueError(f"{type(model).__name__} has no attention modules with q_proj; attention mass "
+                             "needs them")
+        self.q: dict[int, torch.Tensor] = {}
+        self.pe: dict[int, tuple] = {}
+        self._handles = []
+
+    def __enter__(self):
+        for m in self.modules:
+            i = m.layer_idx
+            src = m.q_norm if getattr(m, "q_norm", None) is not None else m.q_proj
+            self._handles.append(src.register_forward_hook(self._q_hook(i)))
+            self._handles.append(m.register_forward_pre_hook(self._pe_hook(i), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    def _q_hook(self, i):
+        def hook(module, args, out):
+            self.q[i] = out.detach()
+        return hook
+
+    def _pe_hook(self, i):
+        def hook(module, args, kwargs):
+            pe = kwargs.get("position_embeddings")
+            if pe is None and len(args) > 1:
+                pe = args[1]
+            self.pe[i] = pe
+        return hook
+
+    @torch.no_grad()
+    def mass(self, keys_of, n: int) -> torch.Tensor:
+        """``(L, T)`` float32 attention mass of the captured ``n`` queries over each layer's keys.
+
+        ``keys_of(i)`` returns layer ``i``'s cached keys ``(1, H_kv, T, D)`` after the forward
+        (the ``n`` new entries last)."""
+        out = []
+        for m in self.modules:
+            i = m.layer_idx
+            q, pe = self.q.get(i), self.pe.get(i)
+            if q is None or pe is None:
+                raise RuntimeError(f"layer {i}: queries or position embeddings were not captured")
+            d = m.head_dim
+            b = q.shape[0]
+            q = q.reshape(b, n, -1, d).transpose(1, 2).float()                     # (1, H, n, D)
+            cos, sin = pe
+            apply = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")
+            q, _ = apply(q, q, cos.float(), sin.float())
+            k = keys_of(i).float()                                                 # (1, H_kv, T, D)
+            groups = q.shape[1] // k.shape[1]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)                             # (1, H, T, D)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * float(m.scaling)       # (1, H, n, T)
+            t = k.shape[-2]
+            if n > 1:
+                qi = torch.arange(n, device=q.device).view(n, 1) + (t - n)
+                kj = torch.arange(t, device=q.device).view(1, t)
+                scores = scores.masked_fill(kj > qi, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)                                  # (1, H, n, T)
+            out.append(probs[0].mean(0).sum(0))                                    # (T,)
+        return torch.stack(out)                                                    # (L, T)

@@ -1,0 +1,25 @@
+"""Cache-eviction policies (issue 9): frozen dataclasses that decide only, one file each.
+
+The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``ema_decay`` /
+``rerotate`` attributes) is in :mod:`kvlab.eviction.base`; the decode loop applies decisions
+through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
+"""
+from .base import EvictView, Keep, validate_evict
+from .block import BlockEvict
+from .confkv import ConfKV, confidence, pyramid_weights
+from .full import FullCache
+from .h2o import H2O
+from .random_evict import RandomEvict
+from .sliding import SlidingWindow
+
+EVICTION_POLICIES: dict[str, type] = {
+    "full": FullCache,
+    "sliding": SlidingWindow,
+    "h2o": H2O,
+    "random": RandomEvict,
+    "confkv": ConfKV,
+    "block": BlockEvict,
+}
+
+__all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "RandomEvict",
+           "SlidingWindow", "confidence", "pyramid_weights", "validate_evict"]

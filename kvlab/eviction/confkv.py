@@ -1,0 +1,142 @@
+"""Conf-KV: confidence-aware eviction (seed 002). The paper's symbols were lost; these are the forms chosen.
+
+**Confidence** of step ``t`` from the distribution ``p`` that ``y_t`` was drawn from (vocabulary
+size ``V``; the record's entropy, top-1 probability and probability margin):
+
+    H̃ = H(p) / ln V                           normalized entropy ∈ [0, 1]
+    m  = min(ln p₁ - ln p₂, 10)                 log-probability margin (nats, clipped)
+    c  = σ(w_h·(1 - H̃) + w_m·m + w_p·p₁ + b)    σ = logistic sigmoid
+
+with defaults ``w_h = 3, w_m = 0.5, w_p = 3, b = -3`` (a flat distribution gives c ≈ 0.05, a
+peaked one c > 0.99).
+
+**Budget**: ``B_t = tight if c ≥ γ else loose`` (confident steps prune to the tight budget).
+
+**Ranker** over the non-protected candidates ``j`` (all slots but the newest ``protect``) of
+layer ``l``:
+
+    â_lj = minmax_j(ema_lj)        EMA attention mass, ema ← β·ema + (1-β)·mean_h A[h, j]   (β = ema_decay)
+    r̂_j  = minmax_j(pos_j)         recency by original position (newer → larger)
+    s_lj = λ·â_lj + (1-λ)·r̂_j       λ = attn_weight (1: attention only, 0: recency only)
+    S_j  = Σ_l w_l s_lj / Σ_l w_l   w_l = 1, or the pyramid below
+
+Min–max is over the candidates of each layer (0 where all are equal). If the cache holds more
+than ``B_t`` entries, the newest ``protect`` are kept and the ``B_t - protect`` candidates with the
+largest ``S`` (ties → newer); otherwise nothing is evicted. So the cache grows while steps are
+uncertain (up to ``loose``) and drops to ``tight`` on a confident step: the sawtooth.
+
+**Pyramidal** (``pyramidal=True``): layer ``l`` of ``L`` gets the budget share
+
+    m_l = m_0 · (1 - (1 - ρ)·l/(L-1)),  m_0 = 2 / (1 + ρ)   (mean 1; deepest/shallowest = ρ = pyramid_ratio)
+
+kvlab keeps ONE live set for all layers (see :mod:`kvlab.cache.kvcache`: transformers shares one
+attention mask across layers, so ragged layer lengths break multi-token forwards), so the pyramid
+cannot give deep layers fewer entries; it enters as the layer weights ``w_l = m_l`` of the ranker
+(shallow layers, which the pyramid gives more budget, have more say in which entries survive).
+The per-layer memory saving of a true pyramid is NOT realized.
+
+**INT8** (``int8_window=W``): entries older than the newest ``W`` are stored as INT8 with
+per-(group, head, channel) scales (:mod:`kvlab.cache.int8`), ``int8_group`` entries at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import (EvictView, Keep, finite_float, keep_all, layer_mean, minmax, nonneg_int, positive_int,
+                   protected_below, top_slots, unit_float)
+
+MARGIN_CLIP = 10.0
+
+
+def confidence(entropy_bits: float, top1_prob: float, margin: float, vocab_size: int, *, w_entropy: float = 3.0,
+               w_margin: float = 0.5, w_top: float = 3.0, bias: float = -3.0) -> float:
+    """Conf-KV's confidence score (module docstring) from a step's entropy (bits), top-1 probability
+    and probability margin ``p₁ - p₂``."""
+    h_norm = min(max(entropy_bits * math.log(2.0) / math.log(vocab_size), 0.0), 1.0)
+    p1 = max(float(top1_prob), 1e-30)
+    p2 = max(p1 - float(margin), 1e-30)
+    m = min(max(math.log(p1) - math.log(p2), 0.0), MARGIN_CLIP)
+    z = w_entropy * (1.0 - h_norm) + w_margin * m + w_top * p1 + bias
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def pyramid_weights(num_layers: int, ratio: float) -> torch.Tensor:
+    """``m_l`` (module docstring): linear from ``2/(1+ρ)`` to ``ρ·2/(1+ρ)``, mean 1."""
+    if num_layers == 1:
+        return torch.ones(1)
+    m0 = 2.0 / (1.0 + ratio)
+    l = torch.arange(num_layers, dtype=torch.float32)
+    return m0 * (1.0 - (1.0 - ratio) * l / (num_layers - 1))
+
+
+@dataclass(frozen=True)
+class ConfKV:
+    """Confidence-aware KV eviction; formulas in the module docstring."""
+
+    gamma: float = 0.7
+    tight: int = 128
+    loose: int = 256
+    protect: int = 32
+    w_entropy: float = 3.0
+    w_margin: float = 0.5
+    w_top: float = 3.0
+    bias: float = -3.0
+    attn_weight: float = 0.5
+    ema_decay: float = 0.9
+    pyramidal: bool = False
+    pyramid_ratio: float = 0.25
+    int8_window: int | None = None
+    int8_group: int = 64
+
+    def __post_init__(self):
+        unit_float("gamma", self.gamma)
+        positive_int("tight", self.tight)
+        positive_int("loose", self.loose)
+        if self.loose < self.tight:
+            raise ValueError(f"loose={self.loose} must be >= tight={self.tight} (uncertain steps keep more)")
+        nonneg_int("protect", self.protect)
+        protected_below("protect", self.protect, "tight", self.tight)
+        for name in ("w_entropy", "w_margin", "w_top", "bias"):
+            finite_float(name, getattr(self, name))
+        unit_float("attn_weight", self.attn_weight)
+        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float)) or not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay={self.ema_decay!r} must be in [0, 1)")
+        if not isinstance(self.pyramidal, bool):
+            raise ValueError(f"pyramidal={self.pyramidal!r} must be True or False")
+        if isinstance(self.pyramid_ratio, bool) or not isinstance(self.pyramid_ratio, (int, float)) \
+                or not 0 < self.pyramid_ratio <= 1:
+            raise ValueError(f"pyramid_ratio={self.pyramid_ratio!r} must be in (0, 1] (deepest/shallowest share)")
+        if self.int8_window is not None:
+            positive_int("int8_window", self.int8_window)
+        positive_int("int8_group", self.int8_group)
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.attn_weight > 0
+
+    def confidence(self, record, vocab_size: int) -> float:
+        return confidence(record.entropy_bits, record.top1_prob, record.margin, vocab_size, w_entropy=self.w_entropy,
+                          w_margin=self.w_margin, w_top=self.w_top, bias=self.bias)
+
+    def keep(self, view: EvictView) -> Keep:
+        c = self.confidence(view.record, view.vocab_size)
+        budget = self.tight if c >= self.gamma else self.loose
+        extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
+        n = view.length
+        if n <= budget:
+            return keep_all(view, **extra)
+        cand = list(range(n - self.protect))
+        pos = torch.tensor([view.positions[j] for j in cand], dtype=torch.float32)
+        r = minmax(pos)                                                       # (C,)
+        if self.attn_weight > 0:
+            a = minmax(view.attn["ema"][:, cand].float())                     # (L, C)
+            s = self.attn_weight * a + (1.0 - self.attn_weight) * r.to(a.device)
+        else:
+            s = r.view(1, -1).expand(view.num_layers, -1)
+        w = pyramid_weights(s.shape[0], self.pyramid_ratio) if self.pyramidal else None
+        score = layer_mean(s, list(range(len(cand))), w)
+        kept = top_slots(score, cand, budget - self.protect)
+        return Keep(tuple(kept) + tuple(range(n - self.protect, n)), **extra)

@@ -1,0 +1,14 @@
+"""Full cache: never evicts (the reference every eviction policy is compared with)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import EvictView, Keep, keep_all
+
+
+@dataclass(frozen=True)
+class FullCache:
+    """Keeps every entry."""
+
+    def keep(self, view: EvictView) -> Keep:
+        return keep_all(view)

@@ -1,0 +1,27 @@
+"""Sliding window with attention sinks (StreamingLLM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Keep the first ``sinks`` slots (attention sinks) and the newest ``window - sinks`` slots:
+    at most ``window`` entries in all. Needs no attention statistics."""
+
+    window: int
+    sinks: int = 4
+
+    def __post_init__(self):
+        positive_int("window", self.window)
+        nonneg_int("sinks", self.sinks)
+        protected_below("sinks", self.sinks, "window", self.window)
+
+    def keep(self, view: EvictView) -> Keep:
+        n = view.length
+        if n <= self.window:
+            return keep_all(view, budget=self.window)
+        recent = self.window - self.sinks
+        return Keep(tuple(range(self.sinks)) + tuple(range(n - recent, n)), budget=self.window)
