@@ -115,8 +115,7 @@ def make_cases(tokenizer, lengths: Sequence[int] = LENGTHS, depths: Sequence[flo
 
 def needle_config(evict=None) -> DecodeConfig:
     """Greedy raw completion on the teacher (the format that works at full cache, see module doc)."""
-    extra = {} if evict is None else {"evict": evict}
-    return DecodeConfig(mode="teacher", max_new_tokens=ANSWER_TOKENS, sampling=Sampling(), chat=False, **extra)
+    return DecodeConfig(mode="teacher", max_new_tokens=ANSWER_TOKENS, sampling=Sampling(), chat=False, evict=evict)
 
 
 def needle_run(lm, case: NeedleCase, evict, store: RunStore) -> dict:
@@ -200,7 +199,7 @@ def check_grid(lengths: Sequence[int], depths: Sequence[float], reps: int, budge
                          "otherwise nothing is evicted and every policy equals the full cache")
 
 
-def needle_policies(budget: int, gamma: float = 0.7, block_size: int = 16) -> dict:
+def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> dict:
     """Full cache and each eviction family at the same peak budget of ``budget`` entries.
 
     Sliding keeps 4 sinks + the newest entries; H2O and Conf-KV protect the newest ``budget // 4``;

@@ -212,3 +212,51 @@ def test_evict_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+# --------------------------------------------------------------------------- the job on tiny models
+
+
+def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
+    """The whole job end to end: matched budgets really match (within tol or one knob step),
+    runs are reused from the store on a rerun, every CSV renders into its figure."""
+    from kvlab.decode import Sampling
+    from kvlab.evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from kvlab.experiment import RunSpec
+    from kvlab.figures import render
+    from kvlab.policies import Periodic
+    from kvlab.store import RunStore
+
+    spec = RunSpec(prompts=("the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today? " * 2),
+                   tokens=40, sampling=Sampling(temperature=0.8, top_p=0.95, seed=1))
+    study = EvictStudy(gamma=0.5, tight=12, loose=24, protect=4, block_size=4, tol=0.03)
+    grid = NeedleGrid(lengths=(300,), depths=(0.0, 1.0), reps=1, budget=64)
+    store = RunStore(tmp_path / "runs")
+    tables = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
+    m = tables["evict_matched"].set_index("policy")
+    assert {"full", "confkv", "confkv_recency", "confkv_attention", "sliding", "h2o", "random", "random_rate",
+            "block"} <= set(m.index)
+    target = m.loc["confkv", "target_mb"]
+    assert m.loc["confkv", "mean_mb"] == pytest.approx(target)
+    per_entry = m.loc["full", "mean_mb"] / m.loc["full", "mean_len"]
+    for fam, step in (("sliding", 1), ("h2o", 1), ("random", 1), ("block", study.block_size)):
+        # within tol, or within one knob step of the target (integer budgets)
+        assert abs(m.loc[fam, "mean_mb"] - target) <= max(study.tol * target, step * per_entry), fam
+    assert m.loc["full", "mean_mb"] > 1.5 * target                      # eviction really saved memory
+    assert m.loc["full", "kl"] == pytest.approx(0.0, abs=1e-4)          # KL to the full cache
+    assert (m.drop(index="full")["kl"] > 0).all()
+    saw = tables["evict_sawtooth"]
+    assert {"full", "confkv", "confkv+overfill+refresh"} <= set(saw.policy)
+    assert saw[saw.policy == "confkv"].confidence.notna().all()
+    assert saw[saw.policy == "confkv+overfill+refresh"].refreshed.sum() > 0
+    assert saw[saw.policy == "confkv"].evicted.sum() > 0
+    nd = tables["evict_needle"]
+    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block"} and len(nd) == 10
+    paths = write_evict(tables, tmp_path / "out")
+    assert (tmp_path / "out" / "evict_matched.csv").is_file() and paths
+    for name in ("evict_sawtooth", "evict_needle"):
+        assert render(name, tmp_path / "out") is not None
+    n_runs = len(store)
+    again = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
+    assert len(store) == n_runs                                          # every run reused
+    pd.testing.assert_frame_equal(again["evict_matched"], tables["evict_matched"])
