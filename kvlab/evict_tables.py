@@ -184,7 +184,7 @@ class EvictStudy:
 
         bs, rec = self.block_size, self.protect
         return {
-            "sliding": (lambda b: SlidingWindow(window=b, sinks=self.sinks), 1, 4096),
+            "sliding": (lambda b: SlidingWindow(window=b, sinks=self.sinks), self.sinks + 1, 4096),
             "h2o": (lambda b: H2O(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "random": (lambda b: RandomEvict(budget=b, recent=min(rec, b - 1), seed=0), 2, 4096),
             "block": (lambda k: BlockEvict(block_size=bs, start_blocks=1, evictable_blocks=k,

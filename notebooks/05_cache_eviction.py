@@ -72,10 +72,11 @@ policy
 # %%
 d = Decoding(teacher, None, prompt, DecodeConfig(mode="teacher", max_new_tokens=STEP_TOKENS, sampling=sampling,
                                                   evict=policy))
-snapshots, records = {}, []
+records = []
+snapshots = {"prefill": list(range(len(d.prompt_ids)))}   # prefill writes ledger rows 0..L-1 in slot order
 for rec in d:
     records.append(rec)
-    if rec.step == 1 or (rec.evicted and len(snapshots) < 3):
+    if rec.evicted and len(snapshots) < 3:
         snapshots[f"after step {rec.step} ({rec.cache_len} entries)"] = list(d.cache.live)
     if rec.step <= 12:
         print(f"t={rec.step:3d} {rec.token!r:>12}  conf={rec.signals.get('confidence', float('nan')):.2f} "
