@@ -154,6 +154,7 @@ def cmd_evict(args) -> list[Path]:
     """Eviction experiments: sawtooth figure, matched-memory table, needle-retrieval table."""
     from dataclasses import replace as _replace
 
+    from .evict_plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
     from .evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
     from .figures import render
     from .policies import Periodic

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .figures import _mpl, figure
+from .figures import figure
+
+try:   # figures that display themselves in Jupyter (kvlab.figbase), where that module exists
+    from .figbase import new_figure
+except ImportError:   # pragma: no cover - before figbase: a plain matplotlib Figure
+    def new_figure(**kwargs):
+        from .figures import _mpl
+
+        return _mpl()(**kwargs)
 
 EVICT_COLORS = {"full": "#222222", "sliding": "#1b9e77", "h2o": "#d95f02", "random": "#999999", "block": "#7570b3",
                 "confkv": "#e7298a", "confkv_recency": "#66a61e", "confkv_attention": "#e6ab02",
@@ -22,10 +30,9 @@ def evict_sawtooth_figure(tables, policies=None):
     Conf-KV's confidence with γ and the budget it chose (the sawtooth's cause)."""
     df = tables["evict_sawtooth"]
     names = list(dict.fromkeys(df.policy)) if policies is None else list(policies)
-    Figure = _mpl()
     conf = df[(df.policy == "confkv") & df.confidence.notna()] if "confkv" in names else df.iloc[:0]
     rows = 3 if len(conf) else 2
-    fig = Figure(figsize=(12, 2.9 * rows + 0.6))
+    fig = new_figure(figsize=(12, 2.9 * rows + 0.6))
     axes = fig.subplots(rows, 1, sharex=True)
     for i, name in enumerate(names):
         g = df[df.policy == name]
@@ -73,8 +80,7 @@ def evict_needle_figure(tables):
     """Passkey retrieval accuracy per policy: needle depth (rows) × prompt length (columns)."""
     df = tables["evict_needle"]
     names = list(dict.fromkeys(df.policy))
-    Figure = _mpl()
-    fig = Figure(figsize=(2.6 * len(names) + 1, 3.0))
+    fig = new_figure(figsize=(2.6 * len(names) + 1, 3.0))
     axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
     im = None
     for ax, name in zip(axes, names):
@@ -97,8 +103,7 @@ def plot_confidence_trace(records, gamma: float, title: str = ""):
     """A live run's Conf-KV confidence per step with γ, the budget it chose and the cache length
     (records of a :class:`kvlab.decode.Decoding` with ``evict=ConfKV(...)``; not a registered figure).
     Eviction steps are marked on the cache-length curve."""
-    Figure = _mpl()
-    fig = Figure(figsize=(11, 4.6))
+    fig = new_figure(figsize=(11, 4.6))
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.2])
     steps = [r.step for r in records]
     conf = [r.signals.get("confidence", float("nan")) for r in records]

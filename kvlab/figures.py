@@ -31,10 +31,6 @@ def _mpl():
 
 def render(name: str, out) -> Path | None:
     """Render one registered figure from the CSVs in ``out`` into ``out/<name>.png`` (None if inputs missing)."""
-    if name not in FIGURES:
-        _load_registrations()
-    if name not in FIGURES:
-        raise ValueError(f"figure {name!r} is not registered; known: {sorted(FIGURES)}")
     needs, fn = FIGURES[name]
     out = Path(out)
     paths = {n: out / f"{n}.csv" for n in needs}

@@ -45,6 +45,7 @@ NEEDLE_BUDGET = 64 if SMOKE else 128
 SEED = 0
 
 # %%
+# %matplotlib inline
 from IPython.display import Markdown, display
 
 from kvlab.data import load_prompts

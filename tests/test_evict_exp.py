@@ -223,6 +223,7 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     from kvlab.decode import Sampling
     from kvlab.evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
     from kvlab.experiment import RunSpec
+    from kvlab import evict_plots  # noqa: F401  (registers)
     from kvlab.figures import render
     from kvlab.policies import Periodic
     from kvlab.store import RunStore
