@@ -41,9 +41,10 @@ def evict_sawtooth_figure(tables, policies=None):
         for ax, col in zip(axes[:2], ("cache_len", "cache_mb")):
             if col == "cache_mb" and name == "full" and len(names) > 1:
                 continue                     # the bytes panel zooms on the evicting policies
-            ax.plot(g.step, g[col], color=c, lw=lw, label=name, drawstyle="steps-post")
+            z = 5 if name == "confkv" else 2
+            ax.plot(g.step, g[col], color=c, lw=lw, label=name, drawstyle="steps-post", zorder=z)
             ev = g[g.evicted > 0]
-            ax.scatter(ev.step, ev[col], color=c, s=7, zorder=3)
+            ax.scatter(ev.step, ev[col], color=c, s=7, zorder=z + 1)
             rf = g[g.refreshed > 0]
             if len(rf):
                 ax.scatter(rf.step, rf[col], color=c, marker="x", s=40, zorder=4)

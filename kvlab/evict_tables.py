@@ -203,6 +203,8 @@ class EvictStudy:
         for name, kw in ABLATIONS.items():
             if set(kw) <= names:
                 out[name] = self.confkv(**kw)
+        # INT8 storage for everything older than the protected window (the paper's FP16 window = protect)
+        out["confkv_int8"] = self.confkv(int8_window=self.protect, int8_group=INT8_GROUP)
         return out
 
 
@@ -211,8 +213,8 @@ class EvictStudy:
 ABLATIONS = {
     "confkv_recency": {"attn_weight": 0.0},
     "confkv_attention": {"attn_weight": 1.0},
-    "confkv_int8": {"int8_window": 32},
 }
+INT8_GROUP = 8   # entries quantized together (the cache stays < 2 groups of ConfKV's default 64 here)
 
 
 def _cfg(spec: RunSpec, i: int, evict) -> DecodeConfig:
