@@ -14,7 +14,7 @@ POLICIES = {
     "overfill": DecodeConfig(mode="overfill"),
     "student": DecodeConfig(mode="student"),
 }
-COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "repeat3",
+COLUMNS = ["policy", "ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
            "tail_logprob", "chars", "teacher_ppl_std", "kl_std", "repeat3_std", "total_s_std", "n_prompts"]
 
 

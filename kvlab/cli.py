@@ -25,7 +25,8 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="JSON Lines file, one {\"prompt\": ...} per line (default data/prompts.jsonl)")
     p.add_argument("--out", type=Path, default=Path("figures"), help="where tables and figures go")
-    p.add_argument("--runs", type=Path, default=None, help="run store (default $KVLAB_RUNS or ./runs)")
+    p.add_argument("--runs", type=Path, default=None,
+                   help="run store (default $KVLAB_RUNS, else the project's runs/ — not the working directory)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i for every policy")
@@ -38,11 +39,38 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--no-progress", action="store_true")
 
 
+def _check_model_args(args) -> None:
+    """Model/device flags, before any model loads (ValueError naming the flag and the fix)."""
+    import math
+
+    from .models import check_model_ref, resolve_device, resolve_dtype
+
+    r = args.student_ratio
+    if r is not None:
+        if math.isnan(r) or not 0.0 <= r < 1.0:
+            raise ValueError(f"--student-ratio={r} must be in [0, 1): the fraction of the embedded student's MLP "
+                             "channels pruned away (e.g. 0.3)")
+        if args.student is not None:
+            raise ValueError("--student-ratio prunes the embedded student; it has no effect with --student "
+                             f"{args.student!r}: pass one of the two")
+    for flag, ref in (("--teacher", args.teacher), ("--student", args.student)):
+        if ref is not None:
+            try:
+                check_model_ref(ref)
+            except (ValueError, FileNotFoundError) as e:
+                raise type(e)(f"{flag}: {e}") from None
+    try:
+        resolve_dtype(args.dtype, resolve_device(args.device))
+    except ValueError as e:
+        raise ValueError(f"--device/--dtype: {e}") from None
+
+
 def _spec(args):
     from .data import load_prompts
     from .decode import Sampling
     from .experiment import RunSpec
 
+    _check_model_args(args)
     rows = load_prompts(args.prompts_file, n=args.prompts)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling)
@@ -295,9 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    from .store import SESSION
+
+    SESSION.clear()
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for root, stats in SESSION.items():   # what `make figures` reused vs recomputed
+        print(f"run store {root}: {stats.summary()}")
     return 0

@@ -246,7 +246,7 @@ class Decoding:
     All arguments are validated here, before any model work. After (or during) iteration:
     ``cache`` is the decoding cache, ``teacher_cache`` the teacher's own prefix cache (overfill),
     ``tokens`` the generated ids, ``ttft_s`` the time to first token, ``dists`` the kept
-    log-distributions.
+    per-step model log-probs (untempered, not top-p truncated; see ``Trace.model_logprobs``).
     """
 
     def __init__(self, teacher, student, prompt: str, config: DecodeConfig | None = None, **overrides):
@@ -556,7 +556,19 @@ class Trace:
     ttft_s: float
     total_s: float
     text: str
-    dists: torch.Tensor | None = None   # (N, V) log-probs of the distributions tokens were drawn from
+    model_logprobs: torch.Tensor | None = None
+    """``(N, V)``: row ``t`` is ``log_softmax`` of the logits step ``t`` chose from — the model's own
+    next-token distribution ``q_t``, *untempered and not top-p truncated* (sampling applies
+    temperature and the nucleus on top of it). ``None`` unless run with ``keep_dists=True``."""
+
+    @property
+    def dists(self) -> torch.Tensor | None:
+        """Deprecated alias of :attr:`model_logprobs` (they are not the sampling distributions)."""
+        import warnings
+
+        warnings.warn("Trace.dists is deprecated: use Trace.model_logprobs (untempered model log-probs)",
+                      DeprecationWarning, stacklevel=2)
+        return self.model_logprobs
 
     @property
     def tokens(self) -> list[int]:
@@ -575,4 +587,4 @@ def run(teacher, student, prompt: str, config: DecodeConfig | None = None, **ove
     dists = torch.stack(d.dists) if d.dists else None
     return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
-                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), dists=dists)
+                 text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists)

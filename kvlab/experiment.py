@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import pandas as pd
 
@@ -17,7 +18,8 @@ from .refresh import run_costs
 from .store import RunStore
 
 # Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
-METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "repeat3",
+# ``kl``: student-chosen steps only; ``kl_all``: every step (kvlab.metrics, issue 8).
+METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
            "tail_logprob", "chars"]
 SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]
 # Refresh cost per run (kvlab.refresh.run_costs); zero for runs without a refresh policy.
@@ -85,7 +87,7 @@ def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConf
     for i, prompt, name, cfg in tqdm(jobs, disable=not progress, desc="runs", unit="run"):
         cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
         res = scored_run(teacher, student, prompt, cfg, store)
-        rows.append({"policy": name, "prompt_idx": i, **{k: res[k] for k in METRICS},
+        rows.append({"policy": name, "prompt_idx": i, **{k: res.get(k, float("nan")) for k in METRICS},
                      **{k: res.get(k, float("nan")) for k in COSTS}})
     return pd.DataFrame(rows)
 
@@ -118,11 +120,32 @@ def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
-    """``<name>.csv`` and ``<name>.md`` under ``out``."""
+def provenance_note() -> str:
+    """The line every written table ends with: code version, commit, machine. Runs come from the
+    store, which reuses only runs of this code version timed on this hardware (kvlab.store)."""
+    from . import provenance
+
+    return (f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}, on "
+            f"{provenance.describe_machine()} (stored runs are reused only from this code version and hardware).")
+
+
+def write_table(df: pd.DataFrame, out: Path, name: str, notes: Sequence[str] | None = None) -> list[Path]:
+    """``<name>.csv`` and ``<name>.md`` under ``out``. The ``.md`` has ``notes`` (what columns mean;
+    default :func:`kl_notes`: which steps the ``kl``/``kl_all`` columns average — pass your own for
+    a ``kl`` of another meaning) and :func:`provenance_note` under the table; the CSV is data only."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     csv, md = out / f"{name}.csv", out / f"{name}.md"
     df.to_csv(csv, index=False)
-    md.write_text(to_markdown(df))
+    notes = kl_notes(df) if notes is None else list(notes)
+    lines = [f"- {n}" for n in notes] + [f"- {provenance_note()}"]
+    md.write_text(to_markdown(df) + "\n" + "\n".join(lines) + "\n")
     return [csv, md]
+
+
+def kl_notes(df: pd.DataFrame) -> list[str]:
+    """The KL captions for the KL columns ``df`` shows."""
+    from .metrics import KL_ALL_NOTE, KL_NOTE
+
+    cols = set(df.columns)
+    return ([KL_NOTE] if "kl" in cols else []) + ([KL_ALL_NOTE] if "kl_all" in cols else [])

@@ -26,6 +26,8 @@ from .metrics import kl_rows, teacher_logprobs
 from .store import RunStore
 
 CONDITIONS = ("student", "overfill", "window", "refreshed")
+FORCED_NOTE = ("`kl`: mean KL(p_T‖q_S) in nats over the teacher-forced tokens y_split … y_{N-1}; every one is a "
+               "student prediction (tokens fixed to the teacher's greedy continuation, only the cache's writer differs).")
 
 
 def _check(tokens: int, split: int, window: int) -> None:

@@ -1,8 +1,16 @@
 """Scoring a generation (seed 000, "Scoring" and "Variational lens").
 
 Teacher-PPL alone rewards repetition loops (a looping student can score a *lower* PPL than the
-teacher), so every table reports the mean per-step ``KL(p_T || q_S)`` — the blog's "mismatch"
+teacher), so every table reports the mean per-step ``KL(p_T || q)`` — the blog's "mismatch"
 term — and repeat@3 beside it.
+
+Which steps the KL averages over (issue 8): ``kl`` is the mean over the steps whose token the
+*student* chose (records with ``source == "student"``). Steps picked from teacher logits — OverFill's
+first token (the teacher's prefill), the token after a refresh with ``refresh_next="teacher"`` —
+have ``q = p_T`` and KL ≈ 0 by construction; averaging them in would lower KL mechanically, not
+because the student got better. ``kl_all`` is the mean over every step (the blog's formula with
+``q_t`` whatever the token was drawn from). A run without student-chosen steps (``mode="teacher"``)
+has ``kl = kl_all`` ≈ 0: every ``q_t`` is ``p_T``.
 """
 from __future__ import annotations
 
@@ -12,6 +20,12 @@ from typing import Sequence
 import torch
 
 TAIL = 50  # tail log-prob: last 50 tokens under the teacher
+
+# One line per KL column, for table captions (kvlab.experiment.write_table notes).
+KL_NOTE = ("`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose (teacher-chosen steps — "
+           "OverFill's first token, tokens drawn from teacher logits after a refresh — excluded; "
+           "teacher mode: all steps, ≈ 0 since q = p_T).")
+KL_ALL_NOTE = "`kl_all`: the same mean over every step, teacher-chosen ones included (KL ≈ 0 there)."
 
 
 def kl_rows(p_logp: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
@@ -43,10 +57,17 @@ def teacher_logprobs(teacher, prompt_ids: Sequence[int], gen_ids: Sequence[int])
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
+def student_steps(records) -> list[bool]:
+    """Per step: was the token chosen by the student (``record.source == "student"``)?"""
+    return [getattr(r, "source", None) == "student" for r in records]
+
+
 def score(trace, teacher) -> dict:
     """All per-run numbers of the blog's tables for one :class:`kvlab.decode.Trace`.
 
-    Needs the trace's ``dists`` (run with ``keep_dists=True``) for the KL term.
+    Needs the trace's ``model_logprobs`` (run with ``keep_dists=True``) for the KL terms: ``kl``
+    over student-chosen steps, ``kl_all`` over all steps (see the module docstring),
+    ``kl_student_steps`` how many steps ``kl`` averages, ``kl_steps`` the per-step values.
     """
     toks = trace.tokens
     n = len(toks)
@@ -63,11 +84,15 @@ def score(trace, teacher) -> dict:
         "tps": (n - 1) / (trace.total_s - trace.ttft_s) if n > 1 and trace.total_s > trace.ttft_s else float("nan"),
         "e2e_tps": n / trace.total_s if trace.total_s > 0 else float("nan"),
     }
-    if trace.dists is not None:
-        kl = kl_rows(t_logp, trace.dists)
-        out["kl"] = float(kl.mean())
+    q_logp = trace.model_logprobs
+    mine = torch.tensor(student_steps(trace.records), dtype=torch.bool)            # (N,)
+    out["kl_student_steps"] = int(mine.sum())
+    if q_logp is not None:
+        kl = kl_rows(t_logp, q_logp)                                                # (N,)
+        out["kl_all"] = float(kl.mean())
+        out["kl"] = float(kl[mine].mean()) if bool(mine.any()) else out["kl_all"]
         out["kl_steps"] = kl.tolist()
     else:
-        out["kl"] = float("nan")
+        out["kl"] = out["kl_all"] = float("nan")
     out["teacher_logprobs"] = chosen.tolist()
     return out

@@ -100,6 +100,23 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 # --------------------------------------------------------------------------- generic loading
 
 
+def check_model_ref(name_or_path) -> str:
+    """``name_or_path`` as :func:`load_model` will read it (an existing folder's path, or a hub id);
+    raises before anything loads if it is empty, or a path without a model folder."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"name_or_path={name_or_path!r} must be a non-empty hub id or folder path")
+    src = str(name_or_path)
+    path = Path(src).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"name_or_path={src!r} exists but has no config.json; "
+                                    "pass a folder written by save_pretrained()")
+        return str(path)
+    if src.startswith((".", "/", "~")) or src.count("/") > 1:
+        raise FileNotFoundError(f"name_or_path={src!r}: no such folder; pass an existing model folder or a hub id")
+    return src
+
+
 def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool | None = None) -> LM:
     """Load any HF causal LM (hub id or local folder) and its tokenizer, in eval mode.
 
@@ -107,19 +124,10 @@ def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ValueError(f"name_or_path={name_or_path!r} must be a non-empty hub id or folder path")
+    src = check_model_ref(name_or_path)
+    path = Path(src)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    src = str(name_or_path)
-    path = Path(src).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"name_or_path={src!r} exists but has no config.json; "
-                                    "pass a folder written by save_pretrained()")
-        src = str(path)
-    elif src.startswith((".", "/", "~")) or src.count("/") > 1:
-        raise FileNotFoundError(f"name_or_path={src!r}: no such folder; pass an existing model folder or a hub id")
     if local_files_only is None:
         local_files_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     try:

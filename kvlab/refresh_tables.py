@@ -115,7 +115,7 @@ def paired(per_run: pd.DataFrame, base: str = "none", n_boot: int = 2000, seed: 
 
 def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     """One row per policy: means, per-prompt std, paired statistics, cost."""
-    cols = ["teacher_ppl", "kl", "repeat3", "total_s", "tps", "refreshes", "teacher_tokens", "probe_tokens",
+    cols = ["teacher_ppl", "kl", "kl_all", "repeat3", "total_s", "tps", "refreshes", "teacher_tokens", "probe_tokens",
             "teacher_s", "teacher_pct", "tokens"]
     g = per_run.groupby("policy", sort=False)
     s = g[cols].mean()
@@ -135,7 +135,7 @@ ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std"
                 "teacher_tokens", "overhead_pct", "overhead_pct_std", "n_prompts"]
 METHODS_COLS = ["policy", "family", "refresh_next", "refreshes", "teacher_tokens", "probe_tokens", "max_delta",
                 "overhead_pct", "overhead_pct_std", "teacher_pct", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std",
-                "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "n_prompts"]
+                "kl_all", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "n_prompts"]
 
 
 def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunSpec,
@@ -170,7 +170,10 @@ def _max_delta(teacher, student, spec, cfg, i, store) -> int:
 
 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
+    from .forced import FORCED_NOTE
+
     paths = []
     for name, df in tables.items():
-        paths += write_table(df.round(4), out, name)
+        notes = [FORCED_NOTE] if name == "refresh_forced" else None   # None: the KL captions
+        paths += write_table(df.round(4), out, name, notes=notes)
     return paths

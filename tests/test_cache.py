@@ -129,3 +129,26 @@ def test_check_detects_drift(tiny_teacher):
     cache.live.pop()   # simulate a one-sided edit
     with pytest.raises(AssertionError, match="out of step"):
         cache.check()
+
+
+def test_positions_repeated_by_an_interior_insert_are_refused(tiny_teacher):
+    """After an interior insert two live slots share a position: splice_positions / append_from
+    must refuse it (naming the position) instead of silently taking one slot, and change nothing."""
+    m = tiny_teacher.model
+    ids = [5, 6, 7, 8, 9, 10]
+    c, _ = KVCache.prefill(m, ids, writer="teacher")
+    c.insert(3, [20, 21], m, writer="teacher")
+    assert c.positions == [0, 1, 2, 3, 4, 3, 4, 5]              # 3 and 4 now held twice
+    src, _ = KVCache.prefill(m, c.token_ids, writer="student")  # same tokens, positions 0..7
+    before = (list(c.live), [k.clone() for k in c.kv(0)])
+    with pytest.raises(ValueError, match=r"this cache holds 2 entries at position 3 \(slots \[3, 5\]\)"):
+        c.splice_positions(src, [2, 3])
+    assert c.live == before[0] and torch.equal(c.kv(0)[0], before[1][0])
+    c.splice_positions(src, [0, 2])                             # unambiguous positions still work
+    assert c.writers[:4] == ["student", "teacher", "student", "teacher"]
+    dup, _ = KVCache.prefill(m, ids, writer="teacher")
+    dup.insert(3, [20, 21], m, writer="teacher")
+    empty = KVCache()
+    empty.next_position = 3
+    with pytest.raises(ValueError, match="src holds 2 entries at position 3"):
+        empty.append_from(dup, 1)

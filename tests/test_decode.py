@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab import DecodeConfig, Decoding, IncompatiblePairError, Sampling, kv_compat, run
-from tests.conftest import make_tiny_lm
+from conftest import make_tiny_lm
 
 PROMPT = "why is the sky blue"
 

@@ -9,6 +9,8 @@ import torch
 from kvlab.decode import Sampling, Trace, DecodeConfig, token_stats
 from kvlab.metrics import kl_rows, repeat_at_n, score
 
+from conftest import make_tiny_lm
+
 
 def test_kl_rows_hand_computed():
     p = torch.tensor([[0.5, 0.5, 0.0], [0.9, 0.05, 0.05]])
@@ -54,13 +56,17 @@ class _FixedTeacher:
         return M()
 
 
+def _rec(token_id, source):
+    return type("R", (), {"token_id": token_id, "source": source})()
+
+
 def test_score_hand_computed():
     V = 4
     t_logp = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     s_logp = torch.log(torch.tensor([0.25, 0.25, 0.25, 0.25]))
     toks = [0, 1, 0, 1, 0]
-    tr = Trace(records=[type("R", (), {"token_id": t})() for t in toks], prompt="p", prompt_ids=[3, 3],
-               config=DecodeConfig(), ttft_s=0.5, total_s=2.5, text="abcde", dists=s_logp.expand(5, V))
+    tr = Trace(records=[_rec(t, "student") for t in toks], prompt="p", prompt_ids=[3, 3],
+               config=DecodeConfig(), ttft_s=0.5, total_s=2.5, text="abcde", model_logprobs=s_logp.expand(5, V))
     out = score(tr, _FixedTeacher(t_logp))
     mean_lp = (3 * math.log(0.4) + 2 * math.log(0.3)) / 5
     assert out["teacher_ppl"] == pytest.approx(math.exp(-mean_lp))
@@ -71,16 +77,91 @@ def test_score_hand_computed():
     assert out["repeat3"] == pytest.approx(1 - 2 / 3) and out["chars"] == 5 and out["tokens"] == 5
 
 
+def test_kl_excludes_teacher_chosen_steps():
+    """kl averages only the student-chosen steps; kl_all every step (hand-computed)."""
+    t_logp = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    s_logp = torch.log(torch.tensor([0.25, 0.25, 0.25, 0.25]))
+    sources = ["teacher", "student", "student", "teacher", "student"]
+    q = torch.stack([t_logp if s == "teacher" else s_logp for s in sources])     # teacher steps: q = p_T
+    tr = Trace(records=[_rec(0, s) for s in sources], prompt="p", prompt_ids=[3], config=DecodeConfig(),
+               ttft_s=0.1, total_s=1.0, text="abcde", model_logprobs=q)
+    out = score(tr, _FixedTeacher(t_logp))
+    kl = sum(p * math.log(p / 0.25) for p in [0.4, 0.3, 0.2, 0.1])
+    assert out["kl"] == pytest.approx(kl, rel=1e-5)                  # not diluted by the two KL=0 steps
+    assert out["kl_all"] == pytest.approx(3 / 5 * kl, rel=1e-5)
+    assert out["kl_student_steps"] == 3
+
+
+def test_kl_on_refreshed_run_counts_student_steps_only(tiny_teacher, tiny_student):
+    """OverFill + refresh_next="teacher": step 1 and every post-refresh step are teacher-chosen."""
+    from kvlab import run
+    from kvlab.policies import Periodic
+
+    tr = run(tiny_teacher, tiny_student, "hello world", mode="overfill", max_new_tokens=16, keep_dists=True,
+             refresh=Periodic(4), refresh_next="teacher", sampling=Sampling(0.8, 1.0, 3))
+    src = [r.source for r in tr.records]
+    assert src[0] == "teacher" and src.count("teacher") >= 3 and "student" in src
+    out = score(tr, tiny_teacher)
+    steps = torch.tensor(out["kl_steps"])
+    mine = torch.tensor([s == "student" for s in src])
+    assert steps[~mine].abs().max() < 1e-4                          # q = p_T on teacher-chosen steps
+    assert out["kl"] == pytest.approx(float(steps[mine].mean()), rel=1e-6)
+    assert out["kl_all"] == pytest.approx(float(steps.mean()), rel=1e-6)
+    assert out["kl"] > out["kl_all"] * 1.05                           # the teacher steps would dilute it
+    assert out["kl_student_steps"] == int(mine.sum())
+
+
+def test_student_mode_kl_is_all_steps(tiny_student):
+    from kvlab import run
+
+    tr = run(None, tiny_student, "hello world", mode="student", max_new_tokens=6, keep_dists=True)
+    out = score(tr, make_tiny_lm(seed=0))
+    assert out["kl_student_steps"] == 6 and out["kl"] == pytest.approx(out["kl_all"])
+
+
+def test_trace_dists_is_a_deprecated_alias(tiny_teacher):
+    from kvlab import run
+
+    tr = run(tiny_teacher, None, "hi", mode="teacher", max_new_tokens=3, keep_dists=True)
+    with pytest.warns(DeprecationWarning, match="model_logprobs"):
+        assert tr.dists is tr.model_logprobs
+    assert tr.model_logprobs.shape[0] == 3
+
+
 def test_teacher_mode_kl_is_zero(tiny_teacher):
     from kvlab import run
 
     tr = run(tiny_teacher, None, "hello world", mode="teacher", max_new_tokens=8, keep_dists=True,
              sampling=Sampling(0.8, 1.0, 1))
     out = score(tr, tiny_teacher)
-    assert abs(out["kl"]) < 1e-5
+    assert abs(out["kl"]) < 1e-5 and out["kl"] == out["kl_all"] and out["kl_student_steps"] == 0
 
 
 def test_token_stats_with_masked_logits():
     logits = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])
     _, ent, top1, margin = token_stats(logits)
     assert ent == pytest.approx(1.0) and top1 == pytest.approx(0.5) and margin == pytest.approx(0.0)
+
+
+def test_every_written_table_states_its_kl(tmp_path):
+    """Tables with KL columns say which steps they average; the forced table says its own meaning."""
+    import pandas as pd
+
+    from kvlab import provenance
+    from kvlab.forced import FORCED_NOTE
+    from kvlab.metrics import KL_ALL_NOTE, KL_NOTE
+    from kvlab.refresh_tables import write_refresh
+
+    tables = {"refresh_methods": pd.DataFrame({"policy": ["none"], "kl": [0.5], "kl_all": [0.49]}),
+              "refresh_forced": pd.DataFrame({"condition": ["overfill"], "kl": [0.4]}),
+              "refresh_calibration": pd.DataFrame({"n_steps": [10]})}
+    write_refresh(tables, tmp_path)
+    methods = (tmp_path / "refresh_methods.md").read_text()
+    forced = (tmp_path / "refresh_forced.md").read_text()
+    calib = (tmp_path / "refresh_calibration.md").read_text()
+    assert KL_NOTE in methods and KL_ALL_NOTE in methods
+    assert FORCED_NOTE in forced and KL_NOTE not in forced
+    assert "KL" not in calib
+    for md in (methods, forced, calib):
+        assert f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}" in md
+    assert list(pd.read_csv(tmp_path / "refresh_methods.csv").columns) == ["policy", "kl", "kl_all"]

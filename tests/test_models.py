@@ -8,7 +8,7 @@ from kvlab import kv_compat
 from kvlab import models
 from kvlab.models import load_model, resolve_device, resolve_dtype
 from kvlab.prune import prune_lm
-from tests.conftest import make_tiny_lm
+from conftest import make_tiny_lm
 
 
 def test_load_model_from_local_folder(tmp_path, real_pair):

@@ -119,7 +119,7 @@ def test_refresh_with_student_as_teacher_changes_nothing(tiny_teacher, nxt):
     recs = list(d)
     assert sum(r.refreshed for r in recs) == 3
     assert [r.token_id for r in recs] == base.tokens
-    assert torch.allclose(torch.stack(d.dists), base.dists, atol=1e-4)
+    assert torch.allclose(torch.stack(d.dists), base.model_logprobs, atol=1e-4)
     ref = Decoding(tiny_teacher, tiny_teacher, PROMPT, _cfg(None, n=20))
     list(ref)
     n = min(len(ref.cache), len(d.cache))
@@ -234,7 +234,7 @@ def test_entropy_gate_in_the_loop_matches_the_entropy_trace(tiny_teacher, tiny_s
 def test_probe_kl_signal_is_the_teacher_student_kl(tiny_teacher, tiny_student):
     tr = run(tiny_teacher, tiny_student, PROMPT, _cfg(ProbeKL(3, 0.0), n=15, keep_dists=True))
     t_logp = teacher_logprobs(tiny_teacher, tr.prompt_ids, tr.tokens)
-    kl = kl_rows(t_logp, tr.dists)
+    kl = kl_rows(t_logp, tr.model_logprobs)
     probed = [r for r in tr.records if r.probed]
     assert [r.step for r in probed] == [3, 6, 9, 12, 15]
     for r in probed:

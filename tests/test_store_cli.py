@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from kvlab import provenance
 from kvlab.data import load_prompts
-from kvlab.store import RunStore
+from kvlab.store import RunStore, default_root, run_key
 
 
 def test_store_reuses_finished_runs(tmp_path):
@@ -18,8 +19,54 @@ def test_store_reuses_finished_runs(tmp_path):
     assert store.get_or_run(cfg, lambda: calls.append(1) or {"x": 3}) == {"x": 3}
     assert store.get_or_run(cfg, lambda: calls.append(1) or {"x": 4}) == {"x": 3}
     assert calls == [1] and len(store) == 1
+    assert store.stats.reused == 1 and store.stats.computed == 1 and store.stats.replaced == 0
     store.path(cfg).write_text("{torn")          # a killed write is treated as missing
     assert store.get(cfg) is None
+
+
+def test_stored_runs_carry_code_version_commit_and_machine(tmp_path):
+    store = RunStore(tmp_path)
+    p = store.put({"a": 1}, {"x": 1})
+    meta = json.loads(p.read_text())["meta"]
+    assert meta["code_version"] == provenance.CODE_VERSION
+    assert meta["git_commit"] == provenance.git_commit()
+    assert meta["machine"] == provenance.machine() and meta["machine_key"] == provenance.machine_key()
+
+
+@pytest.mark.parametrize("what", ["CODE_VERSION", "machine_key"])
+def test_code_version_or_machine_change_makes_runs_stale(tmp_path, monkeypatch, what):
+    store = RunStore(tmp_path)
+    cfg = {"a": 1}
+    store.get_or_run(cfg, lambda: {"x": "old"})
+    if what == "CODE_VERSION":
+        monkeypatch.setattr(provenance, "CODE_VERSION", provenance.CODE_VERSION + "-next")
+    else:
+        monkeypatch.setattr(provenance, "machine_key", lambda: "other-host")
+    assert store.get(cfg) is None and len(store) == 0
+    assert store.get_or_run(cfg, lambda: {"x": "new"}) == {"x": "new"}
+    assert store.stats.computed == 2 and store.stats.replaced == 1
+    assert len(store) == 1 and len(list(store.records())) == 2   # the old file stays readable
+    assert [r.current for r in store.records()].count(True) == 1
+    assert list(store) == [(cfg, {"x": "new"})]
+
+
+def test_old_layout_files_are_read_but_not_reused(tmp_path):
+    cfg = {"a": 1}
+    (tmp_path / f"{run_key(cfg)}.json").write_text(json.dumps({"config": cfg, "result": {"x": 0}}))
+    store = RunStore(tmp_path)
+    (rec,) = store.records()
+    assert rec.config == cfg and rec.result == {"x": 0} and rec.meta == {} and not rec.current
+    assert store.get(cfg) is None and store.has_stale(cfg)
+
+
+def test_default_store_is_the_projects_not_the_cwd(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVLAB_RUNS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = provenance.source_root()
+    if root is not None:          # running from a checkout (always, for these tests)
+        assert default_root() == root / "runs" and RunStore().root == root / "runs"
+    monkeypatch.setenv("KVLAB_RUNS", str(tmp_path / "elsewhere"))
+    assert RunStore().root == tmp_path / "elsewhere"
 
 
 def test_prompt_files(tmp_path):
@@ -43,6 +90,11 @@ def test_prompt_files(tmp_path):
     (["baselines", "--temperature", "-1"], "temperature"),
     (["baselines", "--top-p", "0"], "top_p"),
     (["baselines", "--prompts-file", "/nope.jsonl"], "prompts_file"),
+    (["baselines", "--student-ratio", "1.5"], "--student-ratio=1.5 must be in [0, 1)"),
+    (["refresh", "--student-ratio", "-0.1"], "--student-ratio"),
+    (["baselines", "--device", "tpu9"], "--device/--dtype"),
+    (["baselines", "--dtype", "int3"], "--device/--dtype"),
+    (["mc-real", "--student", "/nope/model"], "--student: "),
 ])
 def test_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvlab", *args, "--out", str(tmp_path)],
@@ -50,3 +102,39 @@ def test_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     assert r.returncode == 2
     assert needle in r.stderr
     assert not any(tmp_path.iterdir())   # nothing written
+
+
+@pytest.mark.parametrize("argv", [
+    ["baselines", "--student-ratio", "1.0"],
+    ["all", "--student-ratio", "nan"],
+    ["refresh", "--student-ratio", "0.5", "--student", "HuggingFaceTB/x"],
+    ["baselines", "--teacher", "./no-such-folder"],
+])
+def test_cli_validates_model_args_before_any_model_loads(argv, tmp_path, monkeypatch, capsys):
+    import kvlab.models as models
+    from kvlab import cli
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were validated")
+
+    for name in ("load_pair", "load_teacher", "load_student", "load_model"):
+        monkeypatch.setattr(models, name, boom)
+    assert cli.main([*argv, "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]) == 2
+    assert "error: --" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+
+
+def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tiny_teacher, tiny_student):
+    from kvlab import cli
+
+    monkeypatch.setattr(cli, "_pair", lambda args: (tiny_teacher, tiny_student))
+    argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
+            "--runs", str(tmp_path / "runs"), "--no-progress"]
+    assert cli.main(argv) == 0
+    assert f"run store {tmp_path / 'runs'}: 0 reused, 6 computed" in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6 reused, 0 computed" in out
+    md = (tmp_path / "out" / "baselines.md").read_text()
+    assert "`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose" in md
+    assert "`kl_all`" in md and f"kvlab code {provenance.CODE_VERSION}, commit " in md

@@ -83,11 +83,11 @@ class QueryCapture:
             apply = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")
             q, _ = apply(q, q, cos.float(), sin.float())
             k = keys_of(i).float()                                                 # (1, H_kv, T, D)
-            groups = q.shape[1] // k.shape[1]
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)                             # (1, H, T, D)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * float(m.scaling)       # (1, H, n, T)
-            t = k.shape[-2]
+            hkv, t = k.shape[1], k.shape[2]
+            groups = q.shape[1] // hkv                                             # GQA: no K copy, group the queries
+            qg = q.reshape(b, hkv, groups * n, d)                                  # (1, H_kv, g·n, D)
+            scores = torch.matmul(qg, k.transpose(-1, -2)) * float(m.scaling)      # (1, H_kv, g·n, T)
+            scores = scores.view(b, hkv * groups, n, t)                            # (1, H, n, T)
             if n > 1:
                 qi = torch.arange(n, device=q.device).view(n, 1) + (t - n)
                 kj = torch.arange(t, device=q.device).view(1, t)

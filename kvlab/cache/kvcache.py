@@ -338,13 +338,11 @@ class KVCache:
         theirs = _slots_of(src, positions, "src")
         if len(self):
             self._check_geometry(src)
-        si = torch.tensor(theirs)
         before, n_rows = len(self.live), len(self.ledger)
         try:
-            for i, s in enumerate(src._hf.layers):
-                k = s.keys[:, :, si.to(s.keys.device), :]                                   # (1, H_kv, n, D)
-                v = s.values[:, :, si.to(s.values.device), :]
-                if i < len(self._hf.layers) and _layer_len(self._hf.layers[i]):
+            for i in range(src.num_layers):
+                k, v = src._read_slots(i, theirs)                                          # (1, H_kv, n, D)
+                if i < len(self._hf.layers) and (_layer_len(self._hf.layers[i]) or self.n_int8):
                     dst = self._hf.layers[i]
                     dst.keys = torch.cat([dst.keys, k.to(dst.keys)], dim=-2)
                     dst.values = torch.cat([dst.values, v.to(dst.values)], dim=-2)
@@ -740,24 +738,24 @@ class KVCache:
         t0 = time.perf_counter()
         if not slots:
             return EvictReport(0, 0, n, 0.0, 0.0)
-        gone = set(slots)
-        keep = [s for s in range(n) if s not in gone]
         if rerotate and self.n_int8:
             self.dequantize()
         nq = self.n_int8
-        kq = [s for s in keep if s < nq]
-        kt = [s - nq for s in keep if s >= nq]
         dev = self._hf.layers[0].keys.device
-        iq, it = torch.tensor(kq, dtype=torch.long, device=dev), torch.tensor(kt, dtype=torch.long, device=dev)
-        new_fp = [(lay.keys[:, :, it, :], lay.values[:, :, it, :]) for lay in self._hf.layers]  # (1, H_kv, T', D)
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[torch.tensor(slots, dtype=torch.long)] = False
+        keep_t = mask.nonzero().squeeze(1)                                          # (T',) kept slots
+        iq = keep_t[keep_t < nq].to(dev)
+        it = (keep_t[keep_t >= nq] - nq).to(dev)
+        new_fp = [(lay.keys.index_select(2, it), lay.values.index_select(2, it)) for lay in self._hf.layers]
         new_q = [q.gather(iq) for q in self._int8] if self._int8 is not None else None
         # swap (no failure point below but the ledger's pure-Python bookkeeping)
         for lay, (k, v) in zip(self._hf.layers, new_fp):
             lay.keys, lay.values = k, v
         self._int8 = new_q
         removed = [self.live[s] for s in slots]
-        self.live = [self.live[s] for s in keep]
-        self._meta_keep(keep)
+        self.live = [r for r, k in zip(self.live, mask.tolist()) if k]
+        self._meta_keep(keep_t)
         tick = self.ticks
         self.ticks += 1
         for r in removed:
@@ -951,8 +949,9 @@ class KVCache:
     def _meta_keep(self, keep: Sequence[int]) -> None:
         if self.attn is None:
             return
-        idx = torch.tensor(list(keep), dtype=torch.long, device=self.attn["count"].device)
-        self.attn = {k: t[..., idx] for k, t in self.attn.items()}
+        dev = self.attn["count"].device
+        idx = keep.to(dev) if isinstance(keep, torch.Tensor) else torch.tensor(list(keep), dtype=torch.long, device=dev)
+        self.attn = {k: t.index_select(t.dim() - 1, idx) for k, t in self.attn.items()}
 
     def _meta_remap(self, idx: Sequence[int]) -> None:
         """Stats for a new slot order: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
@@ -998,12 +997,25 @@ def _no_fault(stage: str) -> None:
 
 
 def _slots_of(cache: KVCache, positions: Sequence[int], name: str) -> list[int]:
-    """Live slots holding each absolute position (ValueError naming the first one missing)."""
+    """Live slots holding each absolute position.
+
+    ValueError naming the first position that no live slot holds, or that several hold: an
+    interior ``insert`` may give new entries positions its right neighbours already have (see
+    :meth:`KVCache.apply`), and then "the entry at position p" is ambiguous — rather than pick one
+    slot silently, position-addressed edits (``splice_positions``, ``append_from``) refuse.
+    """
     pos = cache.ledger.position
-    where = {pos[r]: s for s, r in enumerate(cache.live)}
+    where: dict[int, list[int]] = {}
+    for s, r in enumerate(cache.live):
+        where.setdefault(pos[r], []).append(s)
     out = []
     for p in positions:
-        if p not in where:
+        slots = where.get(p)
+        if not slots:
             raise ValueError(f"{name} holds no entry at position {p}")
-        out.append(where[p])
+        if len(slots) > 1:
+            raise ValueError(f"{name} holds {len(slots)} entries at position {p} (slots {slots}), e.g. after an "
+                             "interior insert reused its right neighbours' positions; a position-addressed edit is "
+                             "ambiguous there — address entries by slot (splice_last) or rebuild the cache")
+        out.append(slots[0])
     return out

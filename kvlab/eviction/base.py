@@ -124,8 +124,10 @@ def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
         return []
     if k >= len(candidates):
         return list(candidates)
-    order = sorted(range(len(candidates)), key=lambda i: (float(scores[i]), candidates[i]), reverse=True)
-    return sorted(candidates[i] for i in order[:k])
+    cand = torch.as_tensor(candidates, dtype=torch.long)
+    by_slot = torch.argsort(cand, descending=True)                          # newer slots first ...
+    order = torch.argsort(scores.detach().float().cpu()[by_slot], descending=True, stable=True)  # ... among equal scores
+    return sorted(cand[by_slot[order[:k]]].tolist())
 
 
 def layer_mean(stat: torch.Tensor, cols: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,208 @@
+"""Eviction policies (issue 9): validation, budgets, protected windows, block areas; pure decisions."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, EvictView, FullCache, RandomEvict,
+                            SlidingWindow, confidence, pyramid_weights)
+
+V = 1000
+CONFIDENT = SimpleNamespace(entropy_bits=0.05, top1_prob=0.99, margin=0.985)
+UNSURE = SimpleNamespace(entropy_bits=8.0, top1_prob=0.05, margin=0.001)
+
+
+def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.rand(layers, n, generator=g) * 5
+    return EvictView(step=step, length=n, positions=tuple(positions or range(n)), record=record, vocab_size=V,
+                     num_layers=layers, attn={"acc": acc, "ema": acc / 5, "count": torch.arange(n, 0, -1).float()})
+
+
+def test_registry_names():
+    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block"}
+    assert EVICTION_POLICIES["confkv"] is ConfKV
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: SlidingWindow(0), "window"),
+    (lambda: SlidingWindow(8, sinks=8), "sinks"),
+    (lambda: H2O(0, 0), "budget"),
+    (lambda: H2O(-3, 0), "budget"),
+    (lambda: H2O(16, 16), "recent"),
+    (lambda: RandomEvict(16, 20), "recent"),
+    (lambda: RandomEvict(16, 4, rate=1.5), "rate"),
+    (lambda: ConfKV(gamma=1.2), "gamma"),
+    (lambda: ConfKV(gamma=-0.1), "gamma"),
+    (lambda: ConfKV(tight=0), "tight"),
+    (lambda: ConfKV(tight=64, loose=32), "loose"),
+    (lambda: ConfKV(tight=32, protect=32), "protect"),
+    (lambda: ConfKV(attn_weight=2.0), "attn_weight"),
+    (lambda: ConfKV(int8_window=0), "int8_window"),
+    (lambda: ConfKV(pyramid_ratio=0.0), "pyramid_ratio"),
+    (lambda: BlockEvict(block_size=0), "block_size"),
+    (lambda: BlockEvict(evictable_blocks=0), "evictable_blocks"),
+    (lambda: BlockEvict(score="max"), "score"),
+    (lambda: BlockEvict(evictable_blocks=4, kvcrush=4), "kvcrush"),
+    (lambda: BlockEvict.from_sizes(32, 128, 448, block_size=24), "start_size"),
+    (lambda: BlockEvict.from_sizes(32, 100, 448, block_size=16), "recent_size"),
+    (lambda: BlockEvict.from_sizes(32, 128, 160, block_size=16), "max_cache_size"),
+])
+def test_bad_parameters_name_the_parameter(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
+def test_from_sizes_matches_openvino_layout():
+    p = BlockEvict.from_sizes(32, 128, 448, block_size=16, score="norm_sum")
+    assert (p.start_blocks, p.evictable_blocks, p.recent_blocks, p.max_cache_size) == (2, 18, 8, 448)
+
+
+def test_confidence_formula_and_budget_switch():
+    hi = confidence(CONFIDENT.entropy_bits, CONFIDENT.top1_prob, CONFIDENT.margin, V)
+    lo = confidence(UNSURE.entropy_bits, UNSURE.top1_prob, UNSURE.margin, V)
+    assert hi > 0.99 and lo < 0.1
+    # exact form: sigmoid(3(1-H/lnV) + 0.5 min(ln p1 - ln p2, 10) + 3 p1 - 3)
+    import math
+    h = 2.0 * math.log(2) / math.log(V)
+    z = 3 * (1 - h) + 0.5 * (math.log(0.6) - math.log(0.3)) + 3 * 0.6 - 3
+    assert confidence(2.0, 0.6, 0.3, V) == pytest.approx(1 / (1 + math.exp(-z)))
+    p = ConfKV(gamma=0.7, tight=16, loose=32, protect=4, attn_weight=0.5)
+    k_conf = p.keep(view(40, CONFIDENT))
+    k_unsure = p.keep(view(40, UNSURE))
+    assert (k_conf.budget, len(k_conf.slots)) == (16, 16)
+    assert (k_unsure.budget, len(k_unsure.slots)) == (32, 32)
+    assert k_conf.signals()["confidence"] == pytest.approx(hi)
+    assert ConfKV(gamma=0.0, tight=16, loose=32, protect=4).keep(view(40, UNSURE)).budget == 16
+    assert ConfKV(gamma=1.0, tight=16, loose=32, protect=4).keep(view(40, CONFIDENT)).budget == 32
+
+
+def test_confkv_ranker_ablations():
+    n = 30
+    v = view(n, CONFIDENT)
+    rec = ConfKV(tight=10, loose=20, protect=2, attn_weight=0.0).keep(v)
+    assert rec.slots == tuple(range(n - 10, n))                   # recency only = newest
+    att = ConfKV(tight=10, loose=20, protect=2, attn_weight=1.0).keep(v)
+    ema = v.attn["ema"][:, : n - 2]
+    score = ((ema - ema.amin(1, keepdim=True)) / (ema.amax(1, keepdim=True) - ema.amin(1, keepdim=True))).mean(0)
+    top = sorted(torch.topk(score, 8).indices.tolist())
+    assert att.slots == tuple(top) + (n - 2, n - 1)
+    assert not ConfKV(attn_weight=0.0).needs_attention and ConfKV().needs_attention
+
+
+def test_pyramid_weights_mean_one_and_change_ranking():
+    w = pyramid_weights(30, 0.25)
+    assert float(w.mean()) == pytest.approx(1.0) and float(w[-1] / w[0]) == pytest.approx(0.25)
+    assert bool((w[:-1] > w[1:]).all())
+    n = 40
+    ema = torch.zeros(2, n)
+    ema[0, :20] = 1.0           # layer 0 (shallow) likes the old half, layer 1 the other
+    ema[1, 20:38] = 1.0
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 2, {"acc": ema, "ema": ema, "count": torch.ones(n)})
+    flat = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0).keep(v)
+    pyr = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True).keep(v)
+    assert all(s < 20 for s in pyr.slots[:-2]) and flat.slots != pyr.slots
+
+
+def test_h2o_keeps_heavy_hitters_and_recent():
+    n = 20
+    acc = torch.zeros(2, n)
+    acc[:, [1, 7, 9]] = 10.0
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 2, {"acc": acc, "ema": acc, "count": torch.ones(n)})
+    assert H2O(budget=7, recent=4).keep(v).slots == (1, 7, 9, 16, 17, 18, 19)
+
+
+def test_sliding_keeps_sinks_and_newest():
+    assert SlidingWindow(8, sinks=2).keep(view(20)).slots == (0, 1, 14, 15, 16, 17, 18, 19)
+    assert SlidingWindow(8, sinks=0).keep(view(20)).slots == tuple(range(12, 20))
+
+
+def test_random_is_seeded_and_rate_gates_steps():
+    p = RandomEvict(10, 3, seed=1)
+    assert p.keep(view(30, step=5)) == p.keep(view(30, step=5))
+    assert p.keep(view(30, step=5)).slots != RandomEvict(10, 3, seed=2).keep(view(30, step=5)).slots
+    gated = RandomEvict(10, 3, seed=1, rate=0.3)
+    fired = sum(len(gated.keep(view(30, step=s)).slots) < 30 for s in range(400))
+    assert 80 < fired < 160                                     # ~ 0.3 · 400
+
+
+POLICIES = st.one_of(
+    st.builds(lambda w, s: SlidingWindow(w + s + 1, sinks=s), st.integers(1, 40), st.integers(0, 6)),
+    st.builds(lambda b, r: H2O(b + r + 1, r), st.integers(0, 40), st.integers(0, 10)),
+    st.builds(lambda b, r, seed: RandomEvict(b + r + 1, r, seed=seed), st.integers(0, 40), st.integers(0, 10),
+              st.integers(0, 5)),
+    st.builds(lambda t, extra, p, lam, pyr: ConfKV(tight=t + p + 1, loose=t + p + 1 + extra, protect=p,
+                                                   attn_weight=lam, pyramidal=pyr, gamma=0.5),
+              st.integers(0, 30), st.integers(0, 30), st.integers(0, 10), st.sampled_from([0.0, 0.5, 1.0]),
+              st.booleans()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(POLICIES, st.integers(1, 120), st.booleans(), st.integers(0, 3))
+def test_budgets_and_protected_windows_respected(policy, n, confident, seed):
+    v = view(n, CONFIDENT if confident else UNSURE, seed=seed, step=seed + 1)
+    k = policy.keep(v)
+    slots = list(k.slots)
+    assert slots == sorted(set(slots)) and all(0 <= s < n for s in slots)
+    budget = k.budget
+    if n <= budget:
+        assert slots == list(range(n))                       # nothing evicted at or below the budget
+    else:
+        assert len(slots) == budget                          # down to the budget, not below
+        protected = getattr(policy, "recent", None)
+        if protected is None:
+            protected = getattr(policy, "protect", None)
+        if protected is None:                                # sliding window: sinks + newest
+            protected = policy.window - policy.sinks
+            assert set(range(policy.sinks)) <= set(slots)
+        assert set(range(n - protected, n)) <= set(slots)
+
+
+BLOCKS = st.builds(lambda bs, sb, eb, rb, score, crush: BlockEvict(bs, sb, eb, rb, score=score,
+                                                                   kvcrush=min(crush, eb - 1)),
+                   st.integers(1, 6), st.integers(0, 3), st.integers(1, 6), st.integers(0, 3),
+                   st.sampled_from(["sum", "norm_sum"]), st.integers(0, 3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(BLOCKS, st.integers(1, 120), st.integers(0, 3))
+def test_block_eviction_never_touches_start_or_recent_areas(policy, n, seed):
+    k = policy.keep(view(n, seed=seed))
+    bs = policy.block_size
+    s, r = policy.start_blocks * bs, policy.recent_blocks * bs
+    dropped = k.dropped(n)
+    if n <= policy.max_cache_size:
+        assert not dropped
+        return
+    assert len(k.slots) <= policy.max_cache_size
+    assert len(k.slots) > policy.max_cache_size - bs          # no more than needed (whole blocks)
+    assert set(range(min(s, n))) <= set(k.slots)
+    assert set(range(max(n - r, 0), n)) <= set(k.slots)
+    for d in dropped:                                         # whole blocks of the evictable area only
+        assert s <= d < n - r
+        b0 = s + (d - s) // bs * bs
+        assert set(range(b0, b0 + bs)) <= set(dropped)
+
+
+def test_block_scores_and_kvcrush_pick_blocks():
+    bs, n = 2, 2 + 6 * 2 + 2 + 1                              # start 1 block, 6 evictable + partial, recent 1
+    acc = torch.ones(2, n)
+    acc[:, 4:6] = 50.0                                        # block 1 heavy under SUM
+    count = torch.ones(n)
+    count[4:6] = 1000.0                                       # ... but old: NORM_SUM divides it away
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 2, {"acc": acc, "ema": acc, "count": count})
+    p = BlockEvict(bs, 1, 4, 1, score="sum")
+    assert {4, 5} <= set(p.keep(v).slots)
+    assert not {4, 5} & set(BlockEvict(bs, 1, 4, 1, score="norm_sum").keep(v).slots)
+    crushed = BlockEvict(bs, 1, 4, 1, score="sum", kvcrush=2).keep(v)
+    assert len(crushed.slots) == len(p.keep(v).slots) and crushed.slots != p.keep(v).slots
+    assert BlockEvict(bs, 1, 4, 1, rerotate=True).keep(v).rerotate
+
+
+def test_full_cache_keeps_everything():
+    assert FullCache().keep(view(50)).slots == tuple(range(50))
