@@ -437,10 +437,34 @@ def write_evict(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     out = Path(out)
     paths = []
     for name, df in tables.items():
-        paths += write_table(df.round(5), out, name)
-    if "evict_needle" in tables:
-        (out / "evict_needle.md").write_text(needle_markdown(tables["evict_needle"]))
+        paths += write_table(df.round(5), out, name, notes=TABLE_NOTES.get(name.replace("_runs", ""), []))
+    if "evict_needle" in tables:   # the two accuracy pivots instead of the long table
+        from .experiment import provenance_note
+
+        notes = TABLE_NOTES["evict_needle"] + [provenance_note()]
+        (out / "evict_needle.md").write_text(needle_markdown(tables["evict_needle"]) + "\n"
+                                             + "\n".join(f"- {n}" for n in notes) + "\n")
     return paths
+
+
+TABLE_NOTES = {
+    "evict_matched": [
+        "Runs: the teacher alone (mode='teacher'), same prompts and per-prompt seeds for every policy.",
+        "`kl`: mean over steps of KL(p_full ‖ p_evicted) in nats — the full-cache teacher's distribution (one "
+        "uncached forward over prompt + continuation) vs the distribution the evicted cache gave, on the run's "
+        "own tokens: the KL of the pruned cache to the full one (0 for `full`).",
+        "Memory: `mean_mb` / `peak_mb` = mean / max over steps of the decoding cache's real K/V bytes after the "
+        "evict phase (INT8 entries counted as 1 byte + scales); `target_mb` = Conf-KV's achieved mean; "
+        "`mem_vs_target` = mean_mb / target_mb. Fixed-budget families were solved to the target (solver probes in "
+        "the per-run CSV's policy info); Conf-KV ablations keep its schedule.",
+        "`d_*_vs_full`, `d_*_vs_confkv`: paired differences on the same prompts, mean and bootstrap 95 % interval "
+        "(`_lo`, `_hi`); `*_std`: per-prompt std. `tps`: decode tokens/s (machine-dependent).",
+    ],
+    "evict_sawtooth": ["Per-step cache of prompt 0 under each policy (after the evict phase); `confidence`, "
+                       "`budget` from Conf-KV's signals; `refreshed` = a refresh fired after that step."],
+    "evict_needle": ["Passkey retrieval (kvlab.needle): raw completion, greedy, 8 new tokens; `accuracy` = exact "
+                     "5-digit match of the first number; every policy at the same peak budget."],
+}
 
 
 __all__ = ["EvictStudy", "Solved", "solve_budget", "capped_mean", "invert_capped", "run_memory", "matched_runs",
