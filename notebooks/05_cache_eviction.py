@@ -77,7 +77,7 @@ records = []
 snapshots = {"prefill": list(range(len(d.prompt_ids)))}   # prefill writes ledger rows 0..L-1 in slot order
 for rec in d:
     records.append(rec)
-    if rec.evicted and len(snapshots) < 3:
+    if (rec.evicted and len(snapshots) == 1) or rec.step == STEP_TOKENS // 2:   # first eviction, half-way
         snapshots[f"after step {rec.step} ({rec.cache_len} entries)"] = list(d.cache.live)
     if rec.step <= 12:
         print(f"t={rec.step:3d} {rec.token!r:>12}  conf={rec.signals.get('confidence', float('nan')):.2f} "
