@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 ORIGIN_COLORS = {"written": "#999999", "inserted": "#1b9e77", "replacement": "#7570b3", "added": "#d95f02",
-                 "rebuilt": "#e7298a"}
+                 "rebuilt": "#e7298a", "moved_to": "#66a61e"}  # moved_to: re-rotated to a new position
 
 
 def live_map_figure(ledger, maps: dict[str, Sequence[int]], labels=None, title: str = "live map"):

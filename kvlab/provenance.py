@@ -23,7 +23,9 @@ from pathlib import Path
 #   2026-11-22.kl-student: refresh span fix (issue 8.1: the entry "rerun" leaves to the student is
 #     rewritten at the next refresh); score's `kl` averages only over student-chosen steps (`kl_all`: all
 #     steps); runs are tied to CODE_VERSION + machine in the store.
-CODE_VERSION = "2026-11-22.kl-student"
+#   2026-11-22.evict: DecodeConfig(evict=...) (issue 9); records' cache_len is the cache length after the
+#     step (differs on "teacher"/"student" refresh steps), records store cache_bytes.
+CODE_VERSION = "2026-11-22.evict"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -292,3 +292,24 @@ def test_append_from_and_splice_last_read_int8_sources(lm2):
     assert float((k[:, :, 10:13] - rk[:, :, 10:13]).abs().max()) <= bound
     assert float((k[:, :, 10:13] - rk[:, :, 10:13]).abs().max()) > 0     # really read through INT8
     dst.check()
+
+
+def test_evict_failure_leaves_cache_unchanged(lm2, monkeypatch):
+    m = lm2.model
+    c = KVCache()
+    c.track_attention(0.9)
+    c.forward(m, IDS, writer="teacher", attention=True)
+    c.quantize_older(window=4, group=8)
+    live, acc, n8 = list(c.live), c.attn["acc"].clone(), c.n_int8
+    kv = [c.kv(i) for i in range(c.num_layers)]
+
+    def boom(self, idx):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(Int8Layer, "gather", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        c.evict([0, 5, 22])
+    assert c.live == live and c.n_int8 == n8 and torch.equal(c.attn["acc"], acc)
+    assert all(torch.equal(a, b) for i in range(c.num_layers) for a, b in zip(c.kv(i), kv[i]))
+    assert "evicted" not in c.events.event
+    c.check()

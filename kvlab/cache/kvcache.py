@@ -702,9 +702,19 @@ class KVCache:
         return None if self.attn is None else {k: t.detach().clone() for k, t in self.attn.items()}
 
     def slots_at(self, positions: Sequence[int]) -> dict[int, int]:
-        """``{position: slot}`` for those of ``positions`` that are live (evicted ones are absent)."""
+        """``{position: slot}`` for those of ``positions`` that exactly one live slot holds (evicted
+        ones are absent; so are positions an interior insert made ambiguous, which position-addressed
+        edits refuse)."""
         pos = self.ledger.position
-        where = {pos[r]: s for s, r in enumerate(self.live)}
+        where: dict[int, int] = {}
+        seen: set[int] = set()
+        for s, r in enumerate(self.live):
+            p = pos[r]
+            if p in seen:
+                where.pop(p, None)
+            else:
+                seen.add(p)
+                where[p] = s
         return {int(p): where[int(p)] for p in positions if int(p) in where}
 
     @torch.inference_mode()
