@@ -261,3 +261,23 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     again = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
     assert len(store) == n_runs                                          # every run reused
     pd.testing.assert_frame_equal(again["evict_matched"], tables["evict_matched"])
+
+
+def test_eviction_rate_counts_only_over_budget_steps():
+    from kvlab.evict_tables import eviction_rate
+
+    steps = {"cache_len": [40, 48, 49, 50, 48, 47], "evicted": [0, 3, 0, 0, 2, 0]}
+    # pre-evict lengths 40, 51, 49, 50, 50, 47: over 48 at steps 2-5 (4 steps), evictions at 2 and 5
+    assert eviction_rate([steps], 48) == pytest.approx(0.5)
+    assert eviction_rate([{"cache_len": [10], "evicted": [0]}], 48) == 0.0
+
+
+@pytest.mark.parametrize("budget", [64, 128, 200])
+def test_needle_policies_share_one_peak_budget(budget):
+    from kvlab.needle import needle_policies
+
+    pols = needle_policies(budget)
+    assert pols["full"] is None
+    assert pols["sliding"].window == budget and pols["h2o"].budget == budget and pols["confkv"].loose == budget
+    b = pols["block"]
+    assert b.block_size * (b.start_blocks + b.evictable_blocks + b.recent_blocks) <= budget
