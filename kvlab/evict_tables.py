@@ -332,7 +332,7 @@ MATCHED_COLS = ["policy", "matched_by", "target_mb", "mean_mb", "mean_mb_std", "
                 "peak_mb", "evict_events", "teacher_ppl", "teacher_ppl_std", "d_teacher_ppl_vs_full",
                 "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi", "kl", "kl_std", "d_kl_vs_confkv",
                 "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi", "repeat3", "repeat3_std", "tps", "tps_std", "n_prompts",
-                "params"]
+                "params", "knob", "probes"]
 
 
 def matched_table(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
@@ -455,8 +455,8 @@ TABLE_NOTES = {
         "own tokens: the KL of the pruned cache to the full one (0 for `full`).",
         "Memory: `mean_mb` / `peak_mb` = mean / max over steps of the decoding cache's real K/V bytes after the "
         "evict phase (INT8 entries counted as 1 byte + scales); `target_mb` = Conf-KV's achieved mean; "
-        "`mem_vs_target` = mean_mb / target_mb. Fixed-budget families were solved to the target (solver probes in "
-        "the per-run CSV's policy info); Conf-KV ablations keep its schedule.",
+        "`mem_vs_target` = mean_mb / target_mb. Fixed-budget families were solved to the target (`knob`: the "
+        "budget found; `probes`: every budget the solver ran, as knob:achieved MiB); Conf-KV ablations keep its schedule.",
         "`d_*_vs_full`, `d_*_vs_confkv`: paired differences on the same prompts, mean and bootstrap 95 % interval "
         "(`_lo`, `_hi`); `*_std`: per-prompt std. `tps`: decode tokens/s (machine-dependent).",
     ],
