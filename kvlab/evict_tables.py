@@ -98,7 +98,8 @@ class Solved:
 def solve_budget(measure: Callable[[int], float], target: float, lo: int, hi: int, guess: int | None = None,
                  tol: float = 0.02, max_probes: int = 8) -> Solved:
     """The integer knob ``k`` in ``[lo, hi]`` whose ``measure(k)`` (non-decreasing in ``k``) is closest
-    to ``target``: start at ``guess``, stop once within ``tol`` (relative), else bracket and bisect.
+    to ``target``: start at ``guess``, stop once within ``tol`` (relative), else bracket and refine.
+    Until the target is bracketed the knob doubles (or halves) from the guess; then secant steps.
     At most ``max_probes`` calls of ``measure``; every probe is kept in ``probes``."""
     if not (isinstance(lo, int) and isinstance(hi, int)) or lo > hi or lo < 1:
         raise ValueError(f"lo={lo!r}, hi={hi!r} must be ints with 1 <= lo <= hi")
@@ -133,8 +134,10 @@ def solve_budget(measure: Callable[[int], float], target: float, lo: int, hi: in
         if below and above:
             (k0, v0), (k1, v1) = max(below), min(above)
             nxt = round(k0 + (target - v0) * (k1 - k0) / (v1 - v0)) if v1 != v0 else (a + b) // 2
+        elif below:                      # not bracketed yet: expand away from the guess
+            nxt = 2 * k
         else:
-            nxt = (a + b) // 2
+            nxt = k // 2
         k = min(max(nxt, a), b)
         if k in probes:
             k = (a + b) // 2
