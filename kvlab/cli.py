@@ -294,14 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
     p.set_defaults(fn=cmd_refresh)
     p = sub.add_parser("evict", help="eviction: sawtooth figure, matched-memory table, needle-retrieval table")
-    _common(p, prompts=4, tokens=128)
+    _common(p, prompts=2, tokens=128)
     _evict_args(p)
     p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
     _common(p)
     _evict_args(p)
-    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=4,
-                   help="prompts of the eviction job (the first of --prompts; it runs ~12 policies)")
+    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=2,
+                   help="prompts of the eviction job (the first of --prompts; it runs ~14 configurations + 75 needle runs)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)

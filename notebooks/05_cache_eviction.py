@@ -34,7 +34,7 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
-PROMPTS = 1 if SMOKE else 4            # prompts of the matched-memory table
+PROMPTS = 1 if SMOKE else 2            # prompts of the matched-memory table
 TOKENS = 24 if SMOKE else 128          # new tokens per run
 STEP_TOKENS = 24 if SMOKE else 96      # the single run stepped through
 GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see README)
