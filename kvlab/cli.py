@@ -209,8 +209,50 @@ def _mc_real_small(args):
                                     "passes": 8, "dropout": [0.05, 0.1, 0.2]}))
 
 
+def _evict_args(p: argparse.ArgumentParser) -> None:
+    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.needle's)."""
+    p.add_argument("--gamma", type=float, default=0.9, help="evict: Conf-KV confidence threshold γ in [0, 1]")
+    p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
+                   help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
+    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="evict: needle depths in [0, 1] (0 = oldest)")
+    p.add_argument("--needle-reps", type=positive_int("--needle-reps"), default=1, help="evict: keys per grid cell")
+    p.add_argument("--needle-budget", type=positive_int("--needle-budget"), default=128,
+                   help="evict: peak cache entries of every policy in the needle grid")
+    p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
+
+
+def cmd_evict(args) -> list[Path]:
+    """Eviction experiments: sawtooth figure, matched-memory table, needle-retrieval table."""
+    from dataclasses import replace as _replace
+
+    from .evict_plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
+    from .evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from .figures import render
+    from .policies import Periodic
+    from .store import RunStore
+
+    spec = _spec(args)              # validates everything before any model loads
+    n = getattr(args, "evict_prompts", None)
+    if n is not None and n < len(spec.prompts):
+        spec = _replace(spec, prompts=spec.prompts[:n])
+    study = EvictStudy(gamma=args.gamma)
+    grid = None if args.no_needle else NeedleGrid(tuple(args.needle_lengths), tuple(args.needle_depths),
+                                                   args.needle_reps, args.needle_budget)
+    teacher, student = _pair(args)
+    tables = evict_tables(teacher, student, spec, RunStore(args.runs), study, grid,
+                          refresh=Periodic(max(2, spec.tokens // 4)), progress=not args.no_progress)
+    paths = write_evict(tables, args.out)
+    paths += [p for p in (render("evict_sawtooth", args.out), render("evict_needle", args.out)) if p is not None]
+    for name in ("evict_matched", "evict_needle"):
+        if (args.out / f"{name}.md").is_file():
+            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+    return paths
+
+
 # The main job: every table/figure, in order. Each entry: (name, handler).
-JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_real_small), ("refresh", cmd_refresh)]
+JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_real_small), ("refresh", cmd_refresh),
+        ("evict", cmd_evict)]
 
 
 def cmd_all(args) -> list[Path]:
@@ -255,9 +297,18 @@ def cmd_bench(args) -> None:
         prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
+    elif args.what == "evict":
+        from .bench import bench_evict
+
+        if args.cache_len < 64:   # before any model loads
+            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
+        print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
+        print(_evict_bench_table(res))
 
 
-BENCHES = ("decode", "refresh", "surgery", "mc", "sweep")
+BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict")
 
 
 POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
@@ -290,6 +341,15 @@ def _refresh_options(p: argparse.ArgumentParser) -> None:
                    help="prompts timed (the first ones of the spec)")
     t.add_argument("--timing-repeats", type=int, default=2,
                    help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+def _evict_bench_table(res: dict) -> str:
+    """bench_evict's per-policy dict as an aligned table (ms per decode step, medians)."""
+    import pandas as pd
+
+    df = pd.DataFrame.from_dict(res["policies"], orient="index")
+    df.index.name = "policy"
+    return df.reset_index().to_string(index=False)
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
     _refresh_options(p)
     p.set_defaults(fn=cmd_refresh)
+    p = sub.add_parser("evict", help="eviction: sawtooth figure, matched-memory table, needle-retrieval table")
+    _common(p, prompts=2, tokens=128)
+    _evict_args(p)
+    p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
     _common(p)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
@@ -333,15 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=2,
                    help="refresh: prompts timed side by side for the overhead")
     p.add_argument("--timing-repeats", type=int, default=2, help="refresh: paired timings per prompt and policy")
+    _evict_args(p)
+    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=2,
+                   help="prompts of the eviction job (the first of --prompts; it runs ~14 configurations + 75 needle runs)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
-                   help="default: decode 64, refresh 256, mc 64")
+                   help="default: decode 64, refresh 256, mc 64, evict 16")
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
-    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery: cache entries")
+    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")

@@ -34,4 +34,4 @@ def render_all(out) -> list[Path]:
 def _load_registrations() -> None:
     """Import the modules that register figures (kept lazy: no import-time side effects;
     they import :mod:`kvlab.figbase`, never this module)."""
-    from . import plots  # noqa: F401
+    from . import evict_plots, plots  # noqa: F401
