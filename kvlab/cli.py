@@ -255,9 +255,17 @@ JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_re
         ("evict", cmd_evict)]
 
 
+# Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
+NEEDS_SAME_GEOMETRY = ("refresh", "evict")   # evict: its OverFill + refresh row
+
+
 def cmd_all(args) -> list[Path]:
     paths = []
     for name, fn in JOBS:
+        if getattr(args, "rebuild_student_cache", False) and name in NEEDS_SAME_GEOMETRY:
+            print(f"== {name}: skipped (--rebuild-student-cache: the pair's KV geometry differs, and a refresh "
+                  "splices teacher K/V into the student cache)", flush=True)
+            continue
         print(f"== {name}", flush=True)
         paths += fn(args)
     paths += cmd_figures(args)

@@ -117,7 +117,7 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                     " return e && q && e.innerText !== k && q.innerText !== p; }",
                     arg=[key0, ppl0], timeout=180_000)
                 key1, ppl1 = page.locator(".kvlab-run-key").inner_text(), ppl.inner_text()
-                stored = json.loads((runs / f"{key1}.json").read_text())
+                stored = _stored(runs, key1)
                 assert stored["config"]["decode"]["refresh"] == {"policy": "EntropyGate", "tau_bits": tau1, "min_gap": 1, "W": None}
                 assert stored["config"]["decode"]["refresh_next"] == "teacher"
                 assert ppl1 == f"{stored['result']['teacher_ppl']:.4f}" != ppl0
@@ -130,7 +130,7 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                                        arg=key0, timeout=30_000)
                 dt = time.perf_counter() - t0
                 assert ppl.inner_text() == ppl0
-                _wait_plotted(page, json.loads((runs / f"{key0}.json").read_text())["result"]["steps"]["entropy_bits"])
+                _wait_plotted(page, _stored(runs, key0)["result"]["steps"]["entropy_bits"])
                 assert "run store" in page.locator(".kvlab-readouts").inner_text()
                 print(f"\nbrowser: stored τ position redrawn {1000 * dt:.0f} ms after the edit "
                       f"(Enter -> new run key on the page); page status: {page.locator('.kvlab-status').inner_text()}")
@@ -180,9 +180,16 @@ def _type_slider(page, readout, value: str) -> float:
     return t
 
 
+def _stored(runs: Path, key: str) -> dict:
+    """The stored run whose config key is ``key`` (``runs/<key>.<code+machine key>.json``)."""
+    files = list(runs.glob(f"{key}.*.json"))
+    assert len(files) == 1, f"expected one stored run for key {key}, found {files}"
+    return json.loads(files[0].read_text())
+
+
 def _key_for(runs: Path, tau: float) -> str:
     """The stored run (in this test's fresh store) whose entropy gate has ``tau``."""
-    keys = [p.stem for p in runs.glob("*.json")
+    keys = [p.name.split(".")[0] for p in runs.glob("*.json")     # <config key>.<code+machine key>.json
             if (json.loads(p.read_text())["config"]["decode"].get("refresh") or {}).get("tau_bits") == tau]
     assert len(keys) == 1, f"expected one stored run with tau_bits={tau}, found {keys}"
     return keys[0]

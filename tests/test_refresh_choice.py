@@ -117,3 +117,21 @@ def test_single_policy_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path,
     paths = write_refresh(tabs, tmp_path)
     assert (tmp_path / f"refresh_{choice.label}_timing.md").read_text().startswith("Overhead % = median")
     assert all(p.is_file() for p in paths)
+
+
+def test_all_with_rebuild_flag_skips_the_jobs_that_splice(monkeypatch, capsys):
+    """`all --rebuild-student-cache` runs what works with a differing KV geometry and says what it skipped."""
+    from kvlab import cli
+
+    ran = []
+    jobs = [(name, (lambda n: (lambda args: ran.append(n) or []))(name)) for name, _ in cli.JOBS]
+    monkeypatch.setattr(cli, "JOBS", jobs)
+    monkeypatch.setattr(cli, "cmd_figures", lambda args: [])
+    args = cli.build_parser().parse_args(["all", "--rebuild-student-cache"])
+    cli.cmd_all(args)
+    assert "baselines" in ran and not set(ran) & set(cli.NEEDS_SAME_GEOMETRY)
+    out = capsys.readouterr().out
+    assert all(f"== {n}: skipped (--rebuild-student-cache" in out for n in cli.NEEDS_SAME_GEOMETRY)
+    ran.clear()
+    cli.cmd_all(cli.build_parser().parse_args(["all"]))
+    assert ran == [n for n, _ in jobs]
