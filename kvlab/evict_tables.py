@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from .decode import DecodeConfig
-from .experiment import RunSpec, scored_run, write_table
+from .experiment import RunSpec, paired_bootstrap, scored_run, write_table
 from .store import RunStore
 
 MIB = 2 ** 20
@@ -315,20 +315,9 @@ def _params(policy) -> str:
 
 def paired_ci(per_run: pd.DataFrame, base: str, metrics=("teacher_ppl", "kl"), n_boot: int = 2000,
               seed: int = 0) -> pd.DataFrame:
-    """Per policy: mean paired difference to ``base`` on the same prompts and its bootstrap 95 % CI."""
-    rng = np.random.default_rng(seed)
-    b = per_run[per_run.policy == base].set_index("prompt_idx")
-    out = []
-    for name, g in per_run.groupby("policy", sort=False):
-        g = g.set_index("prompt_idx").loc[b.index]
-        row = {"policy": name}
-        for m in metrics:
-            d = (g[m] - b[m]).to_numpy()
-            boots = rng.choice(d, size=(n_boot, len(d)), replace=True).mean(1)
-            row[f"d_{m}_vs_{base}"] = d.mean()
-            row[f"d_{m}_vs_{base}_lo"], row[f"d_{m}_vs_{base}_hi"] = np.percentile(boots, [2.5, 97.5])
-        out.append(row)
-    return pd.DataFrame(out)
+    """Per policy: mean paired difference to ``base`` on the same prompts and its bootstrap 95 % CI
+    (columns ``d_<metric>_vs_<base>[_lo|_hi]``)."""
+    return paired_bootstrap(per_run, base, metrics, suffix=f"_vs_{base}", n_boot=n_boot, seed=seed)
 
 
 MATCHED_COLS = ["policy", "matched_by", "target_mb", "mean_mb", "mean_mb_std", "mem_vs_target", "mean_len", "peak_len",

@@ -98,6 +98,28 @@ def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConf
     return pd.DataFrame(rows)
 
 
+def paired_bootstrap(per_run: pd.DataFrame, base: str, metrics=("kl", "teacher_ppl"), suffix: str = "",
+                     n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Per policy: the mean paired difference of each metric to policy ``base`` on the same prompts
+    (``prompt_idx``) and its bootstrap 95 % interval over prompts, as columns ``d_<m><suffix>``,
+    ``d_<m><suffix>_lo``, ``d_<m><suffix>_hi``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b = per_run[per_run.policy == base].set_index("prompt_idx")
+    out = []
+    for name, g in per_run.groupby("policy", sort=False):
+        g = g.set_index("prompt_idx").loc[b.index]
+        row = {"policy": name}
+        for m in metrics:
+            d = (g[m] - b[m]).to_numpy()
+            boots = rng.choice(d, size=(n_boot, len(d)), replace=True).mean(1)
+            row[f"d_{m}{suffix}"] = d.mean()
+            row[f"d_{m}{suffix}_lo"], row[f"d_{m}{suffix}_hi"] = np.percentile(boots, [2.5, 97.5])
+        out.append(row)
+    return pd.DataFrame(out)
+
+
 def summarize(per_run: pd.DataFrame, by: str = "policy", order: list | None = None) -> pd.DataFrame:
     """Mean per group, with ``<metric>_std`` (per-prompt std) beside the quality/time columns."""
     metrics = [c for c in METRICS if c in per_run]

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .decode import DecodeConfig, run
-from .experiment import RunSpec, run_policies, scored_run, write_table
+from .experiment import RunSpec, paired_bootstrap, run_policies, scored_run, write_table
 from .policies import EntropyGate, Periodic, ProbeKL, Speculative
 from .refresh import run_costs, tau_for_budget, tau_from_percentile
 from .store import RunStore
@@ -106,19 +106,7 @@ def refresh_policies(tokens: int, cal: Calibration) -> tuple[dict[str, DecodeCon
 def paired(per_run: pd.DataFrame, base: str = "none", n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per-policy paired quality statistics against ``base`` on the same prompts: ΔKL and
     Δteacher-PPL with a bootstrap 95 % interval over prompts. (No timing: see :func:`paired_timing`.)"""
-    rng = np.random.default_rng(seed)
-    b = per_run[per_run.policy == base].set_index("prompt_idx")
-    out = []
-    for name, g in per_run.groupby("policy", sort=False):
-        g = g.set_index("prompt_idx").loc[b.index]
-        row = {"policy": name}
-        for m in ("kl", "teacher_ppl"):
-            d = (g[m] - b[m]).to_numpy()
-            boots = rng.choice(d, size=(n_boot, len(d)), replace=True).mean(1)
-            row[f"d_{m}"] = d.mean()
-            row[f"d_{m}_lo"], row[f"d_{m}_hi"] = np.percentile(boots, [2.5, 97.5])
-        out.append(row)
-    return pd.DataFrame(out)
+    return paired_bootstrap(per_run, base, ("kl", "teacher_ppl"), n_boot=n_boot, seed=seed)
 
 
 def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:

@@ -4,42 +4,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-class _TinyTokenizer:
-    """Enough of a tokenizer for the decode loop: ids <-> strings, no chat template."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.eos_token_id = 2
-        self.chat_template = None
-
-    def __call__(self, text: str):
-        return {"input_ids": [3 + (ord(c) % (self.vocab_size - 3)) for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = False):
-        return "".join(chr(97 + int(i) % 26) for i in ids)
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(self.vocab_size)}
-
-
-def make_tiny_lm(seed: int = 0, intermediate_size: int = 96, num_kv_heads: int = 2, layers: int = 2,
-                 vocab: int = 128, rope_theta: float = 10000.0, head_dim: int = 16):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvlab.models import LM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate_size,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
-                      head_dim=head_dim, max_position_embeddings=512, rope_theta=rope_theta,
-                      eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    return LM(model=model, tokenizer=_TinyTokenizer(vocab), name=f"tiny-{seed}-{intermediate_size}")
+from kvlab.tiny import make_tiny_lm  # noqa: E402  (tests import it from here)
 
 
 @pytest.fixture(scope="session")

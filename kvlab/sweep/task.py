@@ -25,39 +25,14 @@ def tiny_pair(ratio: float | None = 0.3, seed: int = 0):
     """A random tiny Llama teacher and a narrower student with the same KV geometry (for tests and
     benchmarks of the sweep machinery; deterministic across processes, no files)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..models import LM
-
-    def make(s: int, inter: int):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s)
-            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=inter, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                              eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-            model = LlamaForCausalLM(cfg).eval()
-        return LM(model=model, tokenizer=_TinyTokenizer(128), name=f"tiny-{s}-{inter}")
+    from ..tiny import make_tiny_lm
 
     ratio = 0.3 if ratio is None else ratio
-    return make(seed, 96), make(seed + 1, max(8, int(round(96 * (1 - ratio)))))
-
-
-class _TinyTokenizer:
-    vocab_size = 128
-    eos_token_id = 2
-    chat_template = None
-
-    def __init__(self, vocab: int):
-        self.vocab_size = vocab
-
-    def __call__(self, text: str):
-        return {"input_ids": [3 + (ord(c) % (self.vocab_size - 3)) for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = False):
-        return "".join(chr(97 + int(i) % 26) for i in ids)
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(self.vocab_size)}
+    with torch.random.fork_rng(devices=[]):          # leave the caller's generator alone
+        teacher = make_tiny_lm(seed=seed, intermediate_size=96)
+        student = make_tiny_lm(seed=seed + 1, intermediate_size=max(8, int(round(96 * (1 - ratio)))))
+    return teacher, student
 
 
 def load_models(models: ModelSpec, ratio):
