@@ -62,7 +62,8 @@ def _git_state() -> tuple[str | None, bool | None]:
     sha = _git("rev-parse", "--short=12", "HEAD")
     if sha is None:
         return None, None
-    status = _git("status", "--porcelain")  # ignored files (runs/, .venv/) do not count
+    # ignored files (runs/, .venv/) do not count, nor figures/: it holds this code's own outputs
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)figures")
     return sha, (bool(status) if status is not None else None)
 
 
