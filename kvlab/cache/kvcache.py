@@ -876,10 +876,7 @@ class KVCache:
         if not self.n_int8:
             self._int8 = None
             return
-        for q, lay in zip(self._int8, self._hf.layers):
-            k, v = q.dequant(lay.keys.dtype)
-            lay.keys = torch.cat([k, lay.keys], dim=2)
-            lay.values = torch.cat([v, lay.values], dim=2)
+        self._prepend_int8()
         self._int8 = None
         self.check()
 
@@ -887,11 +884,15 @@ class KVCache:
         """Put the dequantized INT8 prefix in front of every layer's FP tail (for one forward)."""
         if not self.n_int8:
             return
+        self._prepend_int8()
+        self._materialized = True
+
+    def _prepend_int8(self) -> None:
+        """Put every layer's dequantized INT8 entries in front of its FP entries (``(1, H_kv, T, D)``)."""
         for q, lay in zip(self._int8, self._hf.layers):
             k, v = q.dequant(lay.keys.dtype)
             lay.keys = torch.cat([k, lay.keys], dim=2)
             lay.values = torch.cat([v, lay.values], dim=2)
-        self._materialized = True
 
     def _dematerialize(self, nq: int) -> None:
         """Drop the materialized prefix again (a no-op unless :meth:`_materialize` ran)."""
