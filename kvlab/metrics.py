@@ -89,6 +89,12 @@ def score(trace, teacher) -> dict:
     out["kl_student_steps"] = int(mine.sum())
     if q_logp is not None:
         kl = kl_rows(t_logp, q_logp)                                                # (N,)
+        if getattr(trace.config, "evict", None) is None:
+            # without eviction a teacher-chosen step's q *is* p_T (cached vs uncached forward of the same model
+            # over the same tokens): its KL is 0 by construction, stored as 0 rather than the ±1e-8 that another
+            # reduction order gives. With eviction the teacher's cache lost entries, so its KL is real.
+            exact = torch.tensor([r.source == "teacher" for r in trace.records], dtype=torch.bool)   # (N,)
+            kl = torch.where(exact, torch.zeros_like(kl), kl)
         out["kl_all"] = float(kl.mean())
         out["kl"] = float(kl[mine].mean()) if bool(mine.any()) else out["kl_all"]
         out["kl_steps"] = kl.tolist()

@@ -33,6 +33,20 @@ def quality(df: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values("row_id").reset_index(drop=True)[["row_id", "policy", "prompt_idx", *QUALITY]]
 
 
+# Rows made by different engines agree exactly on what is discrete (tokens, text, counts) and within float
+# noise on what is reduced: an in-process run and a 1-CPU worker use different thread counts, so torch sums
+# the same fp32 terms in a different order (measured: kl 1.7e-8 vs -9.0e-8 on an AMD EPYC). 1e-5 relative /
+# 1e-6 absolute is ~100x that noise and far below any difference a policy makes.
+FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-6
+
+
+def assert_same_rows(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    qa, qb = quality(a), quality(b)
+    floats = [c for c in qa.columns if pd.api.types.is_float_dtype(qa[c])]
+    pd.testing.assert_frame_equal(qa.drop(columns=floats), qb.drop(columns=floats))       # exact
+    pd.testing.assert_frame_equal(qa[floats], qb[floats], check_exact=False, rtol=FLOAT_RTOL, atol=FLOAT_ATOL)
+
+
 # --------------------------------------------------------------------------- spec
 
 
@@ -289,7 +303,7 @@ def test_processes_give_the_same_rows_and_survive_a_dying_worker(tmp_path):
     assert (tmp_path / "crashed").exists() and rep.errors == 0
     a, b = load(tmp_path / "local"), load(tmp_path / "proc")
     assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"processes"}
-    pd.testing.assert_frame_equal(quality(a), quality(b))
+    assert_same_rows(a, b)
 
 
 def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
@@ -317,7 +331,7 @@ def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
     a, b = load(tmp_path / "local"), load(tmp_path / "ray")
     assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"ray"}
     assert b.worker.nunique() >= 2
-    pd.testing.assert_frame_equal(quality(a), quality(b))
+    assert_same_rows(a, b)
 
 
 def test_pareto_summary(tmp_path):
