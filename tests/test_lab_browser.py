@@ -1,0 +1,134 @@
+"""`make lab` in a real browser: JupyterLab (started through the Makefile, without its install step) opens
+notebooks/01's ``.py`` as a notebook, not as text, and saving it leaves the committed file byte-identical
+(so ``git status`` stays clean).
+
+Needs what ``make test`` installs: JupyterLab + jupytext, ``playwright``, Debian's ``/usr/bin/chromium``, and
+the settings override ``make install`` copies into the venv (``jupyter/overrides.json``). Not skipped when
+they are missing: it fails and says what to install.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_playground_browser import _chromium, _free_port, _stop
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = "notebooks/01_overfill_step_by_step.py"
+TIMEOUT_MS = 180_000
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    import socket
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"make lab exited with {proc.returncode} before listening:\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.25)
+    raise AssertionError(f"make lab did not listen on 127.0.0.1:{port} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _wait_kernel_idle(port: int, token: str, name: str, timeout: float) -> None:
+    """Wait until the server has a session for notebook ``name`` whose kernel is idle (REST API)."""
+    import json
+    import urllib.request
+
+    end, sessions = time.monotonic() + timeout, []
+    while time.monotonic() < end:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/sessions?token={token}", timeout=10) as r:
+            sessions = json.load(r)
+        if any(s["path"].endswith(name) and s["kernel"]["execution_state"] == "idle" for s in sessions):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no idle kernel for {name} within {timeout:.0f} s: {sessions}")
+
+
+def _git_status(path: str) -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--", path], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout
+
+
+@pytest.mark.integration
+def test_make_lab_opens_a_py_as_a_notebook_and_saving_changes_nothing(tmp_path):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as e:  # fail, don't skip: `make test` installs it
+        pytest.fail(f"{e.name} is missing: `pip install -e .[dev,notebooks]` (make test does)")
+    if shutil.which("make") is None:
+        pytest.fail("no `make` on PATH")
+    venv = Path(sys.prefix)
+    overrides = venv / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    assert overrides.is_file() and overrides.read_text() == (REPO / "jupyter" / "overrides.json").read_text(), (
+        f"{overrides} is missing or stale: `make install` copies jupyter/overrides.json there")
+    chromium = _chromium()
+    path = REPO / NOTEBOOK
+    before, status_before = path.read_bytes(), _git_status(NOTEBOOK)
+    mtime0 = path.stat().st_mtime_ns
+
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_TOKEN": token, "KVLAB_RUNS": str(tmp_path / "runs"),
+           # a fresh user: no personal JupyterLab settings or saved layout may decide the viewer
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / "lab.log"
+    log = open(log_path, "w")
+    # -o install: never (re)run the install step here; `make test` has installed already
+    proc = subprocess.Popen(["make", "--no-print-directory", "-o", "install", "lab", f"PORT={port}", f"VENV={venv}"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_listening(port, proc, log_path, 120)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK}?token={token}", timeout=TIMEOUT_MS)
+                panel = page.locator(".jp-NotebookPanel").first
+                panel.wait_for(timeout=TIMEOUT_MS)
+                cells = panel.locator(".jp-Cell")
+                cells.first.wait_for(timeout=TIMEOUT_MS)
+                # cells render in batches (JupyterLab's deferred windowing): wait for more than a handful
+                page.wait_for_function("() => document.querySelectorAll('.jp-NotebookPanel .jp-Cell').length > 5",
+                                       timeout=60_000)
+                assert page.locator(".jp-NotebookPanel .jp-CodeCell").count() > 2
+                assert page.locator(".jp-FileEditor").count() == 0, "the .py also opened in the text editor"
+                tab = page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").first
+                assert tab.inner_text() == Path(NOTEBOOK).name      # the panel is this file's
+                # the kernel the header names starts (its kernelspec is what a save writes back)
+                _wait_kernel_idle(port, token, Path(NOTEBOOK).name, 120)
+                panel.locator(".jp-Cell").first.click()
+                page.keyboard.press("Escape")
+                page.keyboard.press("Control+s")
+                end = time.monotonic() + 60
+                while path.stat().st_mtime_ns == mtime0 and time.monotonic() < end:
+                    time.sleep(0.25)
+                assert path.stat().st_mtime_ns != mtime0, "Ctrl+S did not save the notebook"
+                time.sleep(1.0)          # let a second write (if any) land
+                after = path.read_bytes()
+                assert after == before, "saving rewrote the notebook:\n" + _diff(before, after)
+                assert _git_status(NOTEBOOK) == status_before
+            finally:
+                browser.close()
+    finally:
+        _stop(proc)
+        log.close()
+        if path.read_bytes() != before:     # never leave the checkout modified by the test
+            path.write_bytes(before)
+    assert proc.poll() is not None
+
+
+def _diff(a: bytes, b: bytes) -> str:
+    import difflib
+
+    return "".join(difflib.unified_diff(a.decode().splitlines(True), b.decode().splitlines(True), "committed", "saved"))
