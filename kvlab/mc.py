@@ -265,6 +265,17 @@ class MCGate:
             return False
         return float(value) > self.threshold
 
+    def explain(self, record) -> str:
+        """Why :meth:`should_refresh` fired (or not) at ``record``, in words."""
+        value = (getattr(record, "signals", None) or {}).get(self.key)
+        if value is None:
+            return f"no MC probe at step {record.step} (probes every {self.probe_every} steps)"
+        since = _since_refresh(record)
+        head = f"MC {self.signal} {float(value):.3g} {'>' if float(value) > self.threshold else '≤'} threshold {self.threshold:g}"
+        if float(value) > self.threshold and since is not None and since < self.refractory:
+            return f"{head}, but only {since} step(s) since the last refresh (refractory {self.refractory})"
+        return head
+
     @classmethod
     def calibrated(cls, teacher, student, *, percentile: float, signal: str = "mi", prompts: Iterable[str] | None = None,
                    tokens: int = 32, **fields) -> "MCGate":

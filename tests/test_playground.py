@@ -13,6 +13,7 @@ from kvlab.decode import DecodeConfig, Sampling
 from kvlab.experiment import run_config, scored_run
 from kvlab.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
 from kvlab.playground import Playground, Settings, Stepper, check, decode_config
+from kvlab.playground.controller import fmt
 from kvlab.playground.settings import Range, percentile_of
 from kvlab.store import RunStore
 
@@ -305,7 +306,7 @@ def test_view_slider_redraws_readout_with_the_stored_value(pg, tiny_student):
     v.controls["T"].value = 2
     pg.wait()
     stored = pg.store.get(pg.config(pg.settings.replace(T=2), tiny_student))
-    assert f"<span class='kvlab-ro-teacher_ppl'>{stored['teacher_ppl']:.4f}</span>" in v.table.value
+    assert f"<span class='kvlab-ro-teacher_ppl'>{fmt(stored['teacher_ppl'], 'g3')}</span>" in v.table.value
     assert pg.key(pg.settings.replace(T=2)) in v.table.value
     assert list(v.fig.data[1].y) == pytest.approx(stored["steps"]["entropy_bits"])
     assert list(v.fig.data[6].x) == stored["live"]["positions"]

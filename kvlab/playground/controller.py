@@ -22,28 +22,36 @@ from typing import Callable
 from ..experiment import run_config, scored_run
 from ..store import RunStore, run_key
 from .runner import Cancelled, ModelGate, Runner
-from .settings import (PRUNE_RATIOS, RANGES, Settings, check, decode_config, eviction_policies, normalize,
-                       percentile_of)
+from .settings import (PRUNE_RATIOS, RANGES, Range, Settings, check, decode_config, eviction_policies, normalize,
+                       percentile_of, refresh_policy)
+from .spread import Spread, pairs, spread_stats
+from .why import refresh_reasons, same_tokens_note
 
-# (name, label, format) of every readout, in display order
-READOUTS = (("teacher_ppl", "teacher-PPL", ".4f"), ("kl", "KL(p_T‖q), nats", ".4f"), ("repeat3", "repeat@3", ".3f"),
-            ("refreshes", "refreshes", "d"), ("teacher_tokens_pct", "teacher tokens %", ".1f"),
-            ("overhead_pct", "overhead % (time vs baseline)", "+.1f"), ("tps", "decode tok/s", ".1f"),
-            ("cache_kib", "cache KiB (mean per step)", ".0f"))
+# (name, label, format) of every readout, in display order. "g3": three significant digits (one run is
+# one sample: more digits would claim a precision it does not have). No readout compares times of two
+# separately timed runs: the teacher's time share is measured inside the run itself, and "time vs baseline"
+# is timed back to back on demand (Playground.time_vs_baseline).
+READOUTS = (("teacher_ppl", "teacher-PPL", "g3"), ("kl", "KL(p_T‖q), nats", "g3"), ("repeat3", "repeat@3", "g3"),
+            ("refreshes", "refreshes", "g3"), ("teacher_tokens_pct", "teacher tokens, % of generated", "g3"),
+            ("teacher_time_pct", "teacher time, % of student time (in-run)", "g3"),
+            ("cache_kib", "cache KiB (mean per step)", "g3"))
 
 
 def readouts(result: dict, base: dict, mode: str) -> dict:
-    """The readout values of a stored run ``result`` against its stored baseline ``base``.
+    """The readout values of a stored run ``result`` (``base``, its baseline, is accepted for the
+    callers' symmetry; no readout mixes the two runs' timings).
 
     ``teacher_tokens_pct``: tokens the teacher processed while decoding (refresh prefills + probes; every
-    token in teacher mode) per generated token. ``overhead_pct``: decode time vs the baseline's.
+    token in teacher mode) per generated token. ``teacher_time_pct``: the teacher's compute time in this
+    run as a % of the rest of this run's time (:func:`kvlab.refresh.run_costs` ``teacher_pct``; measured
+    inside one run, so no cross-run timing noise; undefined in teacher mode). ``tps``: this run's decode
+    speed (shown, never compared with the baseline's separately timed run).
     """
     n = result["tokens"]
     tt = 100.0 if mode == "teacher" else 100.0 * result.get("teacher_tokens", 0) / max(n, 1)
-    bt = base.get("total_s") or float("nan")
+    share = float("nan") if mode == "teacher" else float(result.get("teacher_pct", float("nan")))
     return {"teacher_ppl": result["teacher_ppl"], "kl": result["kl"], "repeat3": result["repeat3"],
-            "refreshes": int(result.get("refreshes", 0)), "teacher_tokens_pct": tt,
-            "overhead_pct": 100.0 * (result["total_s"] - bt) / bt if bt and math.isfinite(bt) else float("nan"),
+            "refreshes": int(result.get("refreshes", 0)), "teacher_tokens_pct": tt, "teacher_time_pct": share,
             "tps": result["tps"], "cache_kib": _mean_kib(result)}
 
 
@@ -53,9 +61,26 @@ def _mean_kib(result: dict) -> float:
 
 
 def fmt(value, spec: str) -> str:
+    """``format(value, spec)``; ``"g<n>"``: n significant digits, plain notation in 1e-4 .. 1e7."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    return format(value, spec)
+    sign = spec.startswith("+")
+    spec = spec.lstrip("+")
+    if spec.startswith("g") and spec[1:].isdigit():
+        if isinstance(value, int) and not isinstance(value, bool):
+            return format(value, "+d" if sign else "d")     # counts are exact
+        n, v = int(spec[1:]), float(value)
+        if v == 0:
+            return "0"
+        if not 1e-4 <= abs(v) < 1e7:
+            return format(v, f"{'+' if sign else ''}.{n - 1}e")
+        digits = max(0, n - 1 - math.floor(math.log10(abs(v))))
+        r = round(v, digits)
+        if r == 0:
+            return "0"
+        digits = max(0, n - 1 - math.floor(math.log10(abs(r))))
+        return format(r, f"{'+' if sign else ''}.{digits}f")
+    return format(value, ("+" if sign else "") + spec)
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,29 @@ class Shown:
     prompt_len: int           # cache entries of the prompt (generated token t sits at position prompt_len + t - 1)
     source: str               # "disk" (answered from the store) | "live" (decoded now)
     seconds: float            # from the request to this result (for "disk": lookup + readouts)
+    reasons: tuple = ()       # (step, why) of every refresh: the policy's own words (kvlab.playground.why)
+    note: str | None = None   # "same tokens as the baseline, so the same PPL" when that is the case
+
+    @property
+    def label(self) -> str:
+        """A short name of this configuration (legends, pins, exports)."""
+        return describe(self.settings)
+
+
+def describe(s: Settings) -> str:
+    """Short label: mode, refresh policy with its parameters, eviction with its budget, student, seed."""
+    from .settings import EVICT_PARAMS, POLICY_PARAMS
+
+    parts = [s.mode]
+    if s.policy != "none":
+        parts.append(s.policy + "(" + ",".join(f"{k}={getattr(s, k)}" for k in POLICY_PARAMS[s.policy]
+                                               if not (k == "W" and not s.W)) + ")")
+    if s.evict != "full":
+        parts.append(f"{s.evict}@{s.budget}" + "".join(f",{k}={getattr(s, k)}" for k in EVICT_PARAMS.get(s.evict, ())))
+    if s.mode != "teacher":
+        parts.append(f"prune {s.prune_ratio}")
+    parts.append(f"seed {s.seed}")
+    return " · ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -156,6 +204,10 @@ class Playground:
         self._listeners: list[Callable] = []
         self._show_lock = threading.RLock()
         self._cal: dict[str, object] = {}
+        self._mc_cal: dict[tuple, dict] = {}
+        self.spread: Spread | None = None                # readouts over N prompts × seeds (None: one run)
+        self.pinned: list[Shown] = []                    # runs pinned for overlay (oldest first)
+        self.timing: dict | None = None                  # the last back-to-back timing vs the baseline
         self._prompt_len: dict[tuple, int] = {}
         self._tok_text: dict[tuple, str] = {}
 
@@ -201,8 +253,15 @@ class Playground:
 
     def check(self, s: Settings | None = None) -> dict[str, str]:
         """``{control: message}`` for every bad control of ``s`` (default: the current settings)."""
-        return check(s or self.settings, vocab_size=self.vocab_size, eviction_names=self.eviction_names,
-                     ranges=self.ranges, prune_ratios=self.prune_ratios)
+        s = s or self.settings
+        err = check(s, vocab_size=self.vocab_size, eviction_names=self.eviction_names,
+                    ranges=self.ranges, prune_ratios=self.prune_ratios)
+        if "n_prompts" not in err and "prompt" not in err and isinstance(s.n_prompts, int):
+            try:
+                pairs(s, self.prompts)
+            except ValueError as e:
+                err["n_prompts"] = str(e)
+        return err
 
     def config(self, s: Settings, student) -> dict:
         """The run-store config of ``s`` (what :func:`scored_run` keys the run under)."""
@@ -249,14 +308,19 @@ class Playground:
         return self._cal[fp]
 
     def percentiles(self, s: Settings | None = None) -> dict:
-        """Calibrated percentile of τ (student entropy) and κ (KL): ``{"tau_bits": p, "kappa": p}``
-        (None where the calibration is not there yet)."""
+        """Calibrated percentile of τ (student entropy), κ (KL) and the MC threshold (its signal):
+        ``{"tau_bits": p, "kappa": p, "mc_threshold": p}`` (None where the calibration is not there yet)."""
         s = s or self.settings
         student = self._student_if_loaded(replace(s, mode="overfill"))
         cal = self.calibration(student, compute=False) if student is not None else None
-        if cal is None:
-            return {"tau_bits": None, "kappa": None}
-        return {"tau_bits": percentile_of(cal.entropy, s.tau_bits), "kappa": percentile_of(cal.kl, s.kappa)}
+        out = {"tau_bits": None, "kappa": None, "mc_threshold": None}
+        if cal is not None:
+            out.update(tau_bits=percentile_of(cal.entropy, s.tau_bits), kappa=percentile_of(cal.kl, s.kappa))
+        if s.policy == "mc" and student is not None and not check(s, ranges=self.ranges).keys() & {"mc_passes", "mc_p", "mc_signal"}:
+            mc = self.mc_calibration(s, compute=False)
+            if mc is not None:
+                out["mc_threshold"] = percentile_of(mc[s.mc_signal], s.mc_threshold)
+        return out
 
     def tau_at(self, percentile: float) -> float:
         """τ (bits) at a calibrated percentile of the current student's entropy, on the slider's grid."""
@@ -276,10 +340,24 @@ class Playground:
     def set(self, **changes) -> bool:
         """Change controls. Bad values: ``errors`` names them, the last good result stays shown,
         returns False. Good ones: the stored run is shown at once, or a live run starts in the
-        background (cancelling any run in flight). Unknown control names raise ValueError."""
+        background (cancelling any run in flight). Unknown control names raise ValueError.
+
+        With ``n_prompts``/``n_seeds`` above 1 the other (prompt, seed) pairs follow in the background
+        (from the store or decoded), with a "spread" event after each. Choosing the MC gate, or another
+        MC signal / pass count / dropout p, without naming ``mc_threshold`` puts the threshold at the
+        signal's calibrated 90th percentile (calibrating first when needed)."""
         t0 = time.perf_counter()
         new = self.settings.replace(**changes)
+        auto_mc = new.policy == "mc" and "mc_threshold" not in changes and bool(
+            {"policy", "mc_signal", "mc_passes", "mc_p", "prune_ratio"} & set(changes))
+        if auto_mc and not check(new, ranges=self.ranges).keys() & {"mc_passes", "mc_p", "mc_signal"}:
+            thr = self.mc_threshold_at(MC_PERCENTILE, new, compute=False)
+            if thr is not None:
+                new, auto_mc = new.replace(mc_threshold=thr), False
+                self._emit("settings", new)
         self.settings = new
+        self.spread = None
+        self._emit("spread", None)
         errors = self.check(new)
         self.errors = errors
         self._emit("errors", dict(errors))
@@ -291,14 +369,16 @@ class Playground:
         self._emit("percentiles", self.percentiles(new))
         with self._show_lock:
             self.runner.cancel()
-            shown = self._from_disk(new, t0)
+            shown = None if auto_mc else self._from_disk(new, t0)
             if shown is not None:
                 self._show(shown)
                 self.last_response_s = time.perf_counter() - t0
-                self._set_status(f"from the run store in {1000 * self.last_response_s:.0f} ms · run {shown.key}")
+                self._set_status(f"from the run store in {1000 * self.last_response_s:.0f} ms")
+                if len(pairs(new, self.prompts)) > 1:
+                    self.runner.submit(lambda job: self._spread(job, new), name="spread")
                 return True
         self._set_status("decoding…")
-        self.runner.submit(lambda job: self._live(job, new, t0), name="run")
+        self.runner.submit(lambda job: self._live(job, new, t0, auto_mc), name="run")
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -348,7 +428,9 @@ class Playground:
                      base_readouts=readouts(base, base, s.mode),
                      tokens=self._tokens(s, result["steps"]["token_id"]),
                      base_tokens=self._tokens(s, base["steps"]["token_id"]),
-                     prompt_len=self.prompt_len(s), source=source, seconds=time.perf_counter() - t0)
+                     prompt_len=self.prompt_len(s), source=source, seconds=time.perf_counter() - t0,
+                     reasons=tuple(refresh_reasons(refresh_policy(s), result["steps"])),
+                     note=same_tokens_note(result, base) if s.policy != "none" else None)
 
     def _from_disk(self, s: Settings, t0: float) -> Shown | None:
         student = self._student_if_loaded(s)
@@ -410,11 +492,23 @@ class Playground:
             self.calibration(student)
         job.check()
 
-    def _live(self, job, s: Settings, t0: float) -> None:
+    def _live(self, job, s: Settings, t0: float, auto_mc: bool = False) -> None:
         with self.gate.hold():
             student = self._ensure_student(s, job)
             if s.mode == "overfill":
                 self._ensure_calibration(student, job)
+                if s.policy == "mc":
+                    if self.mc_calibration(s, compute=False) is None:
+                        self._emit("progress", Progress("calibration", 0, len(self.calib_prompts),
+                                                        f"calibrating the MC signals ({s.mc_passes} passes, p={s.mc_p})…"))
+                        self.mc_calibration(s)
+                        job.check()
+                    if auto_mc:
+                        s = s.replace(mc_threshold=self.mc_threshold_at(MC_PERCENTILE, s))
+                        with self._show_lock:
+                            if self.runner.is_current(job):
+                                self.settings = s
+                                self._emit("settings", s)
                 if self.runner.is_current(job):
                     self._emit("percentiles", self.percentiles(s))
             b = s.baseline()
@@ -439,7 +533,152 @@ class Playground:
             shown = self._build(s, student, result, base, "live" if live else "disk", t0)
             self._show(shown)
             extra = f" · streamed at {live['tps']:.1f} tok/s" if live else ""
-            self._set_status(f"decoded in {shown.seconds:.1f} s{extra} · run {shown.key}")
+            self._set_status(f"decoded in {shown.seconds:.1f} s{extra}" if live else
+                             f"from the run store in {1000 * shown.seconds:.0f} ms")
+        if len(pairs(s, self.prompts)) > 1:
+            self._spread(job, s)
+
+    # ------------------------------------------------------------------ spread over prompts × seeds
+
+    def _spread(self, job, s: Settings) -> None:
+        """Readouts over ``pairs(s)``: each (prompt, seed) run and its baseline from the store, or
+        decoded now; a "spread" event after each pair (only while this job is current)."""
+        ps = pairs(s, self.prompts)
+        rows = []
+        with self.gate.hold():
+            student = self._ensure_student(s, job)
+            for i, p in enumerate(ps):
+                fresh = self.stored(p) is None or self.stored(p.baseline()) is None
+                if fresh and self.runner.is_current(job):
+                    self._emit("progress", Progress("spread", i, len(ps), f"spread: pair {i + 1}/{len(ps)} decoding…"))
+                r = self._scored(p, student, self._cancel_only(job))
+                b = self._scored(p.baseline(), student, self._cancel_only(job))
+                rows.append((readouts(r, b, s.mode), readouts(b, b, s.mode)))
+                with self._show_lock:
+                    if not self.runner.is_current(job):
+                        return
+                    self.spread = Spread(s, i + 1, len(ps), spread_stats(rows))
+                    self._emit("spread", self.spread)
+        if self.runner.is_current(job):
+            self._emit("progress", Progress("spread", len(ps), len(ps), ""))
+
+    # ------------------------------------------------------------------ MC-gate calibration
+
+    def mc_calibration(self, s: Settings | None = None, compute: bool = True) -> dict | None:
+        """``{"u": values, "mi": values, "flip": values}``: every MC signal at every student step of
+        no-refresh OverFill runs on the calibration prompts, probed at every step with ``s``'s pass
+        count and dropout p (stored runs: an MC gate whose threshold never fires). Without ``compute``,
+        only if in memory or every run is stored (else None)."""
+        from ..decode import DecodeConfig
+        from ..mc import MCGate, SIGNALS
+
+        s = s or self.settings
+        student = self.student_for(s.prune_ratio) if compute else self._student_if_loaded(replace(s, mode="overfill"))
+        if student is None:
+            return None
+        k = (student.fingerprint, int(s.mc_passes), float(s.mc_p))
+        if k in self._mc_cal:
+            return self._mc_cal[k]
+        gate = MCGate(threshold=MC_NEVER, signal="mi", probe_every=1, refractory=0, n_passes=int(s.mc_passes),
+                      dropout_p=float(s.mc_p))
+        cfgs = [(p, DecodeConfig(mode="overfill", max_new_tokens=self.calib_tokens, refresh=gate,
+                                 sampling=replace(self.calib_sampling, seed=self.calib_sampling.seed + i)))
+                for i, p in enumerate(self.calib_prompts)]
+        if not compute and any(self.store.get(run_config(self.teacher, student, p, replace(c, keep_dists=True))) is None
+                               for p, c in cfgs):
+            return None
+        values = {sig: [] for sig in SIGNALS}
+        for p, c in cfgs:
+            res = scored_run(self.teacher, student, p, c, self.store)
+            for sig, src in zip(res["steps"]["signals"], res["steps"]["source"]):
+                if src == "student" and f"mc_{SIGNALS[0]}" in (sig or {}):
+                    for name in SIGNALS:
+                        values[name].append(float(sig[f"mc_{name}"]))
+        if not values[SIGNALS[0]]:
+            raise ValueError(f"calib_tokens={self.calib_tokens} gave no probed student step; raise calib_tokens")
+        self._mc_cal[k] = {name: tuple(v) for name, v in values.items()}
+        return self._mc_cal[k]
+
+    def mc_range(self, s: Settings | None = None) -> Range:
+        """The MC-threshold slider's range for ``s``'s signal: 0 to the calibrated maximum rounded up
+        (about 200 steps); the static range until the calibration is there."""
+        s = s or self.settings
+        cal = self.mc_calibration(s, compute=False)
+        if cal is None or not cal.get(s.mc_signal):
+            return self.ranges["mc_threshold"]
+        return nice_range(max(cal[s.mc_signal]))
+
+    def mc_threshold_at(self, percentile: float, s: Settings | None = None, compute: bool = True) -> float | None:
+        """The MC threshold at a calibrated percentile of ``s``'s signal, on the slider's grid."""
+        import numpy as np
+
+        s = s or self.settings
+        cal = self.mc_calibration(s, compute=compute)
+        if cal is None:
+            return None
+        r = self.mc_range(s)
+        v = float(np.percentile(cal[s.mc_signal], percentile))
+        return min(r.hi, max(r.lo, round(round((v - r.lo) / r.step) * r.step + r.lo, 6)))
+
+    # ------------------------------------------------------------------ pins (overlay)
+
+    def pin(self) -> Shown:
+        """Pin the shown run: it stays overlaid on the plots and beside the readouts while the controls
+        move (at most :data:`MAX_PINS`, oldest dropped first). Pinning a pinned run does nothing."""
+        sh = self.shown
+        if sh is None:
+            raise ValueError("nothing is shown yet: wait for a run before pinning")
+        if all(p.key != sh.key for p in self.pinned):
+            self.pinned = (self.pinned + [sh])[-MAX_PINS:]
+        self._emit("pins", tuple(self.pinned))
+        return sh
+
+    def unpin(self, key: str | None = None) -> None:
+        """Unpin run ``key`` (every run when None)."""
+        if key is not None and all(p.key != key for p in self.pinned):
+            raise ValueError(f"key={key!r} is not pinned; pinned: {[p.key for p in self.pinned]}")
+        self.pinned = [] if key is None else [p for p in self.pinned if p.key != key]
+        self._emit("pins", tuple(self.pinned))
+
+    # ------------------------------------------------------------------ timing, back to back
+
+    def time_vs_baseline(self, repeats: int = 3):
+        """Time the current configuration against its baseline back to back
+        (:func:`kvlab.refresh_tables.paired_timing`: same prompt and seed, order alternating, one
+        warm-up; the baseline is also timed against itself, the noise floor) in the background; a
+        "timing" event carries ``{"settings", "overhead_pct", "q25", "q75", "pairs", "noise_pct", "tps"}``.
+        Not read from the store: times belong to this machine, now."""
+        from ..experiment import RunSpec
+        from ..refresh_tables import overhead_table, paired_timing
+        from .settings import sampling_of
+
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats={repeats!r} must be a positive int (pairs timed)")
+        if self.errors:
+            raise ValueError(f"fix {sorted(self.errors)} first; the timing uses the current controls")
+        s = self.settings
+
+        def work(job):
+            with self.gate.hold():
+                student = self._ensure_student(s, job)
+                if self.runner.is_current(job):
+                    self._emit("progress", Progress("timing", 0, 1, f"timing vs the baseline: {repeats} pair(s) back to back…"))
+                spec = RunSpec(prompts=(s.prompt,), tokens=s.N, sampling=sampling_of(s))
+                t = paired_timing(self.teacher, student, spec, {"baseline": decode_config(s.baseline()),
+                                                                "run": decode_config(s)},
+                                  base="baseline", prompts=1, repeats=repeats)
+            tab = overhead_table(t).set_index("policy")
+            run, aa = tab.loc["run"], tab.loc["baseline"]
+            out = {"settings": s, "overhead_pct": float(run.overhead_pct), "q25": float(run.overhead_pct_q25),
+                   "q75": float(run.overhead_pct_q75), "pairs": int(run.pairs), "noise_pct": float(aa.overhead_pct),
+                   "tps": float(run.tps)}
+            with self._show_lock:
+                if self.runner.is_current(job):
+                    self.timing = out
+                    self._emit("timing", out)
+                    self._emit("progress", Progress("timing", 1, 1, ""))
+
+        return self.runner.submit(work, name="timing")
 
     # ------------------------------------------------------------------ precompute
 
@@ -510,4 +749,22 @@ class Playground:
         return Stepper(self)
 
 
-__all__ = ["Cancelled", "LivePoint", "Playground", "Progress", "READOUTS", "Shown", "fmt", "readouts"]
+MC_NEVER = 1e30          # an MC gate threshold no signal reaches (calibration runs probe but never refresh)
+MC_PERCENTILE = 90.0     # the MC threshold a newly chosen signal starts at (calibrated percentile)
+MAX_PINS = 4
+
+
+def nice_range(top: float, steps: int = 200) -> Range:
+    """``0 .. top`` rounded up to a 1/2/5 × 10^k step, about ``steps`` steps."""
+    if not math.isfinite(top) or top <= 0:
+        return Range(0.0, 1.0, 0.01)
+    raw = top / steps
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    step = round(step, 10)
+    hi = round(math.ceil(top / step) * step, 10)
+    return Range(0.0, hi, step)
+
+
+__all__ = ["Cancelled", "LivePoint", "Playground", "Progress", "READOUTS", "Shown", "describe", "fmt", "nice_range",
+           "readouts"]

@@ -19,10 +19,14 @@ POLICY_LABELS = {"none": "none", "periodic": "periodic (T, W)", "entropy": "entr
                  "probe_kl": "probe-KL (M, κ)", "speculative": "speculative (k)", "mc": "MC-dropout gate"}
 # the controls each refresh policy reads (besides refresh_next)
 POLICY_PARAMS = {"none": (), "periodic": ("T", "W"), "entropy": ("tau_bits", "W"), "probe_kl": ("M", "kappa", "W"),
-                 "speculative": ("k",), "mc": ("mc_signal", "mc_threshold", "mc_every")}
+                 "speculative": ("k",), "mc": ("mc_signal", "mc_threshold", "mc_every", "mc_passes", "mc_p")}
 SAMPLINGS = ("greedy", "sample")
 MC_SIGNALS = ("mi", "u", "flip")
 NO_EVICTION = "full"
+# the eviction controls each eviction policy reads besides the budget
+EVICT_PARAMS = {"confkv": ("gamma",), "h2o": ("recent",), "random": ("recent",)}
+# controls that pick *which* runs are averaged (spread), not how one run decodes
+SPREAD_CONTROLS = ("n_prompts", "n_seeds")
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,14 @@ RANGES = {
     "M": Range(1, 64, 1),
     "kappa": Range(0.0, 4.0, 0.05),
     "k": Range(1, 128, 1),
-    "mc_threshold": Range(0.0, 1.0, 0.01),
+    "mc_threshold": Range(0.0, 2.0, 0.01),   # replaced per signal by the calibrated range (Playground.mc_range)
     "mc_every": Range(1, 64, 1),
+    "mc_passes": Range(2, 32, 1),
+    "mc_p": Range(0.0, 0.5, 0.01),
+    "gamma": Range(0.0, 1.0, 0.01),
+    "recent": Range(0, 1024, 1),
+    "n_prompts": Range(1, 16, 1),
+    "n_seeds": Range(1, 8, 1),
     "temperature": Range(0.05, 2.0, 0.05),
     "top_p": Range(0.05, 1.0, 0.05),
     "budget": Range(8, 1024, 8),
@@ -82,6 +92,8 @@ class Settings:
     mc_signal: str = "mi"              # MC gate signal
     mc_threshold: float = 0.05         # MC gate threshold (signal units)
     mc_every: int = 4                  # MC gate: probe (and refractory gap) every this many steps
+    mc_passes: int = 8                 # MC gate: noisy student passes per probe
+    mc_p: float = 0.1                  # MC gate: dropout probability of those passes
     refresh_next: str = "rerun"        # who picks the token after a refresh
     prune_ratio: float = 0.3           # student = teacher with this fraction of MLP channels pruned
     N: int = 64                        # new tokens
@@ -91,6 +103,10 @@ class Settings:
     seed: int = 0
     evict: str = NO_EVICTION           # "full" (no eviction) or a key of kvlab.eviction.EVICTION_POLICIES
     budget: int = 64                   # eviction budget (cache entries)
+    gamma: float = 0.9                 # Conf-KV confidence threshold γ (the eviction experiments' 0.9; the paper's 0.7)
+    recent: int = 16                   # H2O / random eviction: newest entries always kept (< budget)
+    n_prompts: int = 1                 # spread: this prompt and the next n_prompts-1 of the list ...
+    n_seeds: int = 1                   # ... each with seeds seed .. seed+n_seeds-1 (readouts: mean ± paired CI)
 
     def replace(self, **changes) -> "Settings":
         unknown = set(changes) - {f.name for f in fields(self)}
@@ -115,6 +131,7 @@ class Settings:
             keep.update(("temperature", "top_p"))
         if self.evict != NO_EVICTION:
             keep.add("budget")
+            keep.update(EVICT_PARAMS.get(self.evict, ()))
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in keep}
 
 
@@ -197,11 +214,28 @@ def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), rang
             err["top_p"] = f"top_p={s.top_p!r} must be in (0, 1]"
     if not _is_int(s.seed) or s.seed < 0:
         err["seed"] = f"seed={s.seed!r} must be a whole number >= 0"
+    int_in("n_prompts", 1, int(R["n_prompts"].hi), " (prompts averaged over)")
+    int_in("n_seeds", 1, int(R["n_seeds"].hi), " (seeds per prompt averaged over)")
+    if "n_seeds" not in err and s.n_seeds > 1 and s.sampling == "greedy":
+        err["n_seeds"] = (f"n_seeds={s.n_seeds} with greedy decoding repeats the same run {s.n_seeds} times: "
+                          "use n_seeds=1 or sampling='sample'")
+    if "mc_passes" in used:
+        int_in("mc_passes", 2, int(R["mc_passes"].hi), " (a variance needs at least two passes)")
+    if "mc_p" in used and (not _is_num(s.mc_p) or not 0 <= s.mc_p < 1 or s.mc_p not in R["mc_p"]):
+        err["mc_p"] = f"mc_p={s.mc_p!r} must be a dropout probability in {R['mc_p'].lo}..{R['mc_p'].hi} (0 = no noise)"
     if s.evict != NO_EVICTION:
         if s.evict not in eviction_names:
             err["evict"] = f"evict={s.evict!r} must be one of {(NO_EVICTION, *eviction_names)}"
         if not _is_int(s.budget) or not 1 <= s.budget <= int(R["budget"].hi):
             err["budget"] = f"budget={s.budget!r} must be a whole number of cache entries in 1..{int(R['budget'].hi)}"
+        ev_used = EVICT_PARAMS.get(s.evict, ())
+        if "gamma" in ev_used and (not _is_num(s.gamma) or not 0 <= s.gamma <= 1):
+            err["gamma"] = f"gamma={s.gamma!r} must be a confidence threshold in 0..1 (Conf-KV prunes to tight when c >= γ)"
+        if "recent" in ev_used:
+            if not _is_int(s.recent) or s.recent < 0:
+                err["recent"] = f"recent={s.recent!r} must be a whole number of entries >= 0"
+            elif "budget" not in err and s.recent >= s.budget:
+                err["recent"] = f"recent={s.recent} must be below budget={s.budget} (the recent window is kept inside the budget)"
     if not err and s.evict != NO_EVICTION:
         try:
             eviction_policy(s)
@@ -217,7 +251,7 @@ def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), rang
 
 # policy field -> control name
 _FIELD_CONTROL = {"threshold": "mc_threshold", "probe_every": "mc_every", "signal": "mc_signal", "refractory": "mc_every",
-                  "max_new_tokens": "N", "window": "W"}
+                  "max_new_tokens": "N", "window": "W", "n_passes": "mc_passes", "p": "mc_p", "dropout_p": "mc_p"}
 
 
 def _control_of(message: str) -> str:
@@ -246,7 +280,8 @@ def refresh_policy(s: Settings):
         return Speculative(k=s.k)
     if s.policy == "mc":
         # refractory = probe interval: at most one refresh per probe (the default 32 would never fire on short runs)
-        return MCGate(threshold=float(s.mc_threshold), signal=s.mc_signal, probe_every=s.mc_every, refractory=s.mc_every)
+        return MCGate(threshold=float(s.mc_threshold), signal=s.mc_signal, probe_every=s.mc_every, refractory=s.mc_every,
+                      n_passes=s.mc_passes, dropout_p=float(s.mc_p))
     raise ValueError(f"policy={s.policy!r} must be one of {POLICIES}")
 
 
@@ -267,28 +302,30 @@ def eviction_policy(s: Settings):
     cls = eviction_policies().get(s.evict)
     if cls is None:
         raise ValueError(f"evict={s.evict!r} is not available; known: {sorted(eviction_policies())}")
-    return budget_policy(s.evict, cls, s.budget, seed=s.seed)
+    return budget_policy(s.evict, cls, s.budget, seed=s.seed, gamma=s.gamma, recent=s.recent)
 
 
 BLOCK = 8   # BlockEvict block size in the playground (budget steps are multiples of it)
 
 
-def budget_policy(name: str, cls, budget: int, seed: int = 0):
+def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | None = None, recent: int | None = None):
     """Eviction policy ``cls`` (registry name ``name``) holding at most about ``budget`` cache entries.
 
-    sliding: ``window=budget`` (4 sinks); h2o / random: ``budget``, a recent window of budget/4;
-    confkv: ``loose=budget`` (uncertain steps), ``tight=budget/2`` (confident steps), ``protect=min(32, budget/8)``;
+    sliding: ``window=budget`` (4 sinks); h2o / random: ``budget``, a recent window of ``recent`` (default budget/4);
+    confkv: ``loose=budget`` (uncertain steps), ``tight=budget/2`` (confident steps), ``protect=min(32, budget/8)``,
+    confidence threshold ``gamma`` (default: the policy's own);
     block: blocks of 8, one start block, recent area ≈ budget/4, ``max_cache_size=budget``.
     Other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
     """
     if name == "sliding":
         return cls(window=budget, sinks=min(4, max(0, budget - 1)))
     if name == "h2o":
-        return cls(budget=budget, recent=max(1, budget // 4))
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent)
     if name == "random":
-        return cls(budget=budget, recent=max(1, budget // 4), seed=seed)
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent, seed=seed)
     if name == "confkv":
-        return cls(tight=max(1, budget // 2), loose=budget, protect=max(0, min(32, budget // 8)))
+        kw = {} if gamma is None else {"gamma": float(gamma)}
+        return cls(tight=max(1, budget // 2), loose=budget, protect=max(0, min(32, budget // 8)), **kw)
     if name == "block":
         recent = BLOCK * max(1, budget // (4 * BLOCK))
         return cls.from_sizes(start_size=BLOCK, recent_size=recent, max_cache_size=budget, block_size=BLOCK)

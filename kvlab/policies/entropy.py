@@ -26,3 +26,12 @@ class EntropyGate:
 
     def should_refresh(self, record) -> bool:
         return record.entropy_bits > self.tau_bits and record.since_refresh >= self.min_gap
+
+    def explain(self, record) -> str:
+        """Why :meth:`should_refresh` fired (or not) at ``record``, in words."""
+        h = record.entropy_bits
+        if h <= self.tau_bits:
+            return f"entropy {h:.3f} bits ≤ τ={self.tau_bits:g}"
+        if record.since_refresh < self.min_gap:
+            return f"entropy {h:.3f} bits > τ={self.tau_bits:g}, but only {record.since_refresh} step(s) since the last refresh"
+        return f"entropy {h:.3f} bits > τ={self.tau_bits:g}"

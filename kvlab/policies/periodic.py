@@ -26,3 +26,8 @@ class Periodic:
 
     def should_refresh(self, record) -> bool:
         return record.step % self.T == 0
+
+    def explain(self, record) -> str:
+        """Why :meth:`should_refresh` fired (or not) at ``record``, in words."""
+        return f"T reached: step {record.step} is a multiple of T={self.T}" if self.should_refresh(record) else \
+            f"step {record.step} is not a multiple of T={self.T}"

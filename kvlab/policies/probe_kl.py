@@ -32,3 +32,10 @@ class ProbeKL:
     def should_refresh(self, record) -> bool:
         kl = record.signals.get("kl")
         return kl is not None and kl > self.kappa
+
+    def explain(self, record) -> str:
+        """Why :meth:`should_refresh` fired (or not) at ``record``, in words."""
+        kl = record.signals.get("kl")
+        if kl is None:
+            return f"no probe at step {record.step} (the teacher probes every M={self.M} steps)"
+        return f"probe KL {kl:.3f} nats {'>' if kl > self.kappa else '≤'} κ={self.kappa:g}"

@@ -23,3 +23,8 @@ class Speculative:
 
     def should_refresh(self, record) -> bool:
         return record.since_refresh >= self.k
+
+    def explain(self, record) -> str:
+        """Why :meth:`should_refresh` fired (or not) at ``record``, in words."""
+        n = record.since_refresh
+        return f"burst done: {n} student step(s) since the last refresh {'≥' if n >= self.k else '<'} k={self.k}"
