@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.playground.controller import fmt
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "06_playground.py"
 SCREENSHOT = REPO / "figures" / "playground.png"
@@ -120,7 +122,7 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 stored = _stored(runs, key1)
                 assert stored["config"]["decode"]["refresh"] == {"policy": "EntropyGate", "tau_bits": tau1, "min_gap": 1, "W": None}
                 assert stored["config"]["decode"]["refresh_next"] == "teacher"
-                assert ppl1 == f"{stored['result']['teacher_ppl']:.4f}" != ppl0
+                assert ppl1 == fmt(stored["result"]["teacher_ppl"], "g3") != ppl0
                 assert page.locator(".kvlab-ro-refreshes").inner_text() == str(stored["result"]["refreshes"])
                 _wait_plotted(page, stored["result"]["steps"]["entropy_bits"])    # the plot redrew in place
 
@@ -131,7 +133,7 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 dt = time.perf_counter() - t0
                 assert ppl.inner_text() == ppl0
                 _wait_plotted(page, _stored(runs, key0)["result"]["steps"]["entropy_bits"])
-                assert "run store" in page.locator(".kvlab-readouts").inner_text()
+                assert "run store" in page.locator(".kvlab-status").inner_text()
                 print(f"\nbrowser: stored τ position redrawn {1000 * dt:.0f} ms after the edit "
                       f"(Enter -> new run key on the page); page status: {page.locator('.kvlab-status').inner_text()}")
                 page.wait_for_timeout(500)                 # the picture: τ at its calibrated p90
