@@ -383,7 +383,9 @@ class Decoding:
 
     def _track(self, cache: KVCache) -> None:
         if self._needs_attention:
-            cache.track_attention(getattr(self.config.evict, "ema_decay", 0.9))
+            ev = self.config.evict
+            cache.track_attention(getattr(ev, "ema_decay", 0.9), window=getattr(ev, "attention_window", None),
+                                  pool=getattr(ev, "attention_pool", 1))
 
     def _start(self) -> torch.Tensor:
         """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""

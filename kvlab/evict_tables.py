@@ -194,9 +194,6 @@ class EvictStudy:
                                            recent_blocks=max(1, rec // bs)), 1, 512),
         }
 
-    def block_entries(self, k: int) -> int:
-        return self.block_size * (1 + k + max(1, self.protect // self.block_size))
-
     def ablations(self) -> dict[str, object]:
         """Conf-KV's schedule with other rankers (the paper's isolation study) and its storage variants."""
         from .eviction import ConfKV
@@ -276,7 +273,9 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
     for fam, (make, lo, hi) in study.families().items():
         if fam == "block":
             cap = invert_capped(full_traj, target / mb_per_entry, 1, 4096)
-            guess = max(lo, round(cap / study.block_size) - 1 - max(1, study.protect // study.block_size))
+            # the cache sits in [max, max + bs - 1] once a whole block overflows: mean ≈ max + bs/2
+            guess = max(lo, round((cap - study.block_size / 2) / study.block_size) - 1
+                        - max(1, study.protect // study.block_size))
         else:
             guess = invert_capped(full_traj, target / mb_per_entry, lo, hi)
         cache: dict[int, list[dict]] = {}

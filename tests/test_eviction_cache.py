@@ -255,7 +255,44 @@ def test_attention_mass_equals_eager_attention_weights(lm2):
         ema[:10] = 0.5 * a[:10, :10].sum(0)
         ema = 0.5 * ema + 0.5 * a[10]
         torch.testing.assert_close(c.attn["ema"][layer], ema, rtol=1e-4, atol=1e-5)
-    assert c.attn["count"].tolist() == [2.0] * 10 + [1.0]
+    # lifetimes in measured queries: the prefill registers 10 … 1, the decode step adds 1 (new entry: 1)
+    assert c.attn["count"].tolist() == [float(10 - j + 1) for j in range(10)] + [1.0]
+
+
+def test_snapkv_window_pooling_and_lifetimes(lm2):
+    """track_attention(window=w, pool=p): the prefill's mass is that of its last w queries only,
+    max-pooled over the entry and the p-1 after it; counts are min(L - j, w), each step adds 1."""
+    from kvlab.cache.kvcache import lifetime_increment, max_pool_next
+
+    assert lifetime_increment(5, 5, None).tolist() == [5, 4, 3, 2, 1]
+    assert lifetime_increment(5, 5, 2).tolist() == [2, 2, 2, 2, 1]
+    assert lifetime_increment(6, 1, 8).tolist() == [1] * 6
+    x = torch.tensor([[1.0, 5.0, 2.0, 0.0, 3.0]])
+    assert max_pool_next(x, 3).tolist() == [[5.0, 5.0, 3.0, 3.0, 3.0]]
+    assert torch.equal(max_pool_next(x, 1), x)
+    m = lm2.model
+    c = KVCache()
+    c.track_attention(0.5, window=3, pool=2)
+    c.forward(m, IDS[:10], writer="teacher", attention=True)
+    _set_impl(m, "eager")
+    try:
+        with torch.no_grad():
+            out = m(input_ids=torch.tensor([IDS[:10]]), output_attentions=True)
+    finally:
+        _set_impl(m, "sdpa")
+    for layer, att in enumerate(out.attentions):                              # (1, H, 10, 10)
+        mass = att[0].mean(0)[7:].sum(0)                                      # the last 3 queries
+        torch.testing.assert_close(c.attn["acc"][layer], max_pool_next(mass.view(1, -1), 2)[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert c.attn["count"].tolist() == [3.0] * 8 + [2.0, 1.0]
+    c.forward(m, [9], writer="teacher", attention=True)
+    assert c.attn["count"].tolist() == [4.0] * 8 + [3.0, 2.0, 1.0]
+    assert (c.copy().attn_window, c.copy().attn_pool) == (3, 2)
+    with pytest.raises(ValueError, match="window"):
+        c.track_attention(0.5, window=4, pool=2)
+    for bad in ({"window": 0}, {"pool": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            KVCache().track_attention(0.5, **bad)
 
 
 def test_attention_hooks_removed_and_stats_follow_edits(lm2):

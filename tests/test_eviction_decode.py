@@ -38,7 +38,7 @@ def test_every_mode_runs_and_records(tiny_teacher, tiny_student, policy, mode):
     lens = [r.cache_len for r in recs]
     L = len(d.prompt_ids)
     budget = max(getattr(policy, "loose", 0), getattr(policy, "budget", 0), getattr(policy, "window", 0),
-                 getattr(policy, "max_cache_size", 0))
+                 getattr(policy, "max_after_eviction", 0))
     assert max(lens) <= budget < L + 30                      # eviction happened and the budget held
     assert sum(r.evicted for r in recs) == L + 29 - len(d.cache)     # every written entry is live or evicted
     if getattr(policy, "int8_window", None):

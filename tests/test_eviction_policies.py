@@ -47,7 +47,13 @@ def test_registry_names():
     (lambda: BlockEvict(block_size=0), "block_size"),
     (lambda: BlockEvict(evictable_blocks=0), "evictable_blocks"),
     (lambda: BlockEvict(score="max"), "score"),
-    (lambda: BlockEvict(evictable_blocks=4, kvcrush=4), "kvcrush"),
+    (lambda: BlockEvict(kvcrush=-1), "kvcrush"),
+    (lambda: BlockEvict(start_blocks=0), "start_blocks"),
+    (lambda: BlockEvict(recent_blocks=0), "recent_blocks"),
+    (lambda: BlockEvict(anchor="median"), "anchor"),
+    (lambda: BlockEvict(snapkv_window=0), "snapkv_window"),
+    (lambda: BlockEvict(pool_window=0), "pool_window"),
+    (lambda: BlockEvict.from_sizes(0, 128, 448, block_size=16), "start_size"),
     (lambda: BlockEvict.from_sizes(32, 128, 448, block_size=24), "start_size"),
     (lambda: BlockEvict.from_sizes(32, 100, 448, block_size=16), "recent_size"),
     (lambda: BlockEvict.from_sizes(32, 128, 160, block_size=16), "max_cache_size"),
@@ -60,6 +66,10 @@ def test_bad_parameters_name_the_parameter(make, name):
 def test_from_sizes_matches_openvino_layout():
     p = BlockEvict.from_sizes(32, 128, 448, block_size=16, score="norm_sum")
     assert (p.start_blocks, p.evictable_blocks, p.recent_blocks, p.max_cache_size) == (2, 18, 8, 448)
+    d = BlockEvict()                                          # seed 003 defaults: 32 start / 512 evictable / 128 recent
+    assert (d.block_size * d.start_blocks, d.block_size * d.evictable_blocks, d.block_size * d.recent_blocks) \
+        == (32, 512, 128)
+    assert (d.score, d.attention_window, d.attention_pool, d.max_after_eviction) == ("norm_sum", 8, 7, 687)
 
 
 def test_confidence_formula_and_budget_switch():
@@ -163,33 +173,47 @@ def test_budgets_and_protected_windows_respected(policy, n, confident, seed):
         assert set(range(n - protected, n)) <= set(slots)
 
 
-BLOCKS = st.builds(lambda bs, sb, eb, rb, score, crush: BlockEvict(bs, sb, eb, rb, score=score,
-                                                                   kvcrush=min(crush, eb - 1)),
-                   st.integers(1, 6), st.integers(0, 3), st.integers(1, 6), st.integers(0, 3),
-                   st.sampled_from(["sum", "norm_sum"]), st.integers(0, 3))
+BLOCKS = st.builds(lambda bs, sb, eb, rb, score, crush, anchor: BlockEvict(bs, sb, eb, rb, score=score, kvcrush=crush,
+                                                                           anchor=anchor),
+                   st.integers(1, 6), st.integers(1, 3), st.integers(1, 6), st.integers(1, 3),
+                   st.sampled_from(["sum", "norm_sum"]), st.integers(0, 3),
+                   st.sampled_from(["mean", "alternate", "random", "zeros", "ones"]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(BLOCKS, st.integers(1, 120), st.integers(0, 3))
 def test_block_eviction_never_touches_start_or_recent_areas(policy, n, seed):
+    """OpenVINO's semantics: no eviction below max + bs; then whole evictable blocks only, and the
+    cache lands in [max, max + bs - 1] (plus at most kvcrush blocks kept on top)."""
     k = policy.keep(view(n, seed=seed))
-    bs = policy.block_size
+    bs, mx = policy.block_size, policy.max_cache_size
     s, r = policy.start_blocks * bs, policy.recent_blocks * bs
     dropped = k.dropped(n)
-    if n <= policy.max_cache_size:
+    if n < mx + bs:
         assert not dropped
         return
-    assert len(k.slots) <= policy.max_cache_size
-    assert len(k.slots) > policy.max_cache_size - bs          # no more than needed (whole blocks)
+    d = policy.n_evict(n)
+    assert d >= 1
+    crush = policy.kvcrush if policy.kvcrush and d >= policy.kvcrush else 0
+    assert len(dropped) == (d - crush) * bs                    # floor counts, whole blocks
+    assert mx <= len(k.slots) - crush * bs <= mx + bs - 1
     assert set(range(min(s, n))) <= set(k.slots)
     assert set(range(max(n - r, 0), n)) <= set(k.slots)
-    for d in dropped:                                         # whole blocks of the evictable area only
-        assert s <= d < n - r
-        b0 = s + (d - s) // bs * bs
+    for j in dropped:                                         # whole blocks of the evictable area only
+        assert s <= j < n - r
+        b0 = s + (j - s) // bs * bs
         assert set(range(b0, b0 + bs)) <= set(dropped)
 
 
-def test_block_scores_and_kvcrush_pick_blocks():
+def test_block_eviction_fires_only_once_a_whole_block_overflows():
+    p = BlockEvict(4, 1, 3, 1, score="sum")                    # max 20 entries, blocks of 4
+    assert p.n_evict(23) == 0 and not p.keep(view(23)).dropped(23)
+    assert p.n_evict(24) == 1 and len(p.keep(view(24)).slots) == 20
+    assert p.n_evict(27) == 1 and len(p.keep(view(27)).slots) == 23   # the partial block stays recent
+    assert p.n_evict(32) == 3 and len(p.keep(view(32)).slots) == 20
+
+
+def test_block_scores_sum_vs_norm_sum_and_ties():
     bs, n = 2, 2 + 6 * 2 + 2 + 1                              # start 1 block, 6 evictable + partial, recent 1
     acc = torch.ones(2, n)
     acc[:, 4:6] = 50.0                                        # block 1 heavy under SUM
@@ -199,9 +223,58 @@ def test_block_scores_and_kvcrush_pick_blocks():
     p = BlockEvict(bs, 1, 4, 1, score="sum")
     assert {4, 5} <= set(p.keep(v).slots)
     assert not {4, 5} & set(BlockEvict(bs, 1, 4, 1, score="norm_sum").keep(v).slots)
-    crushed = BlockEvict(bs, 1, 4, 1, score="sum", kvcrush=2).keep(v)
-    assert len(crushed.slots) == len(p.keep(v).slots) and crushed.slots != p.keep(v).slots
+    # equal scores: the older blocks go first (OpenVINO's (score, index) order); 2 of 6 blocks go
+    flat = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 2,
+                     {"acc": torch.ones(2, n), "ema": torch.ones(2, n), "count": torch.ones(n)})
+    assert BlockEvict(bs, 1, 4, 1).keep(flat).dropped(n) == [2, 3, 4, 5]
     assert BlockEvict(bs, 1, 4, 1, rerotate=True).keep(v).rerotate
+
+
+def test_kvcrush_anchor_hamming_and_spacing():
+    """KVCrush (kvcrush.cpp): indicators = top half of the evictable entries by raw acc; MEAN anchor
+    over ALL evictable blocks with > 0.5; candidates = the evicted blocks sorted by Hamming distance
+    (nearest first); picks at ranks 0, s, 2s with s = ⌊d/k⌋; kept on top of the budget."""
+    bs = 4
+    p = BlockEvict(bs, 1, 2, 1, score="sum", kvcrush=2)        # max 16; 10 blocks → d = 8 evicted by score
+    nb = 10
+    n = bs + nb * bs + bs
+    # block b's entries: the raw scores decide indicators; block sums decide the score order
+    pats = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0],
+            [1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1]]
+    acc1 = torch.zeros(n)
+    for b, pat in enumerate(pats):
+        for j, bit in enumerate(pat):
+            acc1[bs + b * bs + j] = (2.0 + 0.01 * b + 0.001 * j) if bit else 0.001 * (b + 1)
+    assert sum(map(sum, pats)) == nb * bs // 2                 # exactly the top half are 1s
+    acc = acc1.expand(3, n).clone()
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 3, {"acc": acc, "ema": acc, "count": torch.ones(n)})
+    scores = p.block_scores(acc1, torch.ones(n), nb)
+    evicted = sorted(sorted(range(nb), key=lambda b: (float(scores[b]), b))[:8])
+    picks, info = p.kvcrush_keep(acc1, evicted, nb, step=1)
+    assert info["indicators"].tolist() == pats
+    col_mean = torch.tensor(pats, dtype=torch.float64).mean(0)
+    assert info["anchor"].tolist() == [int(m > 0.5) for m in col_mean] == [1, 1, 0, 0]
+    want_dist = [sum(a != b for a, b in zip(pat, [1, 1, 0, 0])) for pat in pats]
+    assert info["distance"].tolist() == want_dist
+    cand = sorted(evicted, key=lambda b: (want_dist[b], b))
+    assert info["candidates"] == cand and picks == [cand[0], cand[4]]     # stride ⌊8/2⌋ = 4
+    k = p.keep(v)
+    plain = BlockEvict(bs, 1, 2, 1, score="sum").keep(v)
+    assert len(k.slots) == len(plain.slots) + 2 * bs           # representatives on top of the budget
+    assert set(plain.slots) < set(k.slots)
+    assert {bs + b * bs for b in picks} <= set(k.slots)
+    # other anchors
+    assert BlockEvict(bs, 1, 2, 1, kvcrush=1, anchor="alternate").anchor_bits(info["indicators"], 0).tolist() \
+        == [0, 1, 0, 1]
+    assert BlockEvict(bs, 1, 2, 1, kvcrush=1, anchor="ones").anchor_bits(info["indicators"], 0).tolist() == [1] * 4
+    assert BlockEvict(bs, 1, 2, 1, kvcrush=1, anchor="zeros").anchor_bits(info["indicators"], 0).tolist() == [0] * 4
+    r = BlockEvict(bs, 1, 2, 1, kvcrush=1, anchor="random", seed=3)
+    assert torch.equal(r.anchor_bits(info["indicators"], 5), r.anchor_bits(info["indicators"], 5))
+    # only when at least `kvcrush` blocks are evicted: d = 1 < 2 keeps nothing extra
+    n1 = bs + 3 * bs + bs
+    v1 = EvictView(1, n1, tuple(range(n1)), CONFIDENT, V, 3,
+                   {"acc": acc[:, :n1], "ema": acc[:, :n1], "count": torch.ones(n1)})
+    assert p.keep(v1).slots == BlockEvict(bs, 1, 2, 1, score="sum").keep(v1).slots
 
 
 def test_full_cache_keeps_everything():

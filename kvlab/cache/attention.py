@@ -8,7 +8,7 @@ module for the ``position_embeddings`` ``(cos, sin)`` the model itself used. Aft
 ``apply_rotary_pos_emb`` and computes, per layer,
 
     A = softmax(q · Kᵀ · scaling + causal)        # (H, n, T), K = that layer's cached keys (GQA-repeated)
-    mass_j = Σ_i mean_h A[h, i, j]                 # (T,)  summed over the n new queries
+    mass_j = Σ_i mean_h A[h, i, j]                 # (T,)  summed over the n new queries (or the last w)
 
 — the attention probabilities the model computed (for full attention without softcapping). The
 ordinary path never pays for it: the hooks exist only inside the ``with`` block and are removed
@@ -65,11 +65,13 @@ class QueryCapture:
         return hook
 
     @torch.no_grad()
-    def mass(self, keys_of, n: int) -> torch.Tensor:
+    def mass(self, keys_of, n: int, window: int | None = None) -> torch.Tensor:
         """``(L, T)`` float32 attention mass of the captured ``n`` queries over each layer's keys.
 
         ``keys_of(i)`` returns layer ``i``'s cached keys ``(1, H_kv, T, D)`` after the forward
-        (the ``n`` new entries last)."""
+        (the ``n`` new entries last). ``window``: only the last ``window`` queries count (SnapKV's
+        observation window); ``None`` = all ``n``."""
+        w = n if window is None else min(int(window), n)
         out = []
         for m in self.modules:
             i = m.layer_idx
@@ -82,16 +84,17 @@ class QueryCapture:
             cos, sin = pe
             apply = getattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")
             q, _ = apply(q, q, cos.float(), sin.float())
+            q = q[:, :, n - w:, :]                                                 # (1, H, w, D) observed queries
             k = keys_of(i).float()                                                 # (1, H_kv, T, D)
             hkv, t = k.shape[1], k.shape[2]
             groups = q.shape[1] // hkv                                             # GQA: no K copy, group the queries
-            qg = q.reshape(b, hkv, groups * n, d)                                  # (1, H_kv, g·n, D)
-            scores = torch.matmul(qg, k.transpose(-1, -2)) * float(m.scaling)      # (1, H_kv, g·n, T)
-            scores = scores.view(b, hkv * groups, n, t)                            # (1, H, n, T)
-            if n > 1:
-                qi = torch.arange(n, device=q.device).view(n, 1) + (t - n)
+            qg = q.reshape(b, hkv, groups * w, d)                                  # (1, H_kv, g·w, D)
+            scores = torch.matmul(qg, k.transpose(-1, -2)) * float(m.scaling)      # (1, H_kv, g·w, T)
+            scores = scores.view(b, hkv * groups, w, t)                            # (1, H, w, T)
+            if w > 1:
+                qi = torch.arange(w, device=q.device).view(w, 1) + (t - w)
                 kj = torch.arange(t, device=q.device).view(1, t)
                 scores = scores.masked_fill(kj > qi, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)                                  # (1, H, n, T)
+            probs = torch.softmax(scores, dim=-1)                                  # (1, H, w, T)
             out.append(probs[0].mean(0).sum(0))                                    # (T,)
         return torch.stack(out)                                                    # (L, T)

@@ -64,6 +64,8 @@ class KVCache:
         self._int8: list[Int8Layer] | None = None   # the oldest n_int8 slots of every layer, INT8
         self.attn: dict[str, torch.Tensor] | None = None  # per-entry attention stats (track_attention)
         self.ema_decay: float | None = None
+        self.attn_window: int | None = None   # only the last attn_window queries of a forward are measured
+        self.attn_pool: int = 1               # each forward's mass is max-pooled over this many entries
         self.check()
 
     # ------------------------------------------------------------------ introspection
@@ -214,7 +216,8 @@ class KVCache:
                                 position_ids=torch.tensor([positions], device=device),
                                 past_key_values=self._hf, use_cache=True,
                                 logits_to_keep=0 if logits == "all" else 1)
-                mass = cap.mass(lambda i: self._hf.layers[i].keys, n)                   # (L, T)
+                mass = cap.mass(lambda i: self._hf.layers[i].keys, n, window=self.attn_window)  # (L, T)
+                mass = max_pool_next(mass, self.attn_pool)                             # (L, T)
             else:
                 out = model(input_ids=ids.to(device).view(1, n),                       # (1, n)
                             position_ids=torch.tensor([positions], device=device),     # (1, n)
@@ -386,6 +389,7 @@ class KVCache:
         new._int8 = [q.clone() for q in self._int8] if self._int8 is not None else None
         new.attn = {k: t.clone() for k, t in self.attn.items()} if self.attn is not None else None
         new.ema_decay = self.ema_decay
+        new.attn_window, new.attn_pool = self.attn_window, self.attn_pool
         new.check()
         return new
 
@@ -675,27 +679,40 @@ class KVCache:
 
     # ------------------------------------------------------------------ eviction (issue 9)
 
-    def track_attention(self, ema_decay: float = 0.9) -> None:
+    def track_attention(self, ema_decay: float = 0.9, *, window: int | None = None, pool: int = 1) -> None:
         """Start keeping per-entry attention statistics (``attn``), updated by every
         ``forward(..., attention=True)`` and carried through every edit:
 
         * ``attn["acc"]`` (L, T): accumulated mass ``Σ_steps mass`` (H2O),
         * ``attn["ema"]`` (L, T): ``ema ← β·ema + (1-β)·mass`` with ``β = ema_decay`` (Conf-KV),
-        * ``attn["count"]`` (T,): how many measured forwards saw the entry (NORM_SUM).
+        * ``attn["count"]`` (T,): the entry's lifetime in measured queries — how many measured
+          queries could attend to it (NORM_SUM's denominator, as OpenVINO GenAI counts it: a
+          prefill of L tokens registers L, L-1, …, 1; each decode step adds 1 to every entry).
+
+        ``window`` (SnapKV's observation window, seed 003 ``snapkv_window_size``): only the last
+        ``window`` queries of a multi-token forward contribute mass (and count); ``None`` = all.
+        ``pool``: each forward's mass is max-pooled over the entry and the ``pool - 1`` entries after
+        it (``mass_j ← max(mass_j … mass_{j+pool-1})``, OpenVINO's ``_max_pool``) before it is folded in.
 
         Entries present before tracking starts, or written by a forward without
-        ``attention=True``, start at 0. Idempotent for the same ``ema_decay``."""
+        ``attention=True``, start at 0. Idempotent for the same settings."""
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1)")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r} must be None (every query) or an int >= 1 (the last queries)")
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            raise ValueError(f"pool={pool!r} must be an int >= 1 (1: no pooling)")
         if self.attn is not None:
-            if self.ema_decay != float(ema_decay):
-                raise ValueError(f"attention is already tracked with ema_decay={self.ema_decay}")
+            if (self.ema_decay, self.attn_window, self.attn_pool) != (float(ema_decay), window, pool):
+                raise ValueError(f"attention is already tracked with ema_decay={self.ema_decay}, "
+                                 f"window={self.attn_window}, pool={self.attn_pool}")
             return
         dev = self._hf.layers[0].keys.device if len(self) else torch.device("cpu")
         n, layers = len(self), self.num_layers
         self.attn = {"acc": torch.zeros(layers, n, device=dev), "ema": torch.zeros(layers, n, device=dev),
                      "count": torch.zeros(n, device=dev)}
         self.ema_decay = float(ema_decay)
+        self.attn_window, self.attn_pool = window, pool
 
     def attention_stats(self) -> dict[str, torch.Tensor] | None:
         """Copies of the attention statistics (None when not tracked), for policies."""
@@ -954,7 +971,7 @@ class KVCache:
             mass = mass.to(dev)
             acc = acc + mass
             ema = self.ema_decay * ema + (1.0 - self.ema_decay) * mass
-            count = count + 1
+            count = count + lifetime_increment(count.shape[0], n, self.attn_window).to(dev)
         self.attn = {"acc": acc, "ema": ema, "count": count}
 
     def _meta_keep(self, keep: Sequence[int]) -> None:
@@ -972,6 +989,24 @@ class KVCache:
         src = torch.tensor([max(i, 0) for i in idx], dtype=torch.long, device=dev)
         new = torch.tensor([i < 0 for i in idx], dtype=torch.bool, device=dev)
         self.attn = {k: t[..., src].masked_fill(new, 0.0) for k, t in self.attn.items()}
+
+
+def lifetime_increment(t: int, n: int, window: int | None) -> torch.Tensor:
+    """``(t,)``: how many of a forward's measured queries see each entry — the last ``n`` of the
+    ``t`` entries are the forward's own tokens (causal: new token ``i`` is seen by ``n - i``
+    queries), only the last ``window`` queries are measured (``None``: all)."""
+    w = n if window is None else min(window, n)
+    inc = torch.full((t,), float(w))
+    inc[t - n:] = torch.clamp(torch.arange(n, 0, -1, dtype=torch.float32), max=float(w))
+    return inc
+
+
+def max_pool_next(mass: torch.Tensor, pool: int) -> torch.Tensor:
+    """``(L, T)`` → ``(L, T)``: ``out_j = max(mass_j … mass_{j+pool-1})`` (the window is cut at the end)."""
+    if pool <= 1 or mass.shape[-1] == 0:
+        return mass
+    padded = torch.nn.functional.pad(mass.unsqueeze(1), (0, pool - 1), value=float("-inf"))  # (L, 1, T+pool-1)
+    return torch.nn.functional.max_pool1d(padded, pool, stride=1).squeeze(1)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
   (``KVCache.forward(..., attention=True)``) and the view carries ``attn``;
 * ``ema_decay: float = 0.9`` — β of the cache's EMA of attention mass (``KVCache.track_attention``);
 * ``rerotate: bool = False`` — survivors are moved to consecutive positions (RoPE re-rotation).
+* ``attention_window: int | None = None`` — only the last ``attention_window`` queries of a
+  multi-token forward (the prefill) are measured: SnapKV's observation window;
+* ``attention_pool: int = 1`` — each forward's mass is max-pooled over the entry and the next
+  ``attention_pool - 1`` entries before it is accumulated (OpenVINO GenAI's ``max_pool_window_size``).
 
 The loop calls ``keep`` once per step, after the token was chosen (and after a refresh), and
 removes every slot not in ``Keep.slots`` through ``KVCache.evict`` (the cache module is the only
@@ -31,7 +35,7 @@ class EvictView:
     ``x, y_<step``), the step's record (entropy, top-1, margin of the distribution ``y_step`` was
     drawn from), and the cache's attention statistics (read only; ``None`` unless the policy
     ``needs_attention``): ``attn["acc"]`` (L, T) accumulated mass, ``attn["ema"]`` (L, T) its EMA,
-    ``attn["count"]`` (T,) how many measured forwards saw each entry."""
+    ``attn["count"]`` (T,) each entry's lifetime in measured queries (NORM_SUM's denominator)."""
 
     step: int
     length: int

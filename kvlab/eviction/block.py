@@ -1,29 +1,47 @@
-"""Block-wise eviction (seed 003, OpenVINO GenAI ``CacheEvictionConfig``), with RoPE re-rotation and KVCrush.
+"""Block-wise eviction with OpenVINO GenAI's semantics (seed 003; ``cache_eviction.cpp``, ``kvcrush.cpp``).
 
-The cache is cut, by slot, into three areas of whole blocks of ``block_size`` entries:
+The cache is cut, by slot, into three areas of whole blocks of ``bs = block_size`` entries:
 
 * start area: slots ``[0, S)``, ``S = start_blocks·bs`` — never evicted;
-* recent area: the newest ``R = recent_blocks·bs`` slots — never evicted;
-* evictable area: the slots between, ``E = n - S - R`` entries, cut into blocks from ``S`` on;
-  only complete blocks may go (the partial block next to the recent area stays).
+* evictable area: ``nb = ⌊(n - S - R)/bs⌋`` complete blocks from ``S`` on;
+* recent area: the rest — the newest ``R = recent_blocks·bs`` slots plus the partial block
+  before them (``n - S - R`` mod ``bs`` slots) — never evicted while there.
 
-Nothing happens while ``n ≤ S + evictable_blocks·bs + R`` (the maximum after eviction). Beyond it,
-``d = ⌈(E - evictable_blocks·bs) / bs⌉`` blocks are evicted. Block scores (H2O-style
-accumulated attention, averaged over layers, ``a_j = mean_l acc_lj``):
+``max = S + evictable_blocks·bs + R``. **When**: nothing happens while ``n < max + bs`` (OpenVINO's
+``get_max_cache_size_after_eviction() = max + bs - 1``: a whole block must overflow); then
+``d = nb - evictable_blocks`` blocks go (floor counts), so the cache stays in ``[max, max + bs - 1]``.
 
-* ``score="sum"``:      ``B_b = Σ_{j∈b} a_j``
-* ``score="norm_sum"``: ``B_b = Σ_{j∈b} a_j / max(count_j, 1)`` (each entry's mass divided by how
-  many measured steps it has been attended in, so old entries are not favoured by age alone).
+**Scores** (per layer ``l``; :mod:`kvlab.cache` keeps them): ``acc_lj`` is the sum over measured
+queries of the attention mass on entry ``j``, each query's mass max-pooled over the entry and the
+next ``pool_window - 1`` entries (``attention_pool``, OpenVINO's pipeline: 7); the prefill
+contributes only its last ``snapkv_window`` queries (``attention_window``: SnapKV, default 8).
+``count_j`` is the entry's lifetime in measured queries (a prefill of L tokens registers
+``min(L - j, window)``; each decode step adds 1). Block score:
 
-The ``nb - d`` best blocks stay, or with ``kvcrush=k`` the ``nb - d - k`` best plus ``k``
-representatives of the rest (KVCrush, anchor MEAN): each entry gets a binary indicator per layer
-(``acc_lj >`` that layer's median over the evictable entries), a block's pattern is its
-``(bs × L)`` indicators, the anchor is the mean pattern of the non-kept blocks rounded to {0, 1}, and
-the ``k`` representatives are the non-kept blocks at evenly spaced ranks of Hamming distance to
-the anchor (spanning near to far: context diversity).
+* ``score="sum"``:      ``B_b = Σ_{j∈b} acc_lj``
+* ``score="norm_sum"``: ``B_b = Σ_{j∈b} acc_lj / count_j`` (OpenVINO's default ``NORM_SUM``)
 
-``rerotate=True`` asks the cache to move survivors to consecutive positions after each eviction
-by rotating their keys (seed 003 ``apply_rotation``; :meth:`kvlab.cache.KVCache.evict`).
+The ``d`` lowest-scoring blocks are evicted (ties: the older block goes first).
+
+**KVCrush** (``kvcrush=k > 0``, applied only when ``d ≥ k``): per layer, the indicator of an entry
+of the evictable area is 1 for the top half (``⌊E/2⌋``, ``E = nb·bs``) of entries by raw ``acc_lj``;
+a block's pattern is its ``bs`` indicators. The anchor (``bs`` bits) is, by ``anchor``:
+``"mean"`` — position-wise mean over ALL evictable blocks, ``> 0.5``; ``"alternate"`` — 0, 1, 0, …;
+``"zeros"``; ``"ones"``; ``"random"`` — seeded by ``(seed, step)``. Candidates are the ``d`` blocks
+the score evicted, sorted by Hamming distance to the anchor (nearest first, ties by block index);
+``k`` of them at ranks ``0, s, 2s, …`` (``s = ⌊d/k⌋``) are kept — ON TOP of the budget, so the
+cache may hold up to ``max + bs - 1 + k·bs`` entries.
+
+**Layers.** OpenVINO decides per layer. :meth:`BlockEvict.layer_evicted` is that per-layer decision
+(one layer's ``acc`` and ``count`` → evicted block indices); until the cache keeps a live set per
+layer, :meth:`BlockEvict.keep` applies it once to the layer mean of ``acc`` (one decision for all).
+
+**Re-rotation** (``rerotate=True``, seed 003 ``apply_rotation``): after an eviction every survivor
+moves to consecutive positions from the first survivor's (slot 0 — the start area — keeps its
+position), and the next query is renumbered to follow the last survivor
+(:meth:`kvlab.cache.KVCache.evict`). OpenVINO re-bases the block rotation deltas from 0 in the same
+way but keeps the new tokens' positions absolute, so there the next query stands ``evicted``
+positions after the last cached key; in kvlab it stands right after it.
 """
 from __future__ import annotations
 
@@ -34,42 +52,51 @@ import torch
 from .base import EvictView, Keep, keep_all, nonneg_int, positive_int
 
 SCORES = ("sum", "norm_sum")
+ANCHORS = ("mean", "alternate", "random", "zeros", "ones")
 
 
 @dataclass(frozen=True)
 class BlockEvict:
     block_size: int = 16
-    start_blocks: int = 2
-    evictable_blocks: int = 16
-    recent_blocks: int = 4
-    score: str = "sum"
+    start_blocks: int = 2          # 32 tokens (seed 003 default start_size)
+    evictable_blocks: int = 32     # 512 tokens
+    recent_blocks: int = 8         # 128 tokens
+    score: str = "norm_sum"
+    snapkv_window: int | None = 8  # prompt queries that score the prompt (None: all)
+    pool_window: int = 7           # max-pooling of each query's mass over neighbouring entries
     rerotate: bool = False
-    kvcrush: int = 0
-    ema_decay: float = 0.9        # unused by the block scores; the cache's EMA needs a β
+    kvcrush: int = 0               # representative blocks kept on top of the budget
+    anchor: str = "mean"
+    seed: int = 0                  # for anchor="random"
+    ema_decay: float = 0.9         # unused by the block scores; the cache's EMA needs a β
 
     def __post_init__(self):
         positive_int("block_size", self.block_size)
-        nonneg_int("start_blocks", self.start_blocks)
+        positive_int("start_blocks", self.start_blocks)
         positive_int("evictable_blocks", self.evictable_blocks)
-        nonneg_int("recent_blocks", self.recent_blocks)
+        positive_int("recent_blocks", self.recent_blocks)
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r} must be one of {SCORES}")
+        if self.snapkv_window is not None:
+            positive_int("snapkv_window", self.snapkv_window)
+        positive_int("pool_window", self.pool_window)
         if not isinstance(self.rerotate, bool):
             raise ValueError(f"rerotate={self.rerotate!r} must be True or False")
         nonneg_int("kvcrush", self.kvcrush)
-        if self.kvcrush >= self.evictable_blocks:
-            raise ValueError(f"kvcrush={self.kvcrush} must be < evictable_blocks={self.evictable_blocks} "
-                             "(representative blocks come out of the evictable area's budget)")
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor={self.anchor!r} must be one of {ANCHORS}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an int")
 
     @classmethod
     def from_sizes(cls, start_size: int, recent_size: int, max_cache_size: int, block_size: int = 16, **kw):
         """OpenVINO-style sizes in tokens; each must be a multiple of ``block_size``."""
         positive_int("block_size", block_size)
         for name, v in (("start_size", start_size), ("recent_size", recent_size), ("max_cache_size", max_cache_size)):
-            nonneg_int(name, v)
+            positive_int(name, v)
             if v % block_size:
                 raise ValueError(f"{name}={v} is not a multiple of block_size={block_size}; areas are whole blocks "
-                                 f"(use {v - v % block_size} or {v - v % block_size + block_size})")
+                                 f"(use {max(v - v % block_size, block_size)} or {v - v % block_size + block_size})")
         evictable = max_cache_size - start_size - recent_size
         if evictable <= 0:
             raise ValueError(f"max_cache_size={max_cache_size} leaves no evictable area after start_size={start_size} "
@@ -82,50 +109,104 @@ class BlockEvict:
         return (self.start_blocks + self.evictable_blocks + self.recent_blocks) * self.block_size
 
     @property
+    def max_after_eviction(self) -> int:
+        """The most entries the cache holds after any step once the prompt is in:
+        ``max + bs - 1`` plus the ``kvcrush`` representative blocks kept on top."""
+        return self.max_cache_size + self.block_size - 1 + self.kvcrush * self.block_size
+
+    @property
     def needs_attention(self) -> bool:
         return True
+
+    @property
+    def attention_window(self) -> int | None:
+        return self.snapkv_window
+
+    @property
+    def attention_pool(self) -> int:
+        return self.pool_window
 
     def areas(self, n: int) -> tuple[range, list[range], range]:
         """(start slots, complete evictable blocks, recent slots incl. the partial block) for length ``n``."""
         bs = self.block_size
         s, r = self.start_blocks * bs, self.recent_blocks * bs
-        e = max(n - s - r, 0)
-        nb = e // bs
+        nb = max(n - s - r, 0) // bs
         blocks = [range(s + i * bs, s + (i + 1) * bs) for i in range(nb)]
         return range(0, min(s, n)), blocks, range(min(s + nb * bs, n), n)
 
-    def keep(self, view: EvictView) -> Keep:
-        n, bs = view.length, self.block_size
-        budget = self.max_cache_size
-        if n <= budget:
-            return keep_all(view, budget=budget, rerotate=False)
-        start, blocks, _ = self.areas(n)
-        e = n - self.start_blocks * bs - self.recent_blocks * bs
-        d = -(-(e - self.evictable_blocks * bs) // bs)
-        slots = [j for b in blocks for j in b]
-        acc = view.attn["acc"][:, slots].float()                              # (L, E')
-        tok = acc.mean(0)
+    def n_evict(self, n: int) -> int:
+        """Blocks the score evicts at length ``n``: 0 below ``max + bs``, else ``nb - evictable_blocks``."""
+        if n < self.max_cache_size + self.block_size:
+            return 0
+        return len(self.areas(n)[1]) - self.evictable_blocks
+
+    # ------------------------------------------------------------------ the per-layer decision
+
+    def block_scores(self, acc: torch.Tensor, count: torch.Tensor, nb: int) -> torch.Tensor:
+        """``(nb,)`` scores of the evictable blocks from one layer's ``acc``/``count`` ``(T,)``."""
+        s, bs = self.start_blocks * self.block_size, self.block_size
+        a = acc[s:s + nb * bs].double()
         if self.score == "norm_sum":
-            tok = tok / view.attn["count"][slots].float().clamp_min(1.0)
-        block_score = tok.view(len(blocks), bs).sum(1)                        # (nb,)
-        n_keep = len(blocks) - d
-        k = min(self.kvcrush, n_keep)
-        order = sorted(range(len(blocks)), key=lambda i: (float(block_score[i]), i), reverse=True)
-        kept = order[: n_keep - k]
-        if k:
-            rest = sorted(order[n_keep - k:])
-            bits = (acc > acc.median(dim=1, keepdim=True).values).view(acc.shape[0], len(blocks), bs)  # (L, nb, bs)
-            pat = bits.permute(1, 0, 2).reshape(len(blocks), -1).float()      # (nb, L·bs)
-            anchor = (pat[rest].mean(0) >= 0.5).float()
-            dist = (pat[rest] != anchor).sum(1)
-            by_dist = [rest[i] for i in sorted(range(len(rest)), key=lambda i: (int(dist[i]), rest[i]))]
-            picks = torch.linspace(0, len(by_dist) - 1, k).round().long().tolist()
-            chosen = []
-            for p in picks:                                                    # distinct ranks
-                while by_dist[p] in chosen:
-                    p = (p + 1) % len(by_dist)
-                chosen.append(by_dist[p])
-            kept = kept + chosen
-        keep_slots = set(start) | {j for i in kept for j in blocks[i]}
-        keep_slots |= set(range(self.start_blocks * bs + len(blocks) * bs, n))
-        return Keep(tuple(sorted(keep_slots)), budget=budget, rerotate=self.rerotate)
+            a = a / count[s:s + nb * bs].double().clamp_min(1.0)
+        return a.view(nb, bs).sum(1)
+
+    def anchor_bits(self, indicators: torch.Tensor, step: int) -> torch.Tensor:
+        """``(bs,)`` anchor pattern from the ``(nb, bs)`` indicators of all evictable blocks."""
+        bs = self.block_size
+        if self.anchor == "mean":
+            return (indicators.double().mean(0) > 0.5).long()
+        if self.anchor == "alternate":
+            return torch.arange(bs) % 2
+        if self.anchor == "zeros":
+            return torch.zeros(bs, dtype=torch.long)
+        if self.anchor == "ones":
+            return torch.ones(bs, dtype=torch.long)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, 2, (bs,), generator=gen)
+
+    def kvcrush_keep(self, acc: torch.Tensor, evicted: list[int], nb: int, step: int) -> tuple[list[int], dict]:
+        """KVCrush's representatives among ``evicted`` blocks (module docstring), and the pieces
+        (indicators, anchor, Hamming distances, candidate order) for inspection."""
+        s, bs = self.start_blocks * self.block_size, self.block_size
+        e = nb * bs
+        a = acc[s:s + e].double()
+        order = sorted(range(e), key=lambda i: (-float(a[i]), i))              # top half by raw score
+        ind = torch.zeros(e, dtype=torch.long)
+        ind[order[: e // 2]] = 1
+        ind = ind.view(nb, bs)                                                  # (nb, bs)
+        anchor = self.anchor_bits(ind, step)                                    # (bs,)
+        dist = (ind != anchor).sum(1)                                           # (nb,) Hamming distance
+        cand = sorted(evicted, key=lambda b: (int(dist[b]), b))                 # nearest first
+        k = min(len(cand), self.kvcrush)
+        stride = len(cand) // k
+        picks = [cand[i * stride] for i in range(k)]
+        return picks, {"indicators": ind, "anchor": anchor, "distance": dist, "candidates": cand}
+
+    def layer_evicted(self, acc: torch.Tensor, count: torch.Tensor, n: int, step: int = 0) -> list[int]:
+        """One layer's decision: indices (into the evictable blocks, ascending) of the blocks to
+        evict at length ``n``, from that layer's ``acc`` and ``count`` ``(T,)``."""
+        d = self.n_evict(n)
+        if d <= 0:
+            return []
+        nb = len(self.areas(n)[1])
+        scores = self.block_scores(acc, count, nb)
+        evicted = sorted(sorted(range(nb), key=lambda b: (float(scores[b]), b))[:d])
+        if self.kvcrush and len(evicted) >= self.kvcrush:
+            kept, _ = self.kvcrush_keep(acc, evicted, nb, step)
+            evicted = [b for b in evicted if b not in set(kept)]
+        return evicted
+
+    def kept_slots(self, evicted: list[int], n: int) -> tuple[int, ...]:
+        s, bs = self.start_blocks * self.block_size, self.block_size
+        gone = {s + b * bs + j for b in evicted for j in range(bs)}
+        return tuple(j for j in range(n) if j not in gone)
+
+    def keep(self, view: EvictView) -> Keep:
+        n = view.length
+        budget = self.max_cache_size
+        if self.n_evict(n) <= 0:
+            return keep_all(view, budget=budget, rerotate=False)
+        acc = view.attn["acc"].float().mean(0)             # (T,) one live set for all layers: the layer mean
+        count = view.attn["count"].float()                 # (T,)
+        evicted = self.layer_evicted(acc, count, n, view.step)
+        return Keep(self.kept_slots(evicted, n), budget=budget, rerotate=self.rerotate and bool(evicted))
