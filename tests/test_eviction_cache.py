@@ -152,9 +152,18 @@ def test_evict_rerotate_closes_gaps(lm1):
     keep = [t for s, t in enumerate(IDS) if s not in (4, 5, 6, 7)]
     ref, _ = KVCache.prefill(lm1.model, keep, writer="teacher")
     torch.testing.assert_close(c.kv(0)[0], ref.kv(0)[0], rtol=1e-5, atol=1e-5)
+    ov, ov_ref = c.copy(), ref.copy()
     got = c.forward(lm1.model, [9], writer="teacher")
     want = ref.forward(lm1.model, [9], writer="teacher")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # kvlab's convention: the next query follows the last survivor (position 20, not 24) ...
+    assert c.positions[-1] == len(IDS) - 4
+    # ... OpenVINO's: same re-based cache, but the new token keeps its absolute position (24), a gap
+    # of 4 behind the last key; reachable with explicit positions, and it is a different distribution
+    got_ov = ov.forward(lm1.model, [9], writer="teacher", positions=[len(IDS)])
+    want_ov = ov_ref.forward(lm1.model, [9], writer="teacher", positions=[len(IDS)])
+    torch.testing.assert_close(got_ov, want_ov, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got_ov, got, atol=1e-4)
 
 
 def test_surgery_rerotate_insert_gets_final_positions(lm1):
