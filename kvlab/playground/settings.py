@@ -305,7 +305,7 @@ def eviction_policy(s: Settings):
     return budget_policy(s.evict, cls, s.budget, seed=s.seed, gamma=s.gamma, recent=s.recent)
 
 
-BLOCK = 8   # BlockEvict block size in the playground (budget steps are multiples of it)
+BLOCK = 4   # BlockEvict block size in the playground (small: a block must overflow before one is evicted)
 
 
 def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | None = None, recent: int | None = None):
@@ -314,7 +314,9 @@ def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | Non
     sliding: ``window=budget`` (4 sinks); h2o / random: ``budget``, a recent window of ``recent`` (default budget/4);
     confkv: ``loose=budget`` (uncertain steps), ``tight=budget/2`` (confident steps), ``protect=min(32, budget/8)``,
     confidence threshold ``gamma`` (default: the policy's own);
-    block: blocks of 8, one start block, recent area ≈ budget/4, ``max_cache_size=budget``.
+    block: blocks of 4, one start block, recent area ≈ budget/4, ``max_cache_size`` the largest
+    multiple of 4 with ``max_cache_size + 3 <= budget`` (OpenVINO's semantics let the cache reach
+    ``max + block - 1`` before a whole block is evicted).
     Other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
     """
     if name == "sliding":
@@ -328,7 +330,8 @@ def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | Non
         return cls(tight=max(1, budget // 2), loose=budget, protect=max(0, min(32, budget // 8)), **kw)
     if name == "block":
         recent = BLOCK * max(1, budget // (4 * BLOCK))
-        return cls.from_sizes(start_size=BLOCK, recent_size=recent, max_cache_size=budget, block_size=BLOCK)
+        top = BLOCK * ((budget - BLOCK + 1) // BLOCK)
+        return cls.from_sizes(start_size=BLOCK, recent_size=recent, max_cache_size=top, block_size=BLOCK)
     names = {f.name for f in fields(cls)}
     if "budget" in names:
         return cls(budget=budget)
