@@ -469,8 +469,11 @@ class Decoding:
         evicted = 0
         signals = rec.signals
         if policy is not None and len(cache):
+            sp = self.config.sampling
             view = EvictView(step=rec.step, length=len(cache), positions=tuple(cache.positions), record=rec,
-                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.attn)
+                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.attn,
+                             logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
+                             first=rec.step == self.first_step)
             decision = policy.keep(view)
             drop = decision.dropped(len(cache))
             if drop:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import make_tiny_lm
 from kvlab.cache import KVCache
-from kvlab.decode import DecodeConfig, Decoding, run
+from kvlab.decode import DecodeConfig, Decoding, Sampling, run
 from kvlab.eviction import H2O, BlockEvict, ConfKV, FullCache, RandomEvict, SlidingWindow
 from kvlab.policies import Periodic
 
@@ -53,14 +53,27 @@ def test_evicted_counts_add_up(tiny_teacher):
     assert tr.records[0].evicted == L - 20
 
 
-def test_confkv_signals_and_sawtooth(tiny_teacher):
-    tr = run(tiny_teacher, None, PROMPT, cfg(mode="teacher", max_new_tokens=40,
-                                              evict=ConfKV(gamma=0.06, tight=20, loose=40, protect=4)))
+def test_confkv_signals_and_sawtooth_through_both_budgets(tiny_teacher):
+    """Confidence from the drawn distribution (T = 0.01, top-p 0.9 sharpens the tiny model's flat
+    logits: c in ~[0.7, 1]); γ = 0.99 splits the steps, so the run uses BOTH budgets: the cache
+    grows on uncertain steps and drops back to ``tight`` on a confident one (the sawtooth)."""
+    samp = Sampling(temperature=0.01, top_p=0.9, seed=0)
+    pol = ConfKV(gamma=0.99, tight=20, loose=40, protect=4)
+    tr = run(tiny_teacher, None, PROMPT, cfg(mode="teacher", max_new_tokens=40, sampling=samp, evict=pol))
     conf = [r.signals.get("confidence") for r in tr.records]
     budgets = [r.signals.get("budget") for r in tr.records]
     assert all(c is not None for c in conf)
-    assert budgets == [20.0 if c >= 0.06 else 40.0 for c in conf]
+    assert budgets == [20.0 if c >= 0.99 else 40.0 for c in conf]
+    assert set(budgets) == {20.0, 40.0}
     assert all(r.cache_len <= b for r, b in zip(tr.records, budgets))
+    lens = [r.cache_len for r in tr.records]
+    drops = [i for i in range(1, len(lens)) if lens[i - 1] > 20 and budgets[i] == 20.0]
+    assert drops and all(lens[i] == 20 and tr.records[i].evicted == lens[i - 1] + 1 - 20 for i in drops)
+    # the raw (T = 1) distribution of the tiny model is flat: with confidence_from="raw" every step is uncertain
+    raw = run(tiny_teacher, None, PROMPT, cfg(mode="teacher", max_new_tokens=12, sampling=samp,
+                                               evict=ConfKV(gamma=0.99, tight=20, loose=40, protect=4,
+                                                            confidence_from="raw")))
+    assert {r.signals.get("budget") for r in raw.records} == {40.0}
 
 
 def test_policy_that_wants_more_than_it_has_changes_nothing(tiny_teacher, tiny_student):

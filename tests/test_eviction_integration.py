@@ -33,7 +33,7 @@ def test_real_overfill_confkv_with_refresh(real_pair):
     pol = ConfKV(gamma=0.7, tight=40, loose=56, protect=8, int8_window=16, int8_group=16)
     tr = run(teacher, student, PROMPT, DecodeConfig(mode="overfill", max_new_tokens=24, refresh=Periodic(8), evict=pol))
     assert all(r.cache_len <= 56 for r in tr.records) and sum(r.evicted for r in tr.records) > 0
-    assert {r.signals.get("budget") for r in tr.records} <= {40.0, 56.0}
+    assert {r.signals.get("budget") for r in tr.records} == {40.0, 56.0}      # both budgets in force
     assert sum(r.refreshed for r in tr.records) == 2
 
 

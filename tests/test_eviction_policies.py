@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, EvictView, FullCache, RandomEvict,
-                            SlidingWindow, confidence, pyramid_weights)
+                            SlidingWindow, SnapKV, confidence, drawn_stats, pyramid_weights)
 
 V = 1000
 CONFIDENT = SimpleNamespace(entropy_bits=0.05, top1_prob=0.99, margin=0.985)
@@ -24,7 +24,7 @@ def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
 
 
 def test_registry_names():
-    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block"}
+    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv"}
     assert EVICTION_POLICIES["confkv"] is ConfKV
 
 
@@ -44,6 +44,9 @@ def test_registry_names():
     (lambda: ConfKV(attn_weight=2.0), "attn_weight"),
     (lambda: ConfKV(int8_window=0), "int8_window"),
     (lambda: ConfKV(pyramid_ratio=0.0), "pyramid_ratio"),
+    (lambda: ConfKV(confidence_from="logits"), "confidence_from"),
+    (lambda: SnapKV(16, window=16), "window"),
+    (lambda: SnapKV(32, kernel=4), "kernel"),
     (lambda: BlockEvict(block_size=0), "block_size"),
     (lambda: BlockEvict(evictable_blocks=0), "evictable_blocks"),
     (lambda: BlockEvict(score="max"), "score"),
@@ -275,6 +278,62 @@ def test_kvcrush_anchor_hamming_and_spacing():
     v1 = EvictView(1, n1, tuple(range(n1)), CONFIDENT, V, 3,
                    {"acc": acc[:, :n1], "ema": acc[:, :n1], "count": torch.ones(n1)})
     assert p.keep(v1).slots == BlockEvict(bs, 1, 2, 1, score="sum").keep(v1).slots
+
+
+def test_drawn_stats_follow_temperature_and_nucleus():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    p = torch.softmax(logits, 0)
+    ent, p1, m = drawn_stats(logits, 0.0, 0.9)                 # greedy: the model's own distribution
+    assert p1 == pytest.approx(float(p[0])) and m == pytest.approx(float(p[0] - p[1]))
+    assert ent == pytest.approx(float(-(p * p.log2()).sum()), rel=1e-5)
+    pt = torch.softmax(logits / 0.5, 0)                       # T = 0.5 sharpens
+    ent_t, p1_t, _ = drawn_stats(logits, 0.5, 1.0)
+    assert p1_t == pytest.approx(float(pt[0])) and ent_t < ent
+    # nucleus 0.7 at T = 1: the sorted cumulative mass before each token < 0.7 keeps tokens 0, 1
+    keep = p[:2] / p[:2].sum()
+    ent_p, p1_p, m_p = drawn_stats(logits, 1.0, 0.7)
+    assert p1_p == pytest.approx(float(keep[0])) and m_p == pytest.approx(float(keep[0] - keep[1]))
+    _, p1_one, m_one = drawn_stats(logits, 0.1, 0.5)          # a one-token nucleus: certainty
+    assert p1_one == 1.0 and m_one == 1.0
+
+
+def test_confkv_confidence_from_drawn_vs_raw():
+    """The drawn distribution (T, top-p) decides the budget by default; "raw" uses the record's."""
+    n = 40
+    base = view(n, UNSURE)
+    logits = torch.zeros(V)
+    logits[:3] = torch.tensor([3.0, 2.0, 1.0])                # raw T = 1: flat over 1000 tokens (unsure)
+    kw = dict(step=1, length=n, positions=base.positions, record=UNSURE, vocab_size=V, num_layers=3,
+              attn=base.attn, logits=logits)
+    sharp = EvictView(**kw, temperature=0.2, top_p=0.9)        # tempered + nucleus: one token left
+    greedy = EvictView(**kw, temperature=0.0, top_p=1.0)       # greedy: the raw model distribution
+    p = ConfKV(gamma=0.7, tight=16, loose=32, protect=4)
+    assert p.step_confidence(sharp) > 0.99 and p.keep(sharp).budget == 16
+    assert p.step_confidence(greedy) < 0.7 and p.keep(greedy).budget == 32
+    raw = ConfKV(gamma=0.7, tight=16, loose=32, protect=4, confidence_from="raw")
+    assert raw.keep(sharp).budget == 32 and raw.step_confidence(sharp) == pytest.approx(
+        confidence(UNSURE.entropy_bits, UNSURE.top1_prob, UNSURE.margin, V))
+
+
+def test_snapkv_compresses_the_prompt_once_by_pooled_window_scores():
+    n, w = 30, 4
+    acc = torch.zeros(2, n)
+    acc[:, 7] = 10.0                                          # one heavy entry: the pool spreads it to 5..9
+    acc[:, 20] = 4.0
+    v = EvictView(step=1, length=n, positions=tuple(range(n)), record=CONFIDENT, vocab_size=V, num_layers=2,
+                  attn={"acc": acc, "ema": acc, "count": torch.ones(n)}, first=True)
+    p = SnapKV(budget=12, window=w, kernel=5)
+    sc = p.scores(acc[0], n)
+    want = torch.nn.functional.avg_pool1d(acc[0, :n - w].view(1, 1, -1), 5, stride=1, padding=2).view(-1)
+    assert torch.allclose(sc, want) and float(sc[5]) == pytest.approx(2.0)
+    k = p.keep(v).slots
+    # 8 of 26 candidates: 5..9 (pooled 2.0), then 3 of 18..22 (0.8 each; ties → newer), + the window
+    assert k == (5, 6, 7, 8, 9, 20, 21, 22, 26, 27, 28, 29)
+    assert SnapKV(budget=12, window=w).keep(EvictView(**{**v.__dict__, "first": False})).slots == tuple(range(n))
+    later = EvictView(step=2, length=n + 5, positions=tuple(range(n + 5)), record=CONFIDENT, vocab_size=V,
+                      num_layers=2, attn={"acc": torch.zeros(2, n + 5), "ema": acc, "count": torch.ones(n + 5)})
+    assert p.keep(later).slots == tuple(range(n + 5))           # decoding appends without eviction
+    assert p.attention_window == w and p.needs_attention
 
 
 def test_full_cache_keeps_everything():

@@ -4,13 +4,14 @@ The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``em
 ``rerotate`` attributes) is in :mod:`kvlab.eviction.base`; the decode loop applies decisions
 through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
 """
-from .base import EvictView, Keep, validate_evict
+from .base import EvictView, Keep, drawn_stats, validate_evict
 from .block import BlockEvict
 from .confkv import ConfKV, confidence, pyramid_weights
 from .full import FullCache
 from .h2o import H2O
 from .random_evict import RandomEvict
 from .sliding import SlidingWindow
+from .snapkv import SnapKV
 
 EVICTION_POLICIES: dict[str, type] = {
     "full": FullCache,
@@ -19,7 +20,8 @@ EVICTION_POLICIES: dict[str, type] = {
     "random": RandomEvict,
     "confkv": ConfKV,
     "block": BlockEvict,
+    "snapkv": SnapKV,
 }
 
 __all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "RandomEvict",
-           "SlidingWindow", "confidence", "pyramid_weights", "validate_evict"]
+           "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights", "validate_evict"]

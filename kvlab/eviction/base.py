@@ -35,7 +35,9 @@ class EvictView:
     ``x, y_<step``), the step's record (entropy, top-1, margin of the distribution ``y_step`` was
     drawn from), and the cache's attention statistics (read only; ``None`` unless the policy
     ``needs_attention``): ``attn["acc"]`` (L, T) accumulated mass, ``attn["ema"]`` (L, T) its EMA,
-    ``attn["count"]`` (T,) each entry's lifetime in measured queries (NORM_SUM's denominator)."""
+    ``attn["count"]`` (T,) each entry's lifetime in measured queries (NORM_SUM's denominator).
+    ``logits``, ``temperature`` and ``top_p`` give the distribution ``y_step`` was drawn from
+    (:func:`drawn_stats`); ``first`` marks the run's first step (prompt-compression policies)."""
 
     step: int
     length: int
@@ -44,6 +46,10 @@ class EvictView:
     vocab_size: int
     num_layers: int
     attn: Mapping[str, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None     # (V,) raw logits y_step was chosen from
+    temperature: float = 0.0               # the run's sampling: 0 = greedy
+    top_p: float = 1.0
+    first: bool = False                    # the run's first step: the cache holds the prefill only
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,28 @@ def validate_evict(policy) -> None:
     decay = getattr(policy, "ema_decay", 0.9)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
         raise ValueError(f"evict.ema_decay={decay!r} must be in [0, 1)")
+
+
+# --------------------------------------------------------------------------- the drawn distribution
+
+
+LN2 = math.log(2.0)
+
+
+def drawn_stats(logits: torch.Tensor, temperature: float, top_p: float) -> tuple[float, float, float]:
+    """``(entropy_bits, top1_prob, margin)`` of the distribution a token is drawn from:
+    ``softmax(logits / T)`` restricted to the top-p nucleus (the smallest prefix of the sorted
+    probabilities reaching ``top_p``) and renormalized, as :func:`kvlab.decode.choose` samples it.
+    Greedy (``T = 0``) draws the argmax of the model's own distribution: ``T = 1``, no nucleus."""
+    t = 1.0 if temperature == 0 else float(temperature)
+    p = torch.softmax(logits.float().reshape(-1) / t, dim=-1)                 # (V,)
+    if temperature != 0 and top_p < 1.0:
+        sp, _ = torch.sort(p, descending=True)
+        keep = (torch.cumsum(sp, 0) - sp) < top_p
+        p = sp[keep] / sp[keep].sum()
+    ent = float(torch.special.entr(p).sum()) / LN2
+    top = torch.topk(p, min(2, p.numel())).values.tolist() + [0.0]
+    return ent, top[0], top[0] - top[1]
 
 
 # --------------------------------------------------------------------------- ranking helpers

@@ -1,7 +1,11 @@
 """Conf-KV: confidence-aware eviction (seed 002). The paper's symbols were lost; these are the forms chosen.
 
 **Confidence** of step ``t`` from the distribution ``p`` that ``y_t`` was drawn from (vocabulary
-size ``V``; the record's entropy, top-1 probability and probability margin):
+size ``V``; its entropy, top-1 probability and probability margin). ``confidence_from="drawn"``
+(default): ``p = softmax(logits / T)`` restricted to the top-p nucleus and renormalized — the
+run's own sampling (:func:`kvlab.eviction.base.drawn_stats`; greedy runs use ``T = 1``, no
+nucleus); ``"raw"``: the model's untempered distribution (the step record's statistics), kept as
+the measured alternative:
 
     H̃ = H(p) / ln V                           normalized entropy ∈ [0, 1]
     m  = min(ln p₁ - ln p₂, 10)                 log-probability margin (nats, clipped)
@@ -45,10 +49,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, finite_float, keep_all, layer_mean, minmax, nonneg_int, positive_int,
-                   protected_below, top_slots, unit_float)
+from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, minmax, nonneg_int,
+                   positive_int, protected_below, top_slots, unit_float)
 
 MARGIN_CLIP = 10.0
+CONFIDENCE_FROM = ("drawn", "raw")
 
 
 def confidence(entropy_bits: float, top1_prob: float, margin: float, vocab_size: int, *, w_entropy: float = 3.0,
@@ -90,6 +95,7 @@ class ConfKV:
     pyramid_ratio: float = 0.25
     int8_window: int | None = None
     int8_group: int = 64
+    confidence_from: str = "drawn"
 
     def __post_init__(self):
         unit_float("gamma", self.gamma)
@@ -112,6 +118,8 @@ class ConfKV:
         if self.int8_window is not None:
             positive_int("int8_window", self.int8_window)
         positive_int("int8_group", self.int8_group)
+        if self.confidence_from not in CONFIDENCE_FROM:
+            raise ValueError(f"confidence_from={self.confidence_from!r} must be one of {CONFIDENCE_FROM}")
 
     @property
     def needs_attention(self) -> bool:
@@ -121,8 +129,16 @@ class ConfKV:
         return confidence(record.entropy_bits, record.top1_prob, record.margin, vocab_size, w_entropy=self.w_entropy,
                           w_margin=self.w_margin, w_top=self.w_top, bias=self.bias)
 
+    def step_confidence(self, view: EvictView) -> float:
+        """Confidence of ``view``'s step, from the distribution chosen by ``confidence_from``."""
+        if self.confidence_from == "drawn" and view.logits is not None:
+            ent, p1, margin = drawn_stats(view.logits, view.temperature, view.top_p)
+            return confidence(ent, p1, margin, view.vocab_size, w_entropy=self.w_entropy, w_margin=self.w_margin,
+                              w_top=self.w_top, bias=self.bias)
+        return self.confidence(view.record, view.vocab_size)
+
     def keep(self, view: EvictView) -> Keep:
-        c = self.confidence(view.record, view.vocab_size)
+        c = self.step_confidence(view)
         budget = self.tight if c >= self.gamma else self.loose
         extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
         n = view.length
