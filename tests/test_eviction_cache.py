@@ -271,7 +271,7 @@ def test_attention_mass_equals_eager_attention_weights(lm2):
 def test_snapkv_window_pooling_and_lifetimes(lm2):
     """track_attention(window=w, pool=p): the prefill's mass is that of its last w queries only,
     max-pooled over the entry and the p-1 after it; counts are min(L - j, w), each step adds 1."""
-    from kvlab.cache.kvcache import lifetime_increment, max_pool_next
+    from kvlab.cache.stats import lifetime_increment, max_pool_next
 
     assert lifetime_increment(5, 5, None).tolist() == [5, 4, 3, 2, 1]
     assert lifetime_increment(5, 5, 2).tolist() == [2, 2, 2, 2, 1]
