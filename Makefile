@@ -3,6 +3,7 @@
 #   make test      install, then run every test (incl. a real-browser test: installs Debian's chromium if missing)
 #   make lab          JupyterLab on http://127.0.0.1:$(PORT)/ (default 8888); notebooks/*.py open as notebooks
 #   make playground   serve notebooks/06_playground.py as a page (Voilà, http://127.0.0.1:$(PORT)/, default 8866)
+#   make playground-screenshot   refresh figures/playground.png (chromium; not part of make test)
 # Both honour $KVLAB_RUNS (the run store; default: the project's runs/).
 # Works offline (no model hub) on a 2-core CPU; uses a CUDA GPU (bf16) when present.
 
@@ -21,7 +22,7 @@ KVLAB_RUNS ?= $(CURDIR)/runs
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install figures test test-long bench clean browser playground lab
+.PHONY: install figures test test-long bench clean browser playground playground-screenshot lab
 
 install: $(STAMP) $(LAB_OVERRIDES)
 
@@ -55,6 +56,10 @@ playground: install
 	$(PY) -m jupytext --quiet --to ipynb -o build/06_playground.ipynb notebooks/06_playground.py
 	KVLAB_RUNS="$(KVLAB_RUNS)" PYTHONPATH=$(CURDIR) $(PY) -m voila build/06_playground.ipynb \
 		--no-browser --Voila.ip=127.0.0.1 --port=$(or $(PORT),8866)
+
+# figures/playground.png: the playground page in chromium (a run, its baseline, a pinned run); not part of make test
+playground-screenshot: install browser
+	KVLAB_RUNS="$(KVLAB_RUNS)" PYTHONPATH=$(CURDIR) $(PY) -m kvlab.playground.screenshot --out figures/playground.png
 
 # JupyterLab on loopback only; the URL with its token is printed. notebooks/*.py open as notebooks
 # (jupyter/overrides.json, installed above); notebooks/jupytext.toml keeps saving from rewriting them.

@@ -17,10 +17,16 @@
 # # Playground: move τ, T, k, W (and the eviction budget) and watch the run change
 #
 # **Explore**: every control change re-scores a run of the chosen prompt. A configuration seen before
-# answers from the run store (keyed by its full config, `runs/<key>.json`); a new one decodes live in
-# the background, streaming points into the plots, and is cancelled when a control moves again.
+# answers from the run store (keyed by its full config); a new one decodes live in the background,
+# streaming points into the plots, and is cancelled when a control moves again.
 # Readouts sit beside the *baseline*: the same prompt, mode, student, N, sampling and seed with no
-# refresh and the full cache. "precompute" runs a slider's whole range for the current prompt.
+# refresh and the full cache. One run is one sample (3 significant digits, no spread): set
+# "prompts × seeds" above 1 for means with paired 95 % CIs vs the baseline, filled in as runs finish.
+# No readout divides two separately timed runs: "teacher time" is measured inside the run, and
+# "time vs baseline" times the pair back to back. "pin this run" overlays runs on the plots;
+# "export PNG + CSV" saves the view. Under the plots: why each refresh fired (the policy's own words).
+# teacher-PPL scores only the emitted tokens, so a τ change that alters refreshes but not the tokens
+# leaves it unchanged. "precompute" runs a slider's whole range for the current prompt.
 #
 # **Step through**: Step / Run / Reset over one decoding: chosen token, top-5 candidates, entropy,
 # cache length, whether a refresh fired, and the live map of who wrote each cache slot.

@@ -147,7 +147,9 @@ def test_refresh_reasons_from_the_store_match_the_live_records(pg, policy):
     sh = pg.shown
     assert sh.reasons, "each policy fires at these settings"
     pol = refresh_policy(pg.settings)
-    live = [(v.record.step, pol.explain(v.record)) for v in Stepper(pg).run() if v.refreshed]
+    views = Stepper(pg).run()
+    assert all(v.why == pol.explain(v.record) for v in views)          # step-through says why (or why not)
+    live = [(v.record.step, v.why) for v in views if v.refreshed]
     assert list(sh.reasons) == live == refresh_reasons(pol, sh.result["steps"])
     word = {"periodic": "T reached", "entropy": "entropy", "probe_kl": "probe KL", "speculative": "k=3",
             "mc": "MC mi"}[policy]
@@ -213,3 +215,7 @@ def test_view_plot_details(pg):
     assert page.count("run store") == 1                       # the status line says it once
     assert "one sample, no spread" in v.table.value
     assert "why refreshes fired" in v.why.value and "emitted tokens" in v.why.value
+    assert v._step_reset()
+    for _ in range(4):                                         # periodic T=4: step 4 refreshes
+        v._step_once()
+    assert "why: T reached: step 4 is a multiple of T=4" in v.step_info.value and "emitted tokens" in v.step_info.value

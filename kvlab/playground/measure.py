@@ -6,7 +6,10 @@
    streamed tokens/s (wall clock, callbacks and plot updates included) beside the same runs' decode
    tokens/s as the decode loop measures it (``tps`` of the stored run), and their ratio.
 2. *Stored*: moving τ back and forth between those (now stored) positions; reports the time from
-   ``set()`` to redrawn readouts and plots (the view renders synchronously inside ``set``).
+   ``set()`` to redrawn readouts and plots (the view renders synchronously inside ``set``), without
+   and with a pinned run overlaid.
+3. *Spread*: ``--spread`` prompts × 1 seed: the time from ``set(n_prompts=...)`` to the complete
+   mean ± paired-CI readouts once every pair is stored (the first time they are decoded).
 
 All numbers come from one process, side by side. The browser adds a websocket round trip on top
 (the browser test prints its own end-to-end figure).
@@ -26,6 +29,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=10, help="stored-position moves timed")
     ap.add_argument("--runs", default=None, help="run store folder (default: a fresh temporary one)")
     ap.add_argument("--device", default=None, help="cpu / cuda (default: CUDA when present)")
+    ap.add_argument("--spread", type=int, default=3, help="prompts averaged in the spread measurement (0: skip)")
     args = ap.parse_args(argv)
     if args.tokens <= 0 or args.positions <= 0 or args.repeats <= 0:
         ap.error("--tokens, --positions and --repeats must be positive")
@@ -69,6 +73,33 @@ def main(argv=None) -> None:
         pg.set(tau_bits=taus[i % len(taus)])
         assert pg.shown.source == "disk", "a stored position must answer from the store"
         times.append(pg.last_response_s)
+    pg.pin()
+    pinned = []
+    for i in range(args.repeats):
+        pg.set(tau_bits=taus[(i + 1) % len(taus)])
+        assert pg.shown.source == "disk"
+        pinned.append(pg.last_response_s)
+    pg.unpin()
+    print(f"stored, 1 run pinned (overlaid): median {1000 * statistics.median(pinned):.1f} ms, "
+          f"max {1000 * max(pinned):.1f} ms over {len(pinned)} moves")
+    if args.spread > 1:
+        done = {}
+        pg.subscribe(lambda ev, sp: done.setdefault("t", time.perf_counter()) if ev == "spread" and sp is not None
+                     and sp.complete else None)
+        t0 = time.perf_counter()
+        pg.set(n_prompts=args.spread)
+        pg.wait()
+        print(f"spread over {args.spread} prompts, decoded now: {time.perf_counter() - t0:.1f} s")
+        stored_spread = []
+        for _ in range(3):
+            pg.set(n_prompts=1)
+            done.clear()
+            t0 = time.perf_counter()
+            pg.set(n_prompts=args.spread)
+            pg.wait()
+            stored_spread.append(done["t"] - t0)
+        print(f"spread over {args.spread} stored prompts: set() -> mean ± paired CI readouts complete: median "
+              f"{1000 * statistics.median(stored_spread):.0f} ms over {len(stored_spread)} repeats")
     ratio = statistics.median(a / b for _, a, b, _ in rows)
     print(f"stored: set() -> readouts + plots redrawn: median {1000 * statistics.median(times):.1f} ms, "
           f"max {1000 * max(times):.1f} ms over {len(times)} moves (target < 300 ms)")

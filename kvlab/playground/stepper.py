@@ -16,6 +16,7 @@ import torch
 
 from ..decode import Decoding, StepRecord
 from .settings import Settings, decode_config
+from .why import reason
 
 
 class SettingsError(ValueError):
@@ -47,6 +48,7 @@ class StepView:
     prompt_len: int
     text: str         # the generated text so far
     done: bool        # the last step of the run
+    why: str = ""     # the refresh policy's reason for firing or not at this step ("" without a policy)
 
 
 class Stepper:
@@ -102,9 +104,12 @@ class Stepper:
         live = tuple(Slot(p, w, tok.decode([int(t)])) for p, w, t in zip(c.positions, c.writers, c.token_ids))
         done = rec.step >= d.first_step + d.config.max_new_tokens - 1 or (
             rec.token_id in d.eos_ids and not d.config.ignore_eos)
+        policy = d.config.refresh
+        why = reason(policy, rec) if policy is not None else ""
         view = StepView(record=rec, token=rec.token, top5=top5, entropy_bits=rec.entropy_bits, cache_len=len(c),
                         refreshed=rec.refreshed, spliced=rec.spliced, source=rec.source, live=live,
-                        prompt_len=len(d.prompt_ids), text=tok.decode(d.tokens, skip_special_tokens=True), done=done)
+                        prompt_len=len(d.prompt_ids), text=tok.decode(d.tokens, skip_special_tokens=True), done=done,
+                        why=why)
         if self.decoding is not d:        # reset while this step ran: it belongs to the old decoding
             return None
         self.history.append(view)

@@ -705,6 +705,9 @@ class PlaygroundView:
             f"width:{max(1, int(200 * p))}px;height:10px'></div></td><td>{p:.3f}</td></tr>"
             for t, p, i in v.top5)
         fired = (f"<b style='color:{REFRESH}'>refresh fired: {v.spliced} entries spliced</b>" if v.refreshed else "no refresh")
+        if v.why:
+            fired += f"<br><span class='kvlab-step-why'>why: {_esc(v.why)}</span>"
+        fired += f"<br><small style='color:#666'>{_esc(PPL_NOTE)}</small>"
         self.step_info.value = (
             f"<div style='display:flex;gap:24px'><div style='font-size:13px'>step <b>{rec.step}</b>/{self.stepper.total} · "
             f"token <b style='font-family:monospace'>{_esc(repr(v.token))}</b> from the {v.source}<br>"

@@ -1,0 +1,108 @@
+"""Serve the playground page with Voilà and drive it in Debian's chromium (Playwright): shared by the
+browser test and :mod:`kvlab.playground.screenshot`.
+
+Needs ``voila``, ``playwright`` (its Python package only: the browser is the system's chromium,
+``apt-get install -y chromium``) and ``jupytext``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO / "notebooks" / "06_playground.py"
+
+
+def chromium() -> str:
+    """Path of a chromium executable (``$KVLAB_CHROMIUM``, /usr/bin/chromium, or on PATH)."""
+    for path in (os.environ.get("KVLAB_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                 shutil.which("chromium-browser")):
+        if path and Path(path).is_file():
+            return path
+    raise FileNotFoundError("no chromium: `apt-get install -y chromium` (or set KVLAB_CHROMIUM to its path)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"voila exited with {proc.returncode} before listening")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"voila did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server (and its kernel) through its own process group (started as its own session)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@contextmanager
+def serve(workdir: Path, runs: Path, smoke: bool = True, extra_env: dict | None = None):
+    """Voilà serving notebook 06 on a free loopback port; yields ``(url, proc)``; stops it on exit.
+    ``runs``: the run store the page uses (``$KVLAB_RUNS``)."""
+    import jupytext
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    nb_path = workdir / "06_playground.ipynb"
+    jupytext.write(jupytext.read(NOTEBOOK), nb_path)
+    env = {**os.environ, "KVLAB_RUNS": str(runs), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+           **(extra_env or {})}
+    if smoke:
+        env["KVLAB_SMOKE"] = "1"
+    port = free_port()
+    log = open(workdir / "voila.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "voila", str(nb_path), "--no-browser", f"--port={port}",
+                             "--Voila.ip=127.0.0.1", "--VoilaExecutor.timeout=600"],
+                            cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_listening(port, proc, 120)
+        yield f"http://127.0.0.1:{port}/", proc
+    finally:
+        stop(proc)
+        log.close()
+
+
+def type_slider(page, readout, value: str) -> float:
+    """Edit an ipywidgets slider through its readout (what a user types), then Enter; returns the
+    ``perf_counter`` time just before Enter (the change)."""
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type(value)
+    t = time.perf_counter()
+    page.keyboard.press("Enter")
+    return t
+
+
+def wait_key_change(page, old_key: str, timeout_ms: int = 180_000) -> str:
+    """Wait until the page shows another run key than ``old_key``; returns it."""
+    page.wait_for_function("k => { const e = document.querySelector('.kvlab-run-key'); return e && e.innerText !== k; }",
+                           arg=old_key, timeout=timeout_ms)
+    return page.locator(".kvlab-run-key").inner_text()
