@@ -219,3 +219,26 @@ def test_view_plot_details(pg):
     for _ in range(4):                                         # periodic T=4: step 4 refreshes
         v._step_once()
     assert "why: T reached: step 4 is a multiple of T=4" in v.step_info.value and "emitted tokens" in v.step_info.value
+
+
+# ------------------------------------------------------------------ the student switch (issue 17)
+
+
+def test_the_playground_switches_students(tiny_teacher, tiny_student, tmp_path):
+    from kvlab.playground.controller import load_variant
+    from kvlab.tiny import make_tiny_lm
+
+    other = make_tiny_lm(seed=2, intermediate_size=48)
+    p = Playground(tiny_teacher, students={0.3: tiny_student, "standalone": other}, store=RunStore(tmp_path),
+                   background=False, prompts=PROMPTS, calib_prompts=["calibrate me"], calib_tokens=N,
+                   settings=Settings(prompt=PROMPTS[0], N=N, policy="periodic", T=4, seed=3))
+    assert p.student_variants == ("pruned", "standalone")
+    p.start()
+    assert p.config(p.settings, tiny_student)["student"] == tiny_student.fingerprint
+    assert p.set(student="standalone")
+    assert p.shown.result == p.store.get(p.config(p.settings, other))            # the run of that student
+    assert p.shown.key != p.key(p.settings.replace(student="pruned"))
+    assert "prune_ratio" not in p.settings.relevant() and "student standalone" in p.shown.label
+    assert p.set(student="nonsense") is False and "student" in p.errors
+    with pytest.raises(ValueError, match="student="):
+        load_variant("nonsense", None)

@@ -106,3 +106,29 @@ def wait_key_change(page, old_key: str, timeout_ms: int = 180_000) -> str:
     page.wait_for_function("k => { const e = document.querySelector('.kvlab-run-key'); return e && e.innerText !== k; }",
                            arg=old_key, timeout=timeout_ms)
     return page.locator(".kvlab-run-key").inner_text()
+
+
+ANYWIDGET_TIMEOUT = "[anywidget] Failed to initialize model"
+
+
+def open_page(browser, url: str, timeout_ms: int, tries: int = 3):
+    """A page of the playground with live plots; returns ``(page, errors)`` (``errors``: page errors and
+    console errors seen since).
+
+    plotly's FigureWidget is an anywidget, and anywidget gives a model 2 s to initialize
+    (``AbortSignal.timeout(2000)``); on an overloaded machine loading plotly's bundle takes longer, the
+    plot renders but never receives updates, and the page logs ANYWIDGET_TIMEOUT. Then the page is
+    loaded again (the bundle is cached by then), up to ``tries`` times."""
+    for i in range(tries):
+        page = browser.new_page(viewport={"width": 1280, "height": 1500})
+        errors: list[str] = []
+        page.on("pageerror", lambda e, errors=errors: errors.append(f"pageerror: {e}"))
+        page.on("console", lambda m, errors=errors: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+        page.goto(url, timeout=timeout_ms)
+        page.locator(".kvlab-ro-teacher_ppl").wait_for(timeout=timeout_ms)
+        page.wait_for_timeout(2500)                      # past anywidget's 2 s initialization window
+        if not any(ANYWIDGET_TIMEOUT in e for e in errors):
+            return page, errors
+        print(f"page load {i + 1}: {ANYWIDGET_TIMEOUT} (machine too slow for anywidget's 2 s); loading again", flush=True)
+        page.close()
+    raise RuntimeError(f"{ANYWIDGET_TIMEOUT} on {tries} page loads: the plots would not update (machine overloaded?)")

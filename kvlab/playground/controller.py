@@ -22,7 +22,7 @@ from typing import Callable
 from ..experiment import run_config, scored_run
 from ..store import RunStore, run_key
 from .runner import Cancelled, ModelGate, Runner
-from .settings import (PRUNE_RATIOS, RANGES, Range, Settings, check, decode_config, eviction_policies, normalize,
+from .settings import (PRUNE_RATIOS, PRUNED, RANGES, Range, Settings, check, decode_config, eviction_policies, normalize,
                        percentile_of, refresh_policy)
 from .spread import Spread, pairs, spread_stats
 from .why import refresh_reasons, same_tokens_note
@@ -119,7 +119,7 @@ def describe(s: Settings) -> str:
     if s.evict != "full":
         parts.append(f"{s.evict}@{s.budget}" + "".join(f",{k}={getattr(s, k)}" for k in EVICT_PARAMS.get(s.evict, ())))
     if s.mode != "teacher":
-        parts.append(f"prune {s.prune_ratio}")
+        parts.append(f"pruned {s.prune_ratio}" if s.student == "pruned" else f"student {s.student}")
     parts.append(f"seed {s.seed}")
     return " · ".join(parts)
 
@@ -163,7 +163,8 @@ class Playground:
 
     def __init__(self, teacher, student=None, *, students=None, store: RunStore | None = None, prompts=None,
                  settings: Settings | None = None, calib_prompts=None, calib_tokens: int | None = None,
-                 calib_sampling=None, ranges: dict | None = None, prune_ratios=None, background: bool = True,
+                 calib_sampling=None, ranges: dict | None = None, prune_ratios=None, student_variants=None,
+                 background: bool = True,
                  gate: ModelGate | None = None):
         from ..data import load_prompts
         from ..decode import Sampling
@@ -175,17 +176,23 @@ class Playground:
             raise ValueError("prompts must hold at least one prompt")
         self.settings = normalize(settings or Settings(prompt=self.prompts[0]))
         self.ranges = {**RANGES, **(ranges or {})}
-        self._students: dict[float, object] = {}
+        self._students: dict[tuple, object] = {}     # (variant, prune ratio or None) -> LM
         self._fixed = isinstance(students, dict)     # only these students (tests inject tiny ones)
         if self._fixed:
-            self._students.update({float(k): v for k, v in students.items()})
+            self._students.update({_student_key(k): v for k, v in students.items()})
             self._factory = None
         else:
             self._factory = students
         if student is not None:
-            self._students[float(self.settings.prune_ratio)] = student
+            self._students[_student_key(self.settings)] = student
         self.prune_ratios = tuple(prune_ratios) if prune_ratios is not None else (
-            tuple(sorted(self._students)) if isinstance(students, dict) else PRUNE_RATIOS)
+            tuple(sorted(r for v, r in self._students if v == PRUNED)) if self._fixed else PRUNE_RATIOS)
+        if student_variants is not None:
+            self.student_variants = tuple(student_variants)
+        elif self._fixed:
+            self.student_variants = tuple(dict.fromkeys(v for v, _ in self._students))
+        else:
+            self.student_variants = student_variants_offered()
         if calib_prompts is None:
             from ..data import calibration_file
             calib_prompts = [r["prompt"] for r in load_prompts(calibration_file(), n=2)]
@@ -233,21 +240,24 @@ class Playground:
 
     # ------------------------------------------------------------------ models
 
-    def student_for(self, ratio: float):
-        """The student of ``ratio`` (loaded/pruned on first use)."""
-        ratio = float(ratio)
-        if ratio not in self._students:
+    def student_for(self, s: Settings | float):
+        """The student of settings ``s`` (its variant, and prune ratio for the pruned one; a bare number
+        is a prune ratio of the pruned student), loaded on first use: ``students(variant, ratio)`` when
+        a factory was given, else :func:`kvlab.models.load_student` (a trained variant must be in the
+        model cache: ``python -m kvlab train-student`` builds it)."""
+        key = _student_key(s)
+        if key not in self._students:
             if self._fixed:
-                raise ValueError(f"prune_ratio={ratio} has no student; available: {sorted(self._students)}")
+                raise ValueError(f"student {key[0]!r} at prune_ratio={key[1]} has no model; available: "
+                                 f"{sorted(self._students, key=str)}")
             if callable(self._factory):
-                self._students[ratio] = self._factory(ratio)
+                self._students[key] = self._factory(*key) if key[0] != PRUNED else self._factory(key[1])
             else:
-                from ..models import load_student
-                self._students[ratio] = load_student(ratio, device=self.teacher.device, dtype=self.teacher.dtype)
-        return self._students[ratio]
+                self._students[key] = load_variant(key[0], key[1], device=self.teacher.device, dtype=self.teacher.dtype)
+        return self._students[key]
 
     def _student_if_loaded(self, s: Settings):
-        return None if s.mode == "teacher" else self._students.get(float(s.prune_ratio))
+        return None if s.mode == "teacher" else self._students.get(_student_key(s))
 
     # ------------------------------------------------------------------ checking and keys
 
@@ -255,7 +265,7 @@ class Playground:
         """``{control: message}`` for every bad control of ``s`` (default: the current settings)."""
         s = s or self.settings
         err = check(s, vocab_size=self.vocab_size, eviction_names=self.eviction_names,
-                    ranges=self.ranges, prune_ratios=self.prune_ratios)
+                    ranges=self.ranges, prune_ratios=self.prune_ratios, students=self.student_variants)
         if "n_prompts" not in err and "prompt" not in err and isinstance(s.n_prompts, int):
             try:
                 pairs(s, self.prompts)
@@ -293,7 +303,7 @@ class Playground:
         from ..experiment import RunSpec
         from ..refresh_tables import calibrate
 
-        student = student or self.student_for(self.settings.prune_ratio)
+        student = student or self.student_for(self.settings)
         fp = student.fingerprint
         if fp not in self._cal:
             spec = RunSpec(prompts=self.calib_prompts, tokens=self.calib_tokens, sampling=self.calib_sampling)
@@ -349,7 +359,7 @@ class Playground:
         t0 = time.perf_counter()
         new = self.settings.replace(**changes)
         auto_mc = new.policy == "mc" and "mc_threshold" not in changes and bool(
-            {"policy", "mc_signal", "mc_passes", "mc_p", "prune_ratio"} & set(changes))
+            {"policy", "mc_signal", "mc_passes", "mc_p", "prune_ratio", "student"} & set(changes))
         if auto_mc and not check(new, ranges=self.ranges).keys() & {"mc_passes", "mc_p", "mc_signal"}:
             thr = self.mc_threshold_at(MC_PERCENTILE, new, compute=False)
             if thr is not None:
@@ -477,9 +487,10 @@ class Playground:
     def _ensure_student(self, s: Settings, job):
         if s.mode == "teacher":
             return None
-        if float(s.prune_ratio) not in self._students:
-            self._emit("progress", Progress("student", 0, 1, f"loading the student (prune ratio {s.prune_ratio})…"))
-        student = self.student_for(s.prune_ratio)
+        if _student_key(s) not in self._students:
+            what = f"prune ratio {s.prune_ratio}" if s.student == PRUNED else f"variant {s.student}"
+            self._emit("progress", Progress("student", 0, 1, f"loading the student ({what})…"))
+        student = self.student_for(s)
         job.check()
         return student
 
@@ -573,7 +584,7 @@ class Playground:
         from ..mc import MCGate, SIGNALS
 
         s = s or self.settings
-        student = self.student_for(s.prune_ratio) if compute else self._student_if_loaded(replace(s, mode="overfill"))
+        student = self.student_for(s) if compute else self._student_if_loaded(replace(s, mode="overfill"))
         if student is None:
             return None
         k = (student.fingerprint, int(s.mc_passes), float(s.mc_p))
@@ -747,6 +758,42 @@ class Playground:
         from .stepper import Stepper
 
         return Stepper(self)
+
+
+def student_variants_offered() -> tuple:
+    """``kvlab.models.STUDENT_VARIANTS`` (the trained students of issue 17), or just the pruned one
+    where kvlab has no trained variants."""
+    from .. import models
+
+    return tuple(getattr(models, "STUDENT_VARIANTS", (PRUNED,)))
+
+
+def load_variant(variant: str, ratio: float | None, device=None, dtype=None):
+    """The student ``variant``: the pruned one at MLP ``ratio``, or a trained one (from the model cache;
+    :func:`kvlab.models.load_student` raises, naming the training command, when it is not there)."""
+    from .. import models
+
+    if variant not in student_variants_offered():
+        raise ValueError(f"student={variant!r} must be one of {student_variants_offered()}")
+    if variant == PRUNED:
+        # one call for both load_student signatures: (ratio, …) before issue 17, (variant, shape, …) after
+        if hasattr(models, "STUDENT_VARIANTS"):
+            from ..prune import PruneShape
+            return models.load_student(PRUNED, PruneShape(0.0, ratio), device=device, dtype=dtype)
+        return models.load_student(ratio, device=device, dtype=dtype)
+    return models.load_student(variant, device=device, dtype=dtype)
+
+
+def _student_key(s) -> tuple:
+    """``(variant, prune ratio)`` of settings, of a bare prune ratio (the pruned student), of a
+    variant name (its trained shape: ratio None) or of such a tuple."""
+    if isinstance(s, Settings):
+        return (s.student, float(s.prune_ratio)) if s.student == PRUNED else (s.student, None)
+    if isinstance(s, tuple):
+        return (s[0], None if s[1] is None or s[0] != PRUNED else float(s[1]))
+    if isinstance(s, str):
+        return (s, None)
+    return (PRUNED, float(s))
 
 
 MC_NEVER = 1e30          # an MC gate threshold no signal reaches (calibration runs probe but never refresh)

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .browser import REPO, chromium, serve, type_slider, wait_key_change
+from .browser import REPO, chromium, open_page, serve, type_slider, wait_key_change
 
 PAGE_TIMEOUT_MS = 900_000
 
@@ -38,9 +38,7 @@ def main(argv=None) -> Path:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
             try:
-                page = browser.new_page(viewport={"width": 1280, "height": 1500})
-                page.goto(url, timeout=PAGE_TIMEOUT_MS)
-                page.locator(".kvlab-ro-teacher_ppl").wait_for(timeout=PAGE_TIMEOUT_MS)
+                page, _ = open_page(browser, url, PAGE_TIMEOUT_MS)
                 key0 = page.locator(".kvlab-run-key").inner_text()
                 page.locator(".kvlab-pin").click()
                 readout = page.locator(".kvlab-tau_bits .widget-readout")

@@ -23,6 +23,7 @@ POLICY_PARAMS = {"none": (), "periodic": ("T", "W"), "entropy": ("tau_bits", "W"
 SAMPLINGS = ("greedy", "sample")
 MC_SIGNALS = ("mi", "u", "flip")
 NO_EVICTION = "full"
+PRUNED = "pruned"         # the untrained student variant (the only one whose prune ratio the playground sets)
 # the eviction controls each eviction policy reads besides the budget
 EVICT_PARAMS = {"confkv": ("gamma",), "h2o": ("recent",), "random": ("recent",)}
 # controls that pick *which* runs are averaged (spread), not how one run decodes
@@ -95,7 +96,8 @@ class Settings:
     mc_passes: int = 8                 # MC gate: noisy student passes per probe
     mc_p: float = 0.1                  # MC gate: dropout probability of those passes
     refresh_next: str = "rerun"        # who picks the token after a refresh
-    prune_ratio: float = 0.3           # student = teacher with this fraction of MLP channels pruned
+    student: str = "pruned"            # student variant (kvlab.models.STUDENT_VARIANTS; "pruned" = untrained)
+    prune_ratio: float = 0.3           # pruned student: teacher with this fraction of MLP channels pruned
     N: int = 64                        # new tokens
     sampling: str = "sample"           # greedy | sample
     temperature: float = 0.7
@@ -123,7 +125,9 @@ class Settings:
         """The controls that change this configuration's run (for labels and grids)."""
         keep = {"prompt", "mode", "policy", "N", "sampling", "seed", "evict"}
         if self.mode != "teacher":
-            keep.add("prune_ratio")
+            keep.add("student")
+            if self.student == PRUNED:
+                keep.add("prune_ratio")
         if self.policy != "none":
             keep.update(POLICY_PARAMS[self.policy])
             keep.add("refresh_next")
@@ -156,7 +160,7 @@ def _is_num(v) -> bool:
 
 
 def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), ranges=None,
-          prune_ratios=PRUNE_RATIOS) -> dict[str, str]:
+          prune_ratios=PRUNE_RATIOS, students=(None,)) -> dict[str, str]:
     """``{control: message}`` for every bad control of ``s`` (empty when all are good)."""
     R = {**RANGES, **(ranges or {})}
     err: dict[str, str] = {}
@@ -203,7 +207,10 @@ def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), rang
         err["mc_threshold"] = f"mc_threshold={s.mc_threshold!r} must be a number >= 0"
     if pol != "none" and s.refresh_next not in REFRESH_NEXT:
         err["refresh_next"] = f"refresh_next={s.refresh_next!r} must be one of {REFRESH_NEXT}"
-    if s.mode != "teacher" and s.prune_ratio not in prune_ratios:
+    offered = tuple(students) if students != (None,) else (PRUNED,)
+    if s.mode != "teacher" and s.student not in offered:
+        err["student"] = f"student={s.student!r} must be one of {offered}"
+    if s.mode != "teacher" and s.student == PRUNED and s.prune_ratio not in prune_ratios:
         err["prune_ratio"] = f"prune_ratio={s.prune_ratio!r} must be one of {tuple(prune_ratios)}"
     if s.sampling not in SAMPLINGS:
         err["sampling"] = f"sampling={s.sampling!r} must be one of {SAMPLINGS}"

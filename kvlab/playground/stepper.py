@@ -72,7 +72,7 @@ class Stepper:
             raise SettingsError(errors)
         cfg = replace(decode_config(s), keep_dists=True)
         with self.pg.gate.hold():
-            student = None if s.mode == "teacher" else self.pg.student_for(s.prune_ratio)
+            student = None if s.mode == "teacher" else self.pg.student_for(s)
             d = Decoding(self.pg.teacher, student, s.prompt, cfg)
         self.stop()
         self.settings, self.decoding, self._it = s, d, iter(d)

@@ -145,6 +145,10 @@ class PlaygroundView:
         self.next_row = self._control("refresh_next", W.Dropdown(options=["rerun", "student", "teacher"], value=s.refresh_next,
                                                                  description="refresh_next", style=_STYLE, layout=_ROW))
         rows.append(self.next_row)
+        self.student_row = self._control("student", W.Dropdown(options=list(self.pg.student_variants), value=s.student,
+                                                               description="student", style=_STYLE, layout=_ROW,
+                                                               disabled=len(self.pg.student_variants) == 1))
+        rows.append(self.student_row)
         self.prune_row = self._control("prune_ratio", W.Dropdown(options=list(self.pg.prune_ratios), value=s.prune_ratio,
                                                                  description="student prune", style=_STYLE, layout=_ROW))
         rows.append(self.prune_row)
@@ -205,7 +209,8 @@ class PlaygroundView:
         for name, row in self.policy_rows.items():
             row.layout.display = "" if name in used else "none"
         self.next_row.layout.display = "" if s.policy != "none" else "none"
-        self.prune_row.layout.display = "" if s.mode != "teacher" else "none"
+        self.student_row.layout.display = "" if s.mode != "teacher" else "none"
+        self.prune_row.layout.display = "" if s.mode != "teacher" and s.student == "pruned" else "none"
         for row in self.sample_rows:
             row.layout.display = "" if s.sampling == "sample" else "none"
         self.budget_row.layout.display = "" if s.evict != NO_EVICTION else "none"
