@@ -41,7 +41,10 @@ N = 20 if SMOKE else 96                  # new tokens per run
 POLICY = "entropy"                       # initial refresh policy
 TAU_PERCENTILE = 90.0                    # initial τ: this calibrated percentile of the student's entropy
 CALIB_PROMPTS = 1 if SMOKE else 2        # calibration prompts (data/calibration.jsonl) for τ/κ percentiles
-PRUNE_RATIOS = (0.3,) if SMOKE else (0.2, 0.3, 0.4, 0.5)   # students offered (pruned on first use)
+PRUNE_RATIO = 0.3                        # the student shown first: the untrained one pruned at this MLP ratio
+PRUNE_RATIOS = (0.3,) if SMOKE else (0.2, 0.3, 0.4, 0.5)   # pruned students offered (pruned on first use)
+# the "student" dropdown also offers the trained variants (kvlab.models.STUDENT_VARIANTS, when present):
+# each loads from the model cache on first use, or the page names the command that trains it
 TAU_STEP = 0.25                          # τ slider step (bits): precompute runs every position
 SEED = 0
 
@@ -55,9 +58,9 @@ from kvlab.playground.view import PlaygroundView
 from kvlab.store import RunStore
 
 hf_logging.disable_progress_bar()        # no weight-loading bars on the page
-teacher, student = load_pair()           # CUDA (bf16) when present, else CPU
+teacher, student = load_pair(ratio=PRUNE_RATIO)   # CUDA (bf16) when present, else CPU
 pg = Playground(teacher, student, store=RunStore(), prune_ratios=PRUNE_RATIOS,
-                settings=Settings(prompt=load_prompts()[0]["prompt"], policy=POLICY, N=N, seed=SEED, prune_ratio=0.3),
+                settings=Settings(prompt=load_prompts()[0]["prompt"], policy=POLICY, N=N, seed=SEED, prune_ratio=PRUNE_RATIO),
                 calib_prompts=[r["prompt"] for r in load_prompts(calibration_file(), n=CALIB_PROMPTS)], calib_tokens=N,
                 ranges={"tau_bits": Range(0.0, 8.0, TAU_STEP)})
 pg.settings = pg.settings.replace(tau_bits=pg.tau_at(TAU_PERCENTILE))   # calibrates (stored runs) first
