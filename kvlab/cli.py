@@ -216,7 +216,8 @@ def _evict_args(p: argparse.ArgumentParser) -> None:
                    help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
     p.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="evict: needle depths in [0, 1] (0 = oldest)")
-    p.add_argument("--needle-reps", type=positive_int("--needle-reps"), default=1, help="evict: keys per grid cell")
+    p.add_argument("--needle-reps", type=positive_int("--needle-reps"), default=2,
+                   help="evict: keys per grid cell (2: 10 prompts per length, 6 per depth)")
     p.add_argument("--needle-budget", type=positive_int("--needle-budget"), default=128,
                    help="evict: peak cache entries of every policy in the needle grid")
     p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     _refresh_options(p)
     p.set_defaults(fn=cmd_refresh)
     p = sub.add_parser("evict", help="eviction: sawtooth figure, matched-memory table, needle-retrieval table")
-    _common(p, prompts=2, tokens=128)
+    _common(p, prompts=8, tokens=128)
     _evict_args(p)
     p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
@@ -428,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh: prompts timed side by side for the overhead")
     p.add_argument("--timing-repeats", type=int, default=2, help="refresh: paired timings per prompt and policy")
     _evict_args(p)
-    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=2,
-                   help="prompts of the eviction job (the first of --prompts; it runs ~14 configurations + 75 needle runs)")
+    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=8,
+                   help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
+                        "configurations per prompt + 180 needle runs)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)

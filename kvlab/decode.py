@@ -208,6 +208,8 @@ class StepRecord:
     teacher_s: float = 0.0       # teacher compute time at this step
     probe_cost: tuple = ()       # the probe's cost counters, (name, value) pairs
     cache_bytes: int = 0         # real bytes of the decoding cache's K/V after this step (INT8 counted as such)
+    meta_bytes: int = 0          # bytes of the cache's attention statistics after this step (eviction policies)
+    forward_bytes: int = 0       # K/V bytes held during this step's forward (INT8 prefix dequantized for it)
 
 
 
@@ -412,6 +414,7 @@ class Decoding:
             else:
                 cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
         self.cache = cache
+        self._fwd_bytes = cache.forward_nbytes()
         return logits
 
     def _advance(self, step: int) -> tuple[torch.Tensor, str]:
@@ -419,9 +422,11 @@ class Decoding:
         forward on ``y_{step-1}`` (with attention mass when the eviction policy needs it)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            self._fwd_bytes = self.cache.forward_nbytes()
             return pending
         logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name, step=step - 1,
                                     attention=self._needs_attention)
+        self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 
     def _score(self, step: int, logits: torch.Tensor, source: str) -> StepRecord:
@@ -483,7 +488,8 @@ class Decoding:
                 cache.quantize_older(decision.int8_window, decision.int8_group)
             if decision.signals():
                 signals = Signals({**signals.to_dict(), **decision.signals()})
-        return replace(rec, cache_len=len(cache), cache_bytes=cache.nbytes(), evicted=evicted, signals=signals)
+        return replace(rec, cache_len=len(cache), cache_bytes=cache.nbytes(), evicted=evicted, signals=signals,
+                       meta_bytes=cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
 
     def _teacher_upto(self, n: int) -> torch.Tensor:
         """Extend the teacher's own cache to hold ``x, y_≤n`` (prefilling only what it lacks) and

@@ -52,8 +52,11 @@ def run_memory(steps: dict) -> dict:
                          "delete it from the run store or use a fresh --runs folder")
     nbytes = [float(b) for b in nbytes]
     ev = [int(e) for e in steps["evicted"]]
+    meta = steps.get("meta_bytes") or [float("nan")] * len(lens)
+    fwd = steps.get("forward_bytes") or [float("nan")] * len(lens)
     return {"mean_len": float(np.mean(lens)), "peak_len": max(lens), "mean_mb": float(np.mean(nbytes)) / MIB,
-            "peak_mb": max(nbytes) / MIB, "evicted": sum(ev), "evict_events": sum(e > 0 for e in ev)}
+            "peak_mb": max(nbytes) / MIB, "evicted": sum(ev), "evict_events": sum(e > 0 for e in ev),
+            "meta_mb": float(np.mean(meta)) / MIB, "peak_fwd_mb": float(np.max(fwd)) / MIB}
 
 
 def capped_mean(trajectories: Sequence[Sequence[float]], cap: float) -> float:
@@ -182,14 +185,17 @@ class EvictStudy:
 
     def families(self) -> dict[str, tuple[Callable[[int], object], int, int]]:
         """Fixed-budget families: name -> (knob -> policy, knob lo, knob hi). The knob is the
-        budget in entries, except block eviction (evictable blocks)."""
-        from .eviction import H2O, BlockEvict, RandomEvict, SlidingWindow
+        budget in entries, except block eviction (evictable blocks). SnapKV compresses the prompt
+        only (its knob: prompt entries kept); when even its smallest budget stays above the target,
+        the table shows the mismatch in ``mem_vs_target``."""
+        from .eviction import H2O, BlockEvict, RandomEvict, SlidingWindow, SnapKV
 
         bs, rec = self.block_size, self.protect
         return {
             "sliding": (lambda b: SlidingWindow(window=b, sinks=self.sinks), self.sinks + 1, 4096),
             "h2o": (lambda b: H2O(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "random": (lambda b: RandomEvict(budget=b, recent=min(rec, b - 1), seed=0), 2, 4096),
+            "snapkv": (lambda b: SnapKV(budget=b, window=rec), rec + 1, 4096),
             "block": (lambda k: BlockEvict(block_size=bs, start_blocks=1, evictable_blocks=k,
                                            recent_blocks=max(1, rec // bs)), 1, 512),
         }
@@ -208,11 +214,12 @@ class EvictStudy:
         return out
 
 
-# Conf-KV variants by constructor keyword (names agreed in team/EVICTION_API.md); a variant whose
-# keywords the installed ConfKV lacks is skipped.
+# Conf-KV variants by constructor keyword: its ranker's ablations and the confidence of the raw
+# (T = 1) distribution instead of the tempered + top-p one the token was drawn from.
 ABLATIONS = {
     "confkv_recency": {"attn_weight": 0.0},
     "confkv_attention": {"attn_weight": 1.0},
+    "confkv_raw": {"confidence_from": "raw"},
 }
 INT8_GROUP = 8   # entries quantized together (the cache stays < 2 groups of ConfKV's default 64 here)
 
@@ -276,6 +283,8 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
             # the cache sits in [max, max + bs - 1] once a whole block overflows: mean ≈ max + bs/2
             guess = max(lo, round((cap - study.block_size / 2) / study.block_size) - 1
                         - max(1, study.protect // study.block_size))
+        elif fam == "snapkv":        # the prompt is cut to b once, then every step appends: mean ≈ b + (N+1)/2
+            guess = max(lo, round(target / mb_per_entry - (spec.tokens + 1) / 2))
         else:
             guess = invert_capped(full_traj, target / mb_per_entry, lo, hi)
         cache: dict[int, list[dict]] = {}
@@ -300,7 +309,16 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
     per_run = pd.DataFrame(rows)
     info = pd.DataFrame(info)
     info["target_mb"] = target
+    info["entry16_mb"] = entry_bytes_16bit(teacher.model.config) / MIB
     return per_run, info, pols
+
+
+def entry_bytes_16bit(config) -> int:
+    """Bytes of one cache entry (K and V, every layer) stored at 16 bits (FP16/BF16, the paper's cache)."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv * d * 2
 
 
 def _params(policy) -> str:
@@ -319,27 +337,34 @@ def paired_ci(per_run: pd.DataFrame, base: str, metrics=("teacher_ppl", "kl"), n
     return paired_bootstrap(per_run, base, metrics, suffix=f"_vs_{base}", n_boot=n_boot, seed=seed)
 
 
-MATCHED_COLS = ["policy", "matched_by", "target_mb", "mean_mb", "mean_mb_std", "mem_vs_target", "mean_len", "peak_len",
+MATCHED_COLS = ["policy", "matched_by", "target_mb", "mean_mb", "mean_mb_std", "mem_vs_target", "mean_mb_16bit",
+                "mem_vs_16bit", "meta_mb", "peak_fwd_mb", "mean_len", "peak_len",
                 "peak_mb", "evict_events", "teacher_ppl", "teacher_ppl_std", "d_teacher_ppl_vs_full",
-                "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi", "kl", "kl_std", "d_kl_vs_confkv",
-                "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi", "repeat3", "repeat3_std", "tps", "tps_std", "n_prompts",
-                "params", "knob", "probes"]
+                "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi", "d_teacher_ppl_vs_full_ci", "kl", "kl_std",
+                "d_kl_vs_full", "d_kl_vs_full_ci", "d_kl_vs_confkv", "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi",
+                "d_kl_vs_confkv_ci", "repeat3", "repeat3_std", "tps", "tps_std", "n_prompts", "params", "knob", "probes"]
 
 
 def matched_table(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     """One row per policy: achieved memory vs target, quality with per-prompt std and paired CIs."""
-    cols = ["mean_mb", "mean_len", "peak_len", "peak_mb", "evict_events", "teacher_ppl", "kl", "repeat3", "tps"]
+    cols = ["mean_mb", "mean_len", "peak_len", "peak_mb", "evict_events", "teacher_ppl", "kl", "repeat3", "tps",
+            "meta_mb"]
     g = per_run.groupby("policy", sort=False)
     s = g[cols].mean()
     for m in ("mean_mb", "teacher_ppl", "kl", "repeat3", "tps"):
         s[f"{m}_std"] = g[m].std(ddof=1).fillna(0.0)
     s["peak_len"] = g["peak_len"].max()
     s["peak_mb"] = g["peak_mb"].max()
+    s["peak_fwd_mb"] = g["peak_fwd_mb"].max()
     s["n_prompts"] = g.size()
     s = s.reset_index()
     s = s.merge(paired_ci(per_run, "full"), on="policy").merge(paired_ci(per_run, "confkv"), on="policy")
     t = info.merge(s, on="policy")
     t["mem_vs_target"] = t["mean_mb"] / t["target_mb"]
+    # the same entries stored at 16 bits (the paper's FP16 cache; this CPU stores FP32): INT8 rows say
+    # what INT8 saves against a 16-bit cache, not only against FP32
+    t["mean_mb_16bit"] = t["mean_len"] * t["entry16_mb"]
+    t["mem_vs_16bit"] = t["mean_mb"] / t["mean_mb_16bit"]
     return t.reindex(columns=MATCHED_COLS)
 
 
@@ -391,7 +416,7 @@ class NeedleGrid:
 
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    reps: int = 1
+    reps: int = 2
     budget: int = 128
     seed: int = 0
 
@@ -448,8 +473,14 @@ TABLE_NOTES = {
         "evict phase (INT8 entries counted as 1 byte + scales); `target_mb` = Conf-KV's achieved mean; "
         "`mem_vs_target` = mean_mb / target_mb. Fixed-budget families were solved to the target (`knob`: the "
         "budget found; `probes`: every budget the solver ran, as knob:achieved MiB); Conf-KV ablations keep its schedule.",
+        "`mean_mb_16bit`: the same mean entry count stored at 16 bits (the paper's FP16 cache; this CPU stores "
+        "FP32), `mem_vs_16bit` = mean_mb / mean_mb_16bit (2.0 for an FP32 row; below 1 only where INT8 beats a 16-bit "
+        "cache). `meta_mb`: mean bytes of the attention statistics a policy keeps (acc, ema, count per entry; 0 for "
+        "policies that need none). `peak_fwd_mb`: the most K/V bytes held during one forward — INT8 entries are "
+        "dequantized for every forward, so an INT8 cache's forward peak is its FP size plus the INT8 store.",
         "`d_*_vs_full`, `d_*_vs_confkv`: paired differences on the same prompts, mean and bootstrap 95 % interval "
-        "(`_lo`, `_hi`); `*_std`: per-prompt std. `tps`: decode tokens/s (machine-dependent).",
+        "(`_lo`, `_hi`, printable `_ci`); with fewer than 5 paired prompts no interval is given (\"n too small\"). "
+        "`*_std`: per-prompt std. `tps`: decode tokens/s (machine-dependent).",
     ],
     "evict_sawtooth": ["Per-step cache of prompt 0 under each policy (after the evict phase); `confidence`, "
                        "`budget` from Conf-KV's signals; `refreshed` = a refresh fired after that step."],

@@ -55,7 +55,8 @@ def run_config(teacher, student, prompt: str, cfg: DecodeConfig, extra: dict | N
 def records_columns(records) -> dict:
     """Per-step records as compact columns (what figures of traces need)."""
     keep = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source",
-            "refreshed", "evicted", "cache_bytes", "wall_s", "spliced", "teacher_tokens", "probe_tokens", "probed")
+            "refreshed", "evicted", "cache_bytes", "meta_bytes", "forward_bytes", "wall_s", "spliced", "teacher_tokens",
+            "probe_tokens", "probed")
     rows = [asdict(r) for r in records]
     out = {k: [r[k] for r in rows] for k in keep}
     out["signals"] = [dict(r.signals) for r in records]
@@ -98,11 +99,25 @@ def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConf
     return pd.DataFrame(rows)
 
 
+MIN_PAIRS = 5   # fewer paired prompts than this: no interval ("n too small")
+
+
+def ci_text(lo: float, hi: float, n: int, fmt: str = "+.3f") -> str:
+    """``"[lo, hi]"``, or ``"n too small (n=…)"`` when the interval was refused."""
+    import math
+
+    if n < MIN_PAIRS or math.isnan(lo) or math.isnan(hi):
+        return f"n too small (n={n})"
+    return f"[{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def paired_bootstrap(per_run: pd.DataFrame, base: str, metrics=("kl", "teacher_ppl"), suffix: str = "",
                      n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per policy: the mean paired difference of each metric to policy ``base`` on the same prompts
     (``prompt_idx``) and its bootstrap 95 % interval over prompts, as columns ``d_<m><suffix>``,
-    ``d_<m><suffix>_lo``, ``d_<m><suffix>_hi``."""
+    ``d_<m><suffix>_lo``, ``d_<m><suffix>_hi`` and the printable ``d_<m><suffix>_ci``. With fewer
+    than ``MIN_PAIRS`` (5) pairs the interval is refused: ``_lo``/``_hi`` are NaN and ``_ci`` says
+    "n too small"."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -115,7 +130,11 @@ def paired_bootstrap(per_run: pd.DataFrame, base: str, metrics=("kl", "teacher_p
             d = (g[m] - b[m]).to_numpy()
             boots = rng.choice(d, size=(n_boot, len(d)), replace=True).mean(1)
             row[f"d_{m}{suffix}"] = d.mean()
-            row[f"d_{m}{suffix}_lo"], row[f"d_{m}{suffix}_hi"] = np.percentile(boots, [2.5, 97.5])
+            if len(d) < MIN_PAIRS:       # a "95 % interval" of 2-4 resamples is just the differences themselves
+                row[f"d_{m}{suffix}_lo"] = row[f"d_{m}{suffix}_hi"] = float("nan")
+            else:
+                row[f"d_{m}{suffix}_lo"], row[f"d_{m}{suffix}_hi"] = np.percentile(boots, [2.5, 97.5])
+            row[f"d_{m}{suffix}_ci"] = ci_text(row[f"d_{m}{suffix}_lo"], row[f"d_{m}{suffix}_hi"], len(d))
         out.append(row)
     return pd.DataFrame(out)
 

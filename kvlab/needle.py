@@ -204,15 +204,19 @@ def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> di
 
     Sliding keeps 4 sinks + the newest entries; H2O and Conf-KV protect the newest ``budget // 4``;
     Conf-KV uses ``tight = budget // 2`` on confident steps and ``loose = budget`` otherwise; block
-    eviction keeps one start block, ``budget // 4`` recent entries in blocks, and fills the rest
-    with evictable blocks."""
-    from .eviction import H2O, BlockEvict, ConfKV, SlidingWindow
+    eviction keeps one start block, ``budget // 4`` recent entries in blocks, and as many evictable
+    blocks as fit with ``max + block_size - 1 <= budget`` (OpenVINO's semantics: the cache reaches
+    ``max + block_size - 1`` before a whole block goes); SnapKV cuts the prompt to
+    ``budget - ANSWER_TOKENS`` entries (observation window ``budget // 8``), so the answer's last step
+    also sees at most ``budget``."""
+    from .eviction import H2O, BlockEvict, ConfKV, SlidingWindow, SnapKV
 
     rec = budget // 4
     rb = max(1, rec // block_size)
-    eb = max(1, budget // block_size - 1 - rb)
+    eb = max(1, (budget - block_size + 1) // block_size - 1 - rb)
     return {"full": None,
             "sliding": SlidingWindow(window=budget, sinks=4),
             "h2o": H2O(budget=budget, recent=rec),
             "confkv": ConfKV(gamma=gamma, tight=budget // 2, loose=budget, protect=rec),
-            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb)}
+            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
+            "snapkv": SnapKV(budget=budget - ANSWER_TOKENS, window=budget // 8)}

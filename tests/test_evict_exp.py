@@ -70,7 +70,8 @@ def _per_run():
             rows.append({"policy": p, "prompt_idx": i, "teacher_ppl": 3 + shift + 0.01 * i, "kl": shift / 10 + 0.001 * i,
                          "repeat3": 0.1, "tps": 30 + rng.normal(), "total_s": 4.0, "tokens": 64,
                          "mean_len": 100 - 20 * (p != "full"), "peak_len": 150, "mean_mb": 2.0 - 0.5 * (p != "full"),
-                         "peak_mb": 3.0, "evicted": 0, "evict_events": 0})
+                         "peak_mb": 3.0, "evicted": 0, "evict_events": 0, "meta_mb": 0.1 * (p != "sliding"),
+                         "peak_fwd_mb": 3.5})
     return pd.DataFrame(rows)
 
 
@@ -83,11 +84,31 @@ def test_paired_ci_and_matched_table():
     info = pd.DataFrame([{"policy": p, "matched_by": m, "params": ""} for p, m in
                          (("full", "reference"), ("confkv", "target"), ("sliding", "solved budget"))])
     info["target_mb"] = 1.5
+    info["entry16_mb"] = 0.005
     t = matched_table(per_run, info).set_index("policy")
+    assert t.loc["sliding", "mean_mb_16bit"] == pytest.approx(80 * 0.005)
+    assert t.loc["sliding", "mem_vs_16bit"] == pytest.approx(1.5 / 0.4)
+    assert t.loc["sliding", "meta_mb"] == 0.0 and t.loc["confkv", "meta_mb"] == pytest.approx(0.1)
+    assert t.loc["sliding", "peak_fwd_mb"] == 3.5
+    assert t.loc["sliding", "d_kl_vs_confkv_ci"].startswith("[")
     assert t.loc["sliding", "mem_vs_target"] == pytest.approx(1.0)
     assert t.loc["full", "mem_vs_target"] == pytest.approx(2.0 / 1.5)
     assert t.loc["sliding", "d_kl_vs_confkv"] == pytest.approx(0.15)
     assert t.loc["confkv", "n_prompts"] == 6
+
+
+def test_intervals_refused_below_five_pairs():
+    from kvlab.experiment import ci_text, paired_bootstrap
+
+    per_run = _per_run()
+    few = per_run[per_run.prompt_idx < 4]
+    ci = paired_bootstrap(few, "full", ("kl",)).set_index("policy")
+    assert np.isnan(ci.loc["sliding", "d_kl_lo"]) and np.isnan(ci.loc["sliding", "d_kl_hi"])
+    assert ci.loc["sliding", "d_kl"] == pytest.approx(0.2)            # the mean difference is still reported
+    assert ci.loc["sliding", "d_kl_ci"] == "n too small (n=4)"
+    five = paired_bootstrap(per_run[per_run.prompt_idx < 5], "full", ("kl",)).set_index("policy")
+    assert five.loc["sliding", "d_kl_lo"] == pytest.approx(0.2) and five.loc["sliding", "d_kl_ci"] == "[+0.200, +0.200]"
+    assert ci_text(0.1, 0.2, 3) == "n too small (n=3)"
 
 
 # --------------------------------------------------------------------------- needle task
@@ -252,7 +273,7 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     assert saw[saw.policy == "confkv+overfill+refresh"].refreshed.sum() > 0
     assert saw[saw.policy == "confkv"].evicted.sum() > 0
     nd = tables["evict_needle"]
-    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block"} and len(nd) == 10
+    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv"} and len(nd) == 12
     paths = write_evict(tables, tmp_path / "out")
     assert (tmp_path / "out" / "evict_matched.csv").is_file() and paths
     for name in ("evict_sawtooth", "evict_needle"):
@@ -280,4 +301,6 @@ def test_needle_policies_share_one_peak_budget(budget):
     assert pols["full"] is None
     assert pols["sliding"].window == budget and pols["h2o"].budget == budget and pols["confkv"].loose == budget
     b = pols["block"]
-    assert b.block_size * (b.start_blocks + b.evictable_blocks + b.recent_blocks) <= budget
+    assert b.max_after_eviction <= budget                      # OpenVINO's peak: max + block - 1
+    from kvlab.needle import ANSWER_TOKENS
+    assert pols["snapkv"].budget + ANSWER_TOKENS <= budget

@@ -141,6 +141,16 @@ class KVCache:
         (see :meth:`meta_nbytes`)."""
         return self._store.nbytes()
 
+    def forward_nbytes(self) -> int:
+        """Bytes of K/V held while a forward runs: :meth:`nbytes` plus the full-precision copy of the
+        INT8 prefix that each forward materializes (equal to :meth:`nbytes` without INT8 entries)."""
+        nq = self.n_int8
+        if not nq:
+            return self.nbytes()
+        keys = self._hf.layers[0].keys
+        _, h, _, d = keys.shape  # (B, H_kv, T, D)
+        return self.nbytes() + nq * 2 * len(self._hf.layers) * h * d * keys.element_size()
+
     def meta_nbytes(self) -> int:
         """Bytes of the per-entry attention statistics kept for eviction policies."""
         return self._stats.nbytes() if self._stats is not None else 0
