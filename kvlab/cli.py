@@ -315,6 +315,13 @@ def cmd_bench(args) -> None:
         res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
         print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
         print(_evict_bench_table(res))
+        if args.out is not None:     # the file the README quotes (`bench evict --out figures`)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "evict_bench_timing.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            cmd = (f"python -m kvlab bench evict --cache-len {args.cache_len} --tokens {args.tokens or 16} "
+                   f"--repeats {args.repeats} --out {args.out}")
+            (args.out / "evict_bench_timing.md").write_text(f"`{cmd}` (device {lm.device})\n\n```\n"
+                                                     + _evict_bench_table(res) + "\n```\n")
 
 
 BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict")
@@ -446,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder (untracked, like every timing)")
     p.set_defaults(fn=cmd_bench)
     for p in sub.choices.values():      # every command's --help states the defaults
         p.formatter_class = _DefaultsHelp
