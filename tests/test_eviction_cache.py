@@ -325,6 +325,18 @@ def test_attention_hooks_removed_and_stats_follow_edits(lm2):
         KVCache().forward(m, [1, 2], writer="teacher", attention=True)
 
 
+def test_forward_nbytes_counts_the_dequantized_int8_prefix(lm2):
+    m = lm2.model
+    c, _ = KVCache.prefill(m, IDS, writer="teacher")
+    fp = c.nbytes()
+    assert c.forward_nbytes() == fp
+    c.quantize_older(window=4, group=8)
+    nq = c.n_int8
+    assert nq == len(IDS) - 4 and c.nbytes() < fp
+    per_entry = fp // len(IDS)                                  # FP K/V bytes of one entry, every layer
+    assert c.forward_nbytes() == c.nbytes() + nq * per_entry     # the FP copy each forward materializes
+
+
 def test_append_from_and_splice_last_read_int8_sources(lm2):
     m = lm2.model
     src, _ = KVCache.prefill(m, IDS, writer="teacher")

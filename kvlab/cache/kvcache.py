@@ -147,9 +147,9 @@ class KVCache:
         nq = self.n_int8
         if not nq:
             return self.nbytes()
-        keys = self._hf.layers[0].keys
+        keys = self._store.hf.layers[0].keys
         _, h, _, d = keys.shape  # (B, H_kv, T, D)
-        return self.nbytes() + nq * 2 * len(self._hf.layers) * h * d * keys.element_size()
+        return self.nbytes() + nq * 2 * self._store.num_layers * h * d * keys.element_size()
 
     def meta_nbytes(self) -> int:
         """Bytes of the per-entry attention statistics kept for eviction policies."""
