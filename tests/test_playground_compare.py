@@ -64,12 +64,13 @@ def test_single_run_numbers_have_three_significant_digits():
 def test_spread_is_mean_and_paired_ci_over_prompts_and_seeds(pg, tiny_teacher, tiny_student, tmp_path):
     events = []
     pg.subscribe(lambda ev, p: events.append(p) if ev == "spread" and p is not None else None)
-    assert pg.set(n_prompts=2, n_seeds=2)
+    assert pg.set(n_prompts=3, n_seeds=2)
     sp = pg.spread
-    assert sp.complete and sp.total == 4 and [e.done for e in events] == [1, 2, 3, 4]   # filled in as pairs finish
+    assert sp.complete and sp.total == 6 and [e.done for e in events] == [1, 2, 3, 4, 5, 6]   # filled in as pairs finish
+    assert math.isnan(events[3].stats["teacher_ppl"]["lo"])      # no interval below MIN_PAIRS (5) pairs, as in the tables
     direct = RunStore(tmp_path / "direct")
     ppl, d = [], []
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS[:3]:
         for seed in (3, 4):
             samp = Sampling(temperature=0.7, top_p=0.9, seed=seed)
             from kvlab.policies import Periodic
@@ -82,7 +83,7 @@ def test_spread_is_mean_and_paired_ci_over_prompts_and_seeds(pg, tiny_teacher, t
     st = sp.stats["teacher_ppl"]
     assert st["mean"] == pytest.approx(statistics.mean(ppl), rel=1e-6)
     assert st["d"] == pytest.approx(statistics.mean(d), rel=1e-6, abs=1e-9)
-    assert st["n"] == 4 and st["lo"] <= st["d"] <= st["hi"]
+    assert st["n"] == 6 and st["lo"] <= st["d"] <= st["hi"]
     # the single run shown is still the first pair
     assert pg.shown.settings.prompt == PROMPTS[0] and pg.shown.settings.seed == 3
     # back to one run: no spread

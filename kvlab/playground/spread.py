@@ -33,7 +33,7 @@ class Spread:
     settings: Settings
     done: int
     total: int
-    stats: dict        # readout -> {"mean", "base", "d", "lo", "hi", "n"} (lo/hi NaN below 2 pairs)
+    stats: dict        # readout -> {"mean", "base", "d", "lo", "hi", "n"} (lo/hi NaN below MIN_PAIRS pairs)
 
     @property
     def complete(self) -> bool:
@@ -42,12 +42,12 @@ class Spread:
 
 def spread_stats(rows: list[tuple[dict, dict]], n_boot: int = 2000, seed: int = 0) -> dict:
     """``rows``: per finished pair, (readouts of the run, readouts of its baseline). Per readout:
-    means, the mean paired difference and its bootstrap 95 % interval (NaN with fewer than 2
-    finite pairs)."""
+    means, the mean paired difference and its bootstrap 95 % interval (NaN with fewer than
+    :data:`kvlab.experiment.MIN_PAIRS` pairs: the tables refuse such intervals too)."""
     import numpy as np
     import pandas as pd
 
-    from ..experiment import paired_bootstrap
+    from ..experiment import MIN_PAIRS, paired_bootstrap
 
     out = {}
     for m in SPREAD_READOUTS:
@@ -59,7 +59,7 @@ def spread_stats(rows: list[tuple[dict, dict]], n_boot: int = 2000, seed: int = 
         b = np.array([y for _, y in ok], dtype=float)
         st = {"mean": float(a.mean()), "base": float(b.mean()), "d": float((a - b).mean()), "lo": math.nan,
               "hi": math.nan, "n": len(ok)}
-        if len(ok) >= 2:
+        if len(ok) >= MIN_PAIRS:
             per_run = pd.DataFrame({"policy": ["run"] * len(ok) + ["base"] * len(ok),
                                     "prompt_idx": list(range(len(ok))) * 2, m: list(a) + list(b)})
             row = paired_bootstrap(per_run, "base", (m,), n_boot=n_boot, seed=seed).set_index("policy").loc["run"]

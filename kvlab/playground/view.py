@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 
 from .controller import MAX_PINS, READOUTS, LivePoint, Playground, Progress, Shown, fmt
 from .settings import EVICT_PARAMS, MC_SIGNALS, NO_EVICTION, POLICIES, POLICY_LABELS, POLICY_PARAMS, SAMPLINGS
+from ..experiment import MIN_PAIRS
 from .spread import Spread
 from .stepper import SettingsError, Stepper
 from .why import PPL_NOTE
@@ -568,7 +569,8 @@ class PlaygroundView:
             st = sp.stats.get(name)
             if st is None:
                 continue
-            ci = (f"[{fmt(st['lo'], '+' + spec)}, {fmt(st['hi'], '+' + spec)}]" if st["n"] >= 2 else "(needs 2 pairs)")
+            ci = (f"[{fmt(st['lo'], '+' + spec)}, {fmt(st['hi'], '+' + spec)}]" if st["n"] >= MIN_PAIRS
+                  else f"(CI from {MIN_PAIRS} pairs; n={st['n']})")
             rows.append(f"<tr><td>{label}</td><td style='text-align:right'><span class='kvlab-mean-{name}'>{fmt(st['mean'], spec)}</span></td>"
                         f"<td style='text-align:right;color:#777'>{fmt(st['base'], spec)}</td>"
                         f"<td style='text-align:right'><span class='kvlab-d-{name}'>{fmt(st['d'], '+' + spec)}</span> {ci}</td></tr>")
