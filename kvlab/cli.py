@@ -408,10 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("figures"))
     p.add_argument("--from-results", action="store_true",
                    help="first rebuild baselines / refresh tables from the sweep results table")
-    p.add_argument("--results", type=Path, default=None, help="results root (default $KVLAB_RESULTS or <runs>/results)")
+    p.add_argument("--runs", "--results", dest="runs", type=Path, default=None,
+                   help="run store (default $KVLAB_RUNS, else the project's runs/)")
     p.add_argument("--where", default=None, help="pandas query selecting result rows, e.g. 'max_new_tokens == 128'")
-    p.add_argument("--import-runs", action="store_true", help="import the per-run JSON store (--runs) into the results first")
-    p.add_argument("--runs", type=Path, default=None, help="per-run JSON store for --import-runs")
+    p.add_argument("--import-runs", type=Path, default=None, metavar="DIR",
+                   help="first migrate the per-run JSON files of older kvlab versions in DIR into the run store")
     p.set_defaults(fn=cmd_figures)
     from .sweep.command import add_sweep_arguments
 

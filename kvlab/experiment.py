@@ -1,11 +1,13 @@
 """Running and storing decode runs over a prompt set: the building block of every table.
 
 A *run* is one generation scored by the teacher. Its config (model fingerprints, prompt,
-decode settings, policy) keys it in the :class:`~kvlab.store.RunStore`, so a rerun of a table
-reuses finished runs and an interrupted one loses only the run in progress.
+decode settings, policy) keys it in the run store (:class:`kvlab.results.Store`, also importable as
+``kvlab.store.RunStore``), so a rerun of a table reuses finished runs, an interrupted one loses only
+the run in progress, and a sweep or the playground asking for the same run gets the same row.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -15,7 +17,7 @@ import pandas as pd
 from .decode import DecodeConfig, Sampling, run
 from .metrics import score
 from .refresh import run_costs
-from .store import RunStore
+from .results import Store as RunStore
 
 # Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
 # ``kl``: student-chosen steps only; ``kl_all``: every step (kvlab.metrics, issue 8).
@@ -46,10 +48,19 @@ class RunSpec:
 
 
 def run_config(teacher, student, prompt: str, cfg: DecodeConfig, extra: dict | None = None) -> dict:
-    """The full config that keys a stored run."""
-    return {"kind": "decode", "teacher": teacher.fingerprint if teacher is not None else None,
-            "student": student.fingerprint if student is not None else None, "prompt": prompt,
+    """The full config that keys a stored run (models as :attr:`kvlab.models.LM.fingerprint`, which
+    includes dtype and device type). ``teacher``/``student`` may also be fingerprint strings
+    (a sweep driver keys runs its workers compute)."""
+    def fp(m):
+        return m if m is None or isinstance(m, str) else m.fingerprint
+
+    return {"kind": "decode", "teacher": fp(teacher), "student": fp(student), "prompt": prompt,
             "decode": cfg.to_dict(), **(extra or {})}
+
+
+def stored_config(teacher, student, prompt: str, cfg: DecodeConfig) -> dict:
+    """The config :func:`scored_run` stores ``cfg``'s run under (it always keeps distributions)."""
+    return run_config(teacher, student, prompt, replace(cfg, keep_dists=True))
 
 
 def records_columns(records) -> dict:
@@ -81,7 +92,9 @@ def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore
         result["live"] = trace.live
         return result
 
-    return store.get_or_run(run_config(teacher, student, prompt, cfg), compute)
+    device = getattr(teacher, "device", None) or getattr(student, "device", None)
+    extra = {"engine": "inline", "worker": f"pid{os.getpid()}", "device": str(device) if device is not None else None}
+    return store.get_or_run(run_config(teacher, student, prompt, cfg), compute, extra=extra)
 
 
 def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConfig], store: RunStore,

@@ -33,7 +33,7 @@ PERIODS = [4, 8] if SMOKE else [8, 16, 32]
 TAUS = [4.0] if SMOKE else [3.0, 4.0, 5.0, 6.0]
 ENGINE = "local"                     # "local" or "ray"
 WORKERS = None                       # local: processes (None = in this process); ray: actors
-RESULTS = None                       # results root (None: $KVLAB_RESULTS or <runs>/results)
+RESULTS = None                       # run store root (None: $KVLAB_RUNS, else the project's runs/)
 
 # %%
 # %matplotlib inline
@@ -90,15 +90,14 @@ print(report)
 # version and commit, engine, host, wall time. Per-step traces are loaded on demand.
 
 # %%
-rows = results.load()
-rows = rows[rows["sweep"] == spec.name]
+rows = results.load(sweep=spec.name)            # every run tagged with this sweep, whoever computed it
 print(rows.shape, "errors:", int((rows["status"] != "ok").sum()))
-rows[["policy", "prompt_idx", "seed", "teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "total_s",
+rows[["policy", "prompt_id", "seed", "teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "total_s",
       "engine", "git_commit"]].head(12)
 
 # %%
 one = rows[(rows["refresh"] == "entropy") & (rows["status"] == "ok")].iloc[0]
-trace = results.trace(one["row_id"])
+trace = results.trace(one["run_key"])
 trace[["step", "token_id", "entropy_bits", "source", "refreshed", "teacher_tokens", "kl_steps"]].head(8)
 
 # %% [markdown]

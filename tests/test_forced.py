@@ -29,7 +29,9 @@ def test_forced_table_rows_and_store(tiny_teacher, tiny_student, tmp_path):
     table, per = forced_table(tiny_teacher, tiny_student, ["abc", "xyz q"], RunStore(tmp_path), tokens=12, split=6,
                               window=2)
     assert list(table["condition"]) == ["student", "overfill", "window", "refreshed"]
-    assert len(per) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    assert len(per) == 2 and len(RunStore(tmp_path).ok_keys()) == 2
+    rows = RunStore(tmp_path).load()
+    assert set(rows.kind) == {"forced_kl"} and len(rows) == 2        # other kinds of runs are rows of the same store
     row = table.set_index("condition")
     assert row.loc["overfill", "d_kl_vs_overfill"] == 0.0
     assert (per[["student", "overfill", "window", "refreshed"]] > 0).all().all()

@@ -50,8 +50,10 @@ def test_baselines_cli_end_to_end(tmp_path):
         assert col in timing
     assert (out / "baselines.md").is_file() and (out / "baselines.png").is_file()
     assert (out / "baselines_timing.png").is_file()
-    n_runs = len(list(runs.glob("*.json")))
-    assert n_runs == 3
+    from kvlab.results import Store
+
+    n_runs = len(Store(runs).ok_keys())
+    assert n_runs == 3 and len(Store(runs).load()) == 3
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)   # reuses stored runs
-    assert r2.returncode == 0 and len(list(runs.glob("*.json"))) == n_runs
+    assert r2.returncode == 0 and len(Store(runs).ok_keys()) == n_runs and "3 reused, 0 computed" in r2.stdout
     assert pd.read_csv(out / "baselines.csv")["teacher_ppl"].tolist() == df["teacher_ppl"].tolist()

@@ -9,7 +9,7 @@ import pytest
 
 from kvlab import provenance
 from kvlab.data import load_prompts
-from kvlab.store import RunStore, default_root, run_key
+from kvlab.store import RunStore, default_root
 
 
 def test_store_reuses_finished_runs(tmp_path):
@@ -20,43 +20,55 @@ def test_store_reuses_finished_runs(tmp_path):
     assert store.get_or_run(cfg, lambda: calls.append(1) or {"x": 4}) == {"x": 3}
     assert calls == [1] and len(store) == 1
     assert store.stats.reused == 1 and store.stats.computed == 1 and store.stats.replaced == 0
-    store.path(cfg).write_text("{torn")          # a killed write is treated as missing
+    (tmp_path / "traces" / f"{store.key(cfg)}.parquet").write_text("{torn")     # a killed write: missing
     assert store.get(cfg) is None
 
 
 def test_stored_runs_carry_code_version_commit_and_machine(tmp_path):
     store = RunStore(tmp_path)
-    p = store.put({"a": 1}, {"x": 1})
-    meta = json.loads(p.read_text())["meta"]
+    key = store.put({"a": 1}, {"x": 1})
+    meta = store.stored(key).meta
     assert meta["code_version"] == provenance.CODE_VERSION
     assert meta["git_commit"] == provenance.git_commit()
     assert meta["machine"] == provenance.machine() and meta["machine_key"] == provenance.machine_key()
+    row = store.load().iloc[0]
+    assert row.run_key == key and row.code_version == provenance.CODE_VERSION and row.status == "ok"
 
 
-@pytest.mark.parametrize("what", ["CODE_VERSION", "machine_key"])
-def test_code_version_or_machine_change_makes_runs_stale(tmp_path, monkeypatch, what):
+def test_code_version_change_makes_runs_stale(tmp_path, monkeypatch):
     store = RunStore(tmp_path)
     cfg = {"a": 1}
     store.get_or_run(cfg, lambda: {"x": "old"})
-    if what == "CODE_VERSION":
-        monkeypatch.setattr(provenance, "CODE_VERSION", provenance.CODE_VERSION + "-next")
-    else:
-        monkeypatch.setattr(provenance, "machine_key", lambda: "other-host")
+    old_key = store.key(cfg)
+    monkeypatch.setattr(provenance, "CODE_VERSION", provenance.CODE_VERSION + "-next")
+    assert store.key(cfg) != old_key                       # the code version is part of the key
     assert store.get(cfg) is None and len(store) == 0
     assert store.get_or_run(cfg, lambda: {"x": "new"}) == {"x": "new"}
     assert store.stats.computed == 2 and store.stats.replaced == 1
-    assert len(store) == 1 and len(list(store.records())) == 2   # the old file stays readable
+    assert len(store) == 1 and len(list(store.records())) == 2   # the old run stays readable
     assert [r.current for r in store.records()].count(True) == 1
     assert list(store) == [(cfg, {"x": "new"})]
 
 
-def test_old_layout_files_are_read_but_not_reused(tmp_path):
-    cfg = {"a": 1}
-    (tmp_path / f"{run_key(cfg)}.json").write_text(json.dumps({"config": cfg, "result": {"x": 0}}))
+def test_a_run_timed_on_another_machine_is_recomputed_in_place(tmp_path, monkeypatch):
     store = RunStore(tmp_path)
-    (rec,) = store.records()
-    assert rec.config == cfg and rec.result == {"x": 0} and rec.meta == {} and not rec.current
-    assert store.get(cfg) is None and store.has_stale(cfg)
+    cfg = {"a": 1}
+    store.get_or_run(cfg, lambda: {"x": "there"})
+    monkeypatch.setattr(provenance, "machine_key", lambda: "other-host")
+    assert store.get(cfg) is None and store.get(cfg, any_machine=True) == {"x": "there"}
+    assert store.get_or_run(cfg, lambda: {"x": "here"}) == {"x": "here"}
+    assert store.stats.replaced == 1 and len(store.load()) == 1 == len(store)     # one key, one row
+
+
+def test_old_json_files_are_read_never_reused(tmp_path):
+    from kvlab.store import read_json_runs
+
+    cfg = {"a": 1}
+    (tmp_path / "abc.json").write_text(json.dumps({"config": cfg, "result": {"x": 0}}))
+    (rec,) = read_json_runs(tmp_path)
+    assert rec == (cfg, {"x": 0}, {})
+    store = RunStore(tmp_path)
+    assert store.get(cfg) is None and store.import_json() == 0      # no meta: not this code version
 
 
 def test_default_store_is_the_projects_not_the_cwd(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.results import Results, load
+from kvlab.results import CodeVersionMismatch, Store, load
 from kvlab.sweep import SpecError, load_spec, parse_spec, run_sweep
 from kvlab.sweep.task import execute
 
@@ -30,7 +30,7 @@ def grid(**over) -> dict:
 
 
 def quality(df: pd.DataFrame) -> pd.DataFrame:
-    return df.sort_values("row_id").reset_index(drop=True)[["row_id", "policy", "prompt_idx", *QUALITY]]
+    return df.sort_values("run_key").reset_index(drop=True)[["run_key", "policy", "seed", *QUALITY]]
 
 
 # Rows made by different engines agree exactly on what is discrete (tokens, text, counts) and within float
@@ -62,15 +62,15 @@ def test_spec_expands_families_ranges_and_pairs_seeds():
                                                                 "speculative_k8_teacher"}
     assert len(pols) == 3 + 2 * (2 + 3 + 3) == len(set(pols))
     tasks = s.tasks()
-    assert len(tasks) == len(pols) * 2 * 2 == len({t.row_id for t in tasks})
+    assert len(tasks) == len(pols) * 2 * 2 == len({t.task_id for t in tasks})
     # paired seeds: prompt i / repeat r gets the same seed under every config, and r=0 matches RunSpec
     seeds = {(t.prompt_idx, t.repeat): set() for t in tasks}
     for t in tasks:
         seeds[(t.prompt_idx, t.repeat)].add(t.decode.sampling.seed)
     assert seeds == {(0, 0): {0}, (1, 0): {1}, (0, 1): {10000}, (1, 1): {10001}}
     # ids are stable across parses and change with what a run means
-    assert [t.row_id for t in parse_spec(grid()).tasks()] == [t.row_id for t in parse_spec(grid()).tasks()]
-    assert not {t.row_id for t in parse_spec(grid()).tasks()} & {t.row_id for t in parse_spec(grid(run={"tokens": 7})).tasks()}
+    assert [t.task_id for t in parse_spec(grid()).tasks()] == [t.task_id for t in parse_spec(grid()).tasks()]
+    assert not {t.task_id for t in parse_spec(grid()).tasks()} & {t.task_id for t in parse_spec(grid(run={"tokens": 7})).tasks()}
 
 
 @pytest.mark.parametrize("over, key", [
@@ -112,7 +112,7 @@ def test_cli_flags_build_the_same_grid():
 
     args = build_parser().parse_args(["sweep", "--modes", "teacher", "student", "overfill", "--tokens", "6",
                                       "--prompts", "2", "--models", "tiny", "--refresh", "periodic T=2,4"])
-    assert [t.row_id for t in spec_from_args(args).tasks()] == [t.row_id for t in parse_spec(grid()).tasks()]
+    assert [t.task_id for t in spec_from_args(args).tasks()] == [t.task_id for t in parse_spec(grid()).tasks()]
     args = build_parser().parse_args(["sweep", "--modes", "overfill", "--models", "tiny", "--prompts", "1",
                                       "--refresh", "entropy tau_bits=4..6:0.5"])
     assert [c.policy for c in spec_from_args(args).configs()] == [
@@ -120,23 +120,23 @@ def test_cli_flags_build_the_same_grid():
         "entropy_tau_bits6"]
 
 
-# --------------------------------------------------------------------------- results table
+# --------------------------------------------------------------------------- the store: concurrency, layout
 
 
-def _row(rid, **kw):
-    return {"row_id": rid, "status": "ok", "finished_at": kw.pop("finished_at", 1.0), **kw}
+def _fake_run(i, **extra):
+    return {"kind": "fake", "i": i, **extra}, {"v": float(i), "steps": {"token_id": [1, 2]}}
 
 
-def test_results_concurrent_writers_never_duplicate_or_corrupt(tmp_path):
-    res = Results(tmp_path)
+def test_store_concurrent_writers_never_duplicate_or_corrupt(tmp_path):
+    store = Store(tmp_path)
     errors = []
 
     def writer(w):
         try:
             for i in range(40):
-                res.write(_row(f"r{i % 25}", writer=w, finished_at=float(i)), pd.DataFrame({"step": [1, 2]}))
+                store.put(*_fake_run(i % 25), tags=[f"s{w}"], extra={"writer": w})
                 if w == 0 and i % 10 == 0:
-                    res.compact()          # compaction beside running writers
+                    store.compact()          # compaction beside running writers
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -145,29 +145,56 @@ def test_results_concurrent_writers_never_duplicate_or_corrupt(tmp_path):
     [t.join() for t in threads]
     assert not errors
     df = load(tmp_path)
-    assert sorted(df.row_id) == sorted(f"r{i}" for i in range(25))      # every row once
+    keys = sorted(store.key(_fake_run(i)[0]) for i in range(25))
+    assert sorted(df.run_key) == keys                             # every run once
+    assert all(t == ("s0", "s1", "s2") for t in df.sweeps)         # every writer's tag kept
+    assert len(load(tmp_path, sweep="s1")) == 25 and not len(load(tmp_path, sweep="nope"))
     assert not list(tmp_path.rglob("*.tmp"))
-    res.compact()
-    assert load(tmp_path, compact=False).equals(df.sort_values("finished_at", kind="stable").reset_index(drop=True)) or \
-        sorted(load(tmp_path).row_id) == sorted(df.row_id)
-    assert not list((tmp_path / "rows").glob("*.parquet"))
-    assert res.trace("r3")["step"].tolist() == [1, 2]
-    with pytest.raises(FileNotFoundError, match="row_id='nope'"):
-        res.trace("nope")
+    store.compact()
+    assert sorted(load(tmp_path, compact=False).run_key) == keys and not list((tmp_path / "rows").glob("*.parquet"))
+    assert store.trace(keys[3])["token_id"].tolist() == [1, 2]
+    assert store.get(_fake_run(3)[0]) == _fake_run(3)[1]
+    with pytest.raises(FileNotFoundError, match="run_key='nope'"):
+        store.trace("nope")
+
+
+def test_compaction_survives_columns_of_mixed_kinds(tmp_path):
+    store = Store(tmp_path)
+    store.put(*_fake_run(0, x=None, y=None))
+    store.put(*_fake_run(1, x=8, y="sum"))
+    store.put(*_fake_run(2, x=4.5, y=3))
+    store.compact()
+    df = load(tmp_path).set_index("i")
+    assert df.loc[1, "x"] == 8 and df.loc[2, "x"] == 4.5 and df.loc[1, "y"] == "sum" and df.loc[2, "y"] == "3"
+
+
+def test_old_json_runs_migrate_into_the_store(tmp_path):
+    from kvlab import provenance
+
+    old = tmp_path / "old"
+    old.mkdir()
+    cfg, res = _fake_run(7)
+    meta = provenance.stamp()
+    (old / "a.e1.json").write_text(json.dumps({"config": cfg, "result": res, "meta": meta}))
+    (old / "b.json").write_text(json.dumps({"config": _fake_run(8)[0], "result": res}))     # no meta: other code
+    (old / "c.json").write_text("{torn")
+    store = Store(tmp_path / "runs")
+    assert store.import_json(old) == 1 and store.import_json(old) == 0
+    assert store.get(cfg) == res and len(load(tmp_path / "runs")) == 1
 
 
 # --------------------------------------------------------------------------- resume and faults
 
 
-def _fail_periodic(task, pairs, store, engine, worker, calls):
-    calls.append(task.row_id)
+def _fail_periodic(task, pairs, engine, worker, calls):
+    calls.append(task.task_id)
     if task.config.policy == "periodic_T2":
         raise RuntimeError("boom in a policy")
-    return execute(task, pairs, store, engine, worker)
+    return execute(task, pairs, engine, worker)
 
 
-def _raise_inside(task, pairs, store, engine, worker, calls):
-    calls.append(task.row_id)
+def _raise_inside(task, pairs, engine, worker, calls):
+    calls.append(task.task_id)
 
     class Boom:
         def __getattr__(self, k):
@@ -175,73 +202,187 @@ def _raise_inside(task, pairs, store, engine, worker, calls):
 
     if task.config.policy == "periodic_T2":
         pairs = Boom()
-    return execute(task, pairs, store, engine, worker)
+    return execute(task, pairs, engine, worker)
 
 
 def test_task_error_is_recorded_and_retried_on_rerun(tmp_path):
     spec = parse_spec(grid())
     n = len(spec.tasks())
     calls = []
-    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False,
-                    execute_fn=functools.partial(_raise_inside, calls=calls))
+    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_raise_inside, calls=calls))
     assert rep.done == n and rep.errors == 2 and len(calls) == n
-    df = load(tmp_path / "res")
+    df = load(tmp_path)
     err = df[df.status == "error"]
     assert len(df) == n and set(err.policy) == {"periodic_T2"} and err.error.str.contains("boom in a policy").all()
+    assert all(t == ("t",) for t in df.sweeps)
     calls.clear()
-    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False,
-                    execute_fn=functools.partial(_fail_periodic, calls=calls))
+    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_fail_periodic, calls=calls))
     assert rep.skipped == n - 2 and rep.done == 2 == rep.errors == len(calls)   # only the error rows again
-    assert len(load(tmp_path / "res")) == n
-    rep = run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False)
+    assert len(load(tmp_path)) == n
+    rep = run_sweep(spec, store=tmp_path, progress=False)
     assert (rep.skipped, rep.done) == (n - 2, 2)
-    df = load(tmp_path / "res")
-    assert len(df) == n and (df.status == "ok").all() and df.row_id.is_unique
-    assert run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False).done == 0
+    df = load(tmp_path)
+    assert len(df) == n and (df.status == "ok").all() and df.run_key.is_unique
+    assert run_sweep(spec, store=tmp_path, progress=False).done == 0
 
 
-def _killed_after(task, pairs, store, engine, worker, seen, k):
+def _killed_after(task, pairs, engine, worker, seen, k):
     if len(seen) == k:
         raise KeyboardInterrupt        # the sweep is killed while this task is in flight
-    seen.append(task.row_id)
-    return execute(task, pairs, store, engine, worker)
+    seen.append(task.task_id)
+    return execute(task, pairs, engine, worker)
 
 
 def test_killed_sweep_loses_only_the_run_in_flight(tmp_path):
     spec = parse_spec(grid())
     seen = []
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(spec, results=tmp_path / "res", runs=False, progress=False,
-                  execute_fn=functools.partial(_killed_after, seen=seen, k=5))
-    assert sorted(load(tmp_path / "res").row_id) == sorted(seen)
-    rep = run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
+        run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_killed_after, seen=seen, k=5))
+    assert len(load(tmp_path)) == 5
+    rep = run_sweep(spec, store=tmp_path, progress=False)
     assert rep.skipped == 5 and rep.done == len(spec.tasks()) - 5
-    assert load(tmp_path / "res").row_id.is_unique
+    assert load(tmp_path).run_key.is_unique
 
 
-# --------------------------------------------------------------------------- the JSON store and the tables
+def _other_code(task, pairs, engine, worker):
+    out = execute(task, pairs, engine, worker)
+    if task.config.policy == "periodic_T4":
+        out["meta"] = {**out["meta"], "code_version": "1999-01-01.old"}     # a worker running other code
+    return out
 
 
-def test_rows_share_the_run_store_and_rebuild_the_tables(tmp_path):
+def test_rows_of_another_code_version_are_refused(tmp_path):
+    from kvlab.sweep.engines import LocalEngine
+
+    spec = parse_spec(grid())
+    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=_other_code)
+    assert rep.errors == 2
+    df = load(tmp_path)
+    bad = df[df.policy == "periodic_T4"]
+    assert (bad.status == "error").all() and bad.error.str.contains("refused a run computed by kvlab code version "
+                                                                      "'1999-01-01.old'").all()
+    assert not set(bad.run_key) & Store(tmp_path).ok_keys()               # nothing of it stored as a run
+
+    class StaleWorkers(LocalEngine):
+        def probe(self, models, ratio):
+            return {**super().probe(models, ratio), "code_version": "1999-01-01.old"}
+
+    calls = []
+    with pytest.raises(CodeVersionMismatch, match="1999-01-01.old"):
+        run_sweep(spec, store=tmp_path / "b", progress=False,
+                  engine_obj=StaleWorkers(functools.partial(_fail_periodic, calls=calls)))
+    assert not calls and not (tmp_path / "b").exists()                    # refused before any task ran
+
+
+# --------------------------------------------------------------------------- one store for every consumer
+
+
+def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
+    """A run made by a table, then asked for by a sweep and by the playground: computed once,
+    one row, tagged with the sweep."""
+    from kvlab.experiment import RunSpec, run_policies, stored_config
+    from kvlab.playground import Playground, Settings, decode_config
+    from kvlab.playground.settings import sampling_of
+    from kvlab.sweep.task import tiny_pair
+
+    prompt = "the quick brown fox"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    s = Settings(prompt=prompt, N=6, policy="periodic", T=2, seed=5)
+    samp = sampling_of(s)
+    teacher, student = tiny_pair(0.3)
+    store = Store(tmp_path / "runs")
+    table = run_policies(teacher, student, RunSpec(prompts=(prompt,), tokens=6, sampling=samp),
+                         {"periodic_T2": decode_config(s)}, store, progress=False)
+    assert (store.stats.computed, store.stats.reused) == (1, 0)
+    key = store.key(stored_config(teacher, student, prompt, decode_config(s)))
+    spec = parse_spec(grid(prompts={"file": str(tmp_path / "p.jsonl"), "count": 1}, run={"modes": ["overfill"],
+                           "tokens": 6, "baseline": False}, sampling={"temperature": samp.temperature,
+                           "top_p": samp.top_p, "seed": 5}, refresh={"periodic": {"T": 2}}))
+    rep = run_sweep(spec, store=store, progress=False,
+                    execute_fn=functools.partial(_fail_periodic, calls=(calls := [])))
+    assert (rep.total, rep.skipped, rep.done) == (1, 1, 0) and not calls
+    pg = Playground(teacher, students={0.3: student}, store=store, prompts=[prompt], calib_prompts=[prompt],
+                    calib_tokens=6, settings=s, background=False)
+    assert pg.key(s) == key
+    pg.start()
+    pg.wait(60)
+    assert pg.shown.key == key and pg.shown.source == "disk" and pg.shown.result["kl"] == table.kl[0]
+    rows = store.load()
+    assert (rows.run_key == key).sum() == 1
+    row = rows.set_index("run_key").loc[key]
+    assert row.sweeps == ("t",) and row.engine == "inline" and row.policy == "periodic_T2"
+    assert len(store.load(sweep="t")) == 1
+    assert store.get(stored_config(teacher, student, prompt, decode_config(s))) is not None
+
+
+def test_a_cpu_run_is_not_reused_for_a_gpu_request(tmp_path, monkeypatch):
+    import torch
+
+    from kvlab.experiment import stored_config
+    from kvlab.models import LM
+    from kvlab.sweep.runner import key_tasks, pending
+
+    spec = parse_spec(grid(run={"modes": ["overfill"]}, refresh={}))
+    run_sweep(spec, store=tmp_path, progress=False)
+    store = Store(tmp_path)
+    cpu_tasks, _ = key_tasks(spec, __import__("kvlab.sweep.engines", fromlist=["x"]).LocalEngine())
+    assert pending(cpu_tasks, store)[0] == []                        # on CPU: everything is stored
+    monkeypatch.setattr(LM, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(LM, "dtype", property(lambda self: torch.bfloat16))
+    from kvlab.sweep.engines import LocalEngine
+    from kvlab.sweep.task import PairCache
+
+    gpu_tasks, probes = key_tasks(spec, LocalEngine(pairs=PairCache()))
+    assert all("cuda" in p["device"] for p in probes.values())
+    todo, stored = pending(gpu_tasks, store)
+    assert len(todo) == len(gpu_tasks) and not stored                # a GPU request recomputes every run
+    assert not {t.run_key for t in gpu_tasks} & {t.run_key for t in cpu_tasks}
+    t = gpu_tasks[0]
+    from kvlab.sweep.task import tiny_pair
+
+    teacher, student = tiny_pair(0.3)
+    assert store.get(stored_config(teacher, student, t.prompt, t.decode)) is None
+
+
+def test_cli_end_to_end(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    base = [sys.executable, "-m", "kvlab"]
+    r = subprocess.run(base + ["sweep", "--models", "tiny", "--modes", "overfill", "--refresh", "periodic T=2",
+                               "--evict", "sliding window=4 sinks=1", "--prompts", "1", "--tokens", "6",
+                               "--runs", str(tmp_path / "runs"), "--no-progress"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "4 tasks, 0 already stored, 4 run (0 errors)" in r.stdout
+    r = subprocess.run(base + ["figures", "--from-results", "--runs", str(tmp_path / "runs"), "--out",
+                               str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "refresh_periodic.csv").is_file() and (tmp_path / "out" / "baselines.csv").is_file()
+    configs = pd.read_csv(tmp_path / "out" / "sweep_configs.csv")
+    assert set(configs.policy) == {"overfill", "periodic_T2", "sliding_window4_sinks1",      # eviction included
+                                   "periodic_T2+sliding_window4_sinks1"}
+    assert configs.set_index("policy").loc["sliding_window4_sinks1", "family"] == "sliding"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nmodes = ["overfill"]\n[refresh.periodic]\nT = 4\nZ = 1\n')
+    r = subprocess.run(base + ["sweep", str(bad), "--runs", str(tmp_path / "res2")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "refresh.periodic.Z" in r.stderr and not (tmp_path / "res2").exists()
+
+
+def test_tables_from_store_rows_match_the_tables(tmp_path):
     from kvlab.baselines import baselines
     from kvlab.experiment import RunSpec
-    from kvlab.store import RunStore
     from kvlab.sweep.tables import write_from_results
     from kvlab.sweep.task import tiny_pair
 
     spec = parse_spec(grid())
-    run_sweep(spec, results=tmp_path / "res", runs=tmp_path / "runs", progress=False)
-    rows = load(tmp_path / "res")
-    store = RunStore(tmp_path / "runs")
-    from kvlab.store import run_key
-
-    assert len(store) == len(rows) and set(rows.run_key) == {run_key(r.config) for r in store.records()}
-    # the existing table reuses the sweep's runs (same keys): nothing new is stored, same numbers
+    run_sweep(spec, store=tmp_path / "runs", progress=False)
+    store = Store(tmp_path / "runs")
+    n = len(load(tmp_path / "runs"))
     teacher, student = tiny_pair(0.3)
     run_spec = RunSpec(prompts=spec.prompts, tokens=6, sampling=spec.tasks()[0].decode.sampling)
     table, _ = baselines(teacher, student, run_spec, store, progress=False)
-    assert len(store) == len(rows)
-    paths, note = write_from_results(rows, tmp_path / "out")
+    assert store.stats.computed == 0 and len(load(tmp_path / "runs")) == n      # the table reused the sweep's runs
+    write_from_results(load(tmp_path / "runs"), tmp_path / "out")
     from_rows = pd.read_csv(tmp_path / "out" / "baselines.csv")
     assert from_rows.policy.tolist() == ["teacher", "overfill", "student"]
     pd.testing.assert_series_equal(from_rows.teacher_ppl, table.teacher_ppl.reset_index(drop=True), check_exact=False,
@@ -250,60 +391,48 @@ def test_rows_share_the_run_store_and_rebuild_the_tables(tmp_path):
     assert periodic.policy.tolist() == ["none", "periodic_T2", "periodic_T4"] and (periodic.n_prompts == 2).all()
     assert periodic.refreshes.tolist() == [0, 2, 1]                       # N=6: T=2 fires at 2, 4; T=4 at 4
     assert (tmp_path / "out" / "baselines.png").is_file()
-    # overhead is a ratio of side-by-side timings (refresh_timing), never of stored runs' times: results
-    # rows alone do not draw the quality-vs-overhead Pareto figure
-    assert not (tmp_path / "out" / "refresh_pareto.png").exists()
-    # the JSON store imports into a fresh results root as the same runs
-    fresh = Results(tmp_path / "imported")
-    assert fresh.import_store(tmp_path / "runs") == len(rows)
-    assert fresh.import_store(tmp_path / "runs") == 0
-    imp = fresh.load()
-    a = rows.set_index("run_key").sort_index()
-    b = imp.set_index("run_key").sort_index()
-    assert (a.policy == b.policy).all() and (a.teacher_ppl == b.teacher_ppl).all() and (a.kl == b.kl).all()
-    assert len(fresh.trace(imp.row_id.iloc[0])) == 6
-
-
-def test_cli_end_to_end(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    base = [sys.executable, "-m", "kvlab"]
-    r = subprocess.run(base + ["sweep", "--models", "tiny", "--modes", "overfill", "--refresh", "periodic T=2",
-                               "--prompts", "1", "--tokens", "4", "--results", str(tmp_path / "res"),
-                               "--runs", str(tmp_path / "runs"), "--no-progress"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    assert "2 tasks, 0 already stored, 2 run (0 errors)" in r.stdout
-    r = subprocess.run(base + ["figures", "--from-results", "--results", str(tmp_path / "res"), "--out",
-                               str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "out" / "refresh_periodic.csv").is_file() and (tmp_path / "out" / "baselines.csv").is_file()
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[run]\nmodes = ["overfill"]\n[refresh.periodic]\nT = 4\nZ = 1\n')
-    r = subprocess.run(base + ["sweep", str(bad), "--results", str(tmp_path / "res2")], capture_output=True, text=True,
-                       timeout=300, env=env)
-    assert r.returncode == 2 and "refresh.periodic.Z" in r.stderr and not (tmp_path / "res2").exists()
+    assert not (tmp_path / "out" / "refresh_pareto.png").exists()       # overhead needs side-by-side timing
 
 
 # --------------------------------------------------------------------------- engines
 
 
-def crash_once(task, pairs, store, engine, worker, marker):
+def crash_once(task, pairs, engine, worker, marker):
     """Kill the worker process the first time the second prompt of overfill runs."""
     if task.config.policy == "overfill" and task.prompt_idx == 1 and not os.path.exists(marker):
         Path(marker).touch()
         os._exit(17)
-    return execute(task, pairs, store, engine, worker)
+    return execute(task, pairs, engine, worker)
+
+
+def crash_always(task, pairs, engine, worker):
+    """A poisoned task: kills its worker every time it runs."""
+    if task.config.policy == "periodic_T2" and task.prompt_idx == 0:
+        os._exit(17)
+    return execute(task, pairs, engine, worker)
 
 
 def test_processes_give_the_same_rows_and_survive_a_dying_worker(tmp_path):
     spec = parse_spec(grid(run={"modes": ["overfill"]}))
-    run_sweep(spec, results=tmp_path / "local", runs=False, progress=False)
-    rep = run_sweep(spec, engine="local", workers=2, results=tmp_path / "proc", runs=False, progress=False,
+    run_sweep(spec, store=tmp_path / "local", progress=False)
+    rep = run_sweep(spec, engine="local", workers=2, store=tmp_path / "proc", progress=False,
                     execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists() and rep.errors == 0
     a, b = load(tmp_path / "local"), load(tmp_path / "proc")
-    assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"processes"}
+    assert len(b) == len(spec.tasks()) and b.run_key.is_unique and set(b.engine) == {"processes"}
     assert_same_rows(a, b)
+
+
+def test_a_task_that_always_kills_its_worker_fails_alone(tmp_path):
+    spec = parse_spec(grid(run={"modes": ["overfill"]}))
+    rep = run_sweep(spec, engine="local", workers=2, store=tmp_path, progress=False, execute_fn=crash_always)
+    n = len(spec.tasks())
+    assert (rep.done, rep.errors) == (n, 1)
+    df = load(tmp_path)
+    bad = df[df.status == "error"]
+    assert len(df) == n and len(bad) == 1 and bad.policy.iloc[0] == "periodic_T2" and bad.seed.iloc[0] == 0
+    assert "worker died 3 times running this task" in bad.error.iloc[0]
+    assert (df[df.status == "ok"].tokens == 6).all() and (df.status == "ok").sum() == n - 1
 
 
 def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
@@ -313,25 +442,25 @@ def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
     from kvlab.sweep.engines import RayAddressError, RayEngine
 
     with pytest.raises(RayAddressError, match="127.0.0.1:9"):
-        run_sweep(parse_spec(grid()), engine="ray", address="127.0.0.1:9", results=tmp_path / "x", progress=False)
+        run_sweep(parse_spec(grid()), engine="ray", address="127.0.0.1:9", store=tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
 
     spec = parse_spec(grid())
-    run_sweep(spec, results=tmp_path / "local", runs=False, progress=False)
+    run_sweep(spec, store=tmp_path / "local", progress=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    engine = RayEngine(workers=2, num_cpus=2, store_root=None,
-                       execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
+    engine = RayEngine(workers=2, num_cpus=2, execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
     try:
-        rep = run_sweep(spec, results=tmp_path / "ray", runs=False, progress=False, engine_obj=engine)
+        rep = run_sweep(spec, store=tmp_path / "ray", progress=False, engine_obj=engine)
     finally:
         engine.close()
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert not ray.is_initialized()
-    assert (tmp_path / "crashed").exists() and rep.errors == 0          # the dead actor's task was retried
+    assert (tmp_path / "crashed").exists() and rep.errors == 0    # the dead actor's task was retried
     a, b = load(tmp_path / "local"), load(tmp_path / "ray")
-    assert len(b) == len(spec.tasks()) and b.row_id.is_unique and set(b.engine) == {"ray"}
+    assert len(b) == len(spec.tasks()) and b.run_key.is_unique and set(b.engine) == {"ray"}
     assert b.worker.nunique() >= 2
     assert_same_rows(a, b)
+    assert "runtime_resources" in engine.probes[0]["kvlab_path"]     # the workers ran the shipped package
 
 
 def test_pareto_summary(tmp_path):
@@ -339,8 +468,8 @@ def test_pareto_summary(tmp_path):
 
     assert pareto_mask([0, 1, 2, 1], [3, 1, 0.5, 2]).tolist() == [True, True, True, False]
     spec = parse_spec(grid())
-    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
-    s = config_summary(load(tmp_path / "res")).set_index("policy")
+    run_sweep(spec, store=tmp_path, progress=False)
+    s = config_summary(load(tmp_path)).set_index("policy")
     assert list(s.index) == [c.policy for c in spec.configs()] and (s.n_runs == 2).all()
     assert "overhead_pct" not in s.columns       # no latency ratio across separately timed rows (issue 12)
     assert s.loc["overfill", "teacher_pct"] == 0 and s.loc["periodic_T2", "teacher_pct"] > 0 and s.loc["teacher", "teacher_tokens_per_token"] == 5 / 6
@@ -351,8 +480,9 @@ def test_pareto_summary(tmp_path):
     assert s.loc["periodic_T2", "family"] == "periodic" and s.loc["student", "family"] == "student"
 
 
-def test_eviction_families_come_from_the_registry(tmp_path):
+def test_eviction_families_come_from_the_registry_and_are_summarised(tmp_path):
     from kvlab.eviction import EVICTION_POLICIES
+    from kvlab.sweep.tables import config_summary
 
     with pytest.raises(SpecError, match="'evict.h2" ) as e:
         parse_spec(grid(evict={"h2": {"budget": 8}}))
@@ -366,19 +496,16 @@ def test_eviction_families_come_from_the_registry(tmp_path):
     assert pols == ["student", "student+sliding_window6_sinks2", "student+sliding_window8_sinks2", "overfill",
                     "sliding_window6_sinks2", "sliding_window8_sinks2", "periodic_T4", "periodic_T4+sliding_window6_sinks2",
                     "periodic_T4+sliding_window8_sinks2"]
-    run_sweep(spec, results=tmp_path / "res", runs=False, progress=False)
-    df = load(tmp_path / "res").set_index(["policy", "prompt_idx"]).sort_index()
-    assert (df.status == "ok").all()
+    run_sweep(spec, store=tmp_path, progress=False)
+    rows = load(tmp_path)
+    df = rows.assign(prompt_idx=rows.prompt.map({p: i for i, p in enumerate(spec.prompts)}))
+    df = df.set_index(["policy", "prompt_idx"]).sort_index()
+    assert (df.status == "ok").all() and set(df.index.get_level_values(0)) == set(pols)
     assert df.loc[("student+sliding_window6_sinks2", 0), "evict_window"] == 6
     full, cut = df.loc[("student", 0)], df.loc[("student+sliding_window6_sinks2", 0)]
     assert cut.cache_len_max < full.cache_len_max and cut.evicted > 0 == full.evicted
-
-
-def test_compaction_survives_columns_of_mixed_kinds(tmp_path):
-    res = Results(tmp_path)
-    res.write(_row("a", x=None, y=None))
-    res.write(_row("b", x=8, y="sum", finished_at=2.0))
-    res.write(_row("c", x=4.5, y=3, finished_at=3.0))
-    res.compact()
-    df = load(tmp_path).set_index("row_id")
-    assert df.loc["b", "x"] == 8 and df.loc["c", "x"] == 4.5 and df.loc["b", "y"] == "sum" and df.loc["c", "y"] == "3"
+    s = config_summary(rows).set_index("policy")
+    assert set(s.index) == set(pols) and (s.n_runs == 2).all()                     # every family summarised
+    assert s.loc["periodic_T4+sliding_window6_sinks2", "family"] == "periodic+sliding"
+    assert s.loc["sliding_window6_sinks2", "family"] == "sliding" and s.loc["sliding_window6_sinks2", "evicted"] > 0
+    assert s.loc["sliding_window6_sinks2", "cache_len_max"] < s.loc["overfill", "cache_len_max"]

@@ -44,10 +44,10 @@ def _measure(engine, spec, warm, root: Path) -> dict:
     from .runner import run_sweep
 
     t0 = time.perf_counter()
-    run_sweep(warm, results=Results(root / "warm"), runs=False, progress=False, engine_obj=engine)
+    run_sweep(warm, store=Results(root / "warm"), progress=False, engine_obj=engine)
     startup = time.perf_counter() - t0
-    res = Results(root / "timed")
-    rep = run_sweep(spec, results=res, runs=False, progress=False, engine_obj=engine)
+    res = Results(root / "timed")       # a fresh store: every run computed
+    rep = run_sweep(spec, store=res, progress=False, engine_obj=engine)
     rows = res.load(compact=False)
     if rep.errors:
         raise RuntimeError(f"bench sweep: {rep.errors} tasks failed on {engine.name}: {rep.error_messages[:2]}")
@@ -67,15 +67,15 @@ def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: st
     out = {}
     with tempfile.TemporaryDirectory(prefix="kvlab-bench-sweep-") as tmp:
         tmp = Path(tmp)
-        eng = LocalEngine(None, pairs=PairCache())      # a fresh cache: model loading counts as startup
+        eng = LocalEngine(pairs=PairCache())      # a fresh cache: model loading counts as startup
         out["local"] = _measure(eng, spec, warm, tmp / "local") | {"workers": 1}
-        eng = ProcessEngine(workers, None, threads=1)
+        eng = ProcessEngine(workers, threads=1)
         try:
             out[f"processes x{workers}"] = _measure(eng, spec, warm, tmp / "proc") | {"workers": workers}
         finally:
             eng.close()
         t0 = time.perf_counter()
-        eng = RayEngine(workers, None, None, num_cpus=workers)
+        eng = RayEngine(workers, None, num_cpus=workers)
         init_s = time.perf_counter() - t0
         try:
             m = _measure(eng, spec, warm, tmp / "ray")
@@ -103,7 +103,7 @@ def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: st
     table = pd.DataFrame(lines)
 
     def quality(rows):
-        return rows.sort_values("row_id").reset_index(drop=True)[["row_id"] + [c for c in QUALITY if c in rows]]
+        return rows.sort_values("run_key").reset_index(drop=True)[["run_key"] + [c for c in QUALITY if c in rows]]
 
     q = [quality(m["rows"]) for m in out.values()]
     diffs = []

@@ -38,9 +38,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--workers", type=int, default=None,
                    help="local: processes (default 1 = in-process); ray: actors (default: one per CPU, or per GPU)")
     e.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray instance)")
-    e.add_argument("--results", type=Path, default=None, help="results root (default $KVLAB_RESULTS or <runs>/results)")
-    e.add_argument("--runs", type=Path, default=None, help="per-run JSON store (default $KVLAB_RUNS or ./runs)")
-    e.add_argument("--no-store", action="store_true", help="do not go through the per-run JSON store")
+    e.add_argument("--runs", "--results", dest="runs", type=Path, default=None,
+                   help="run store (default $KVLAB_RUNS, else the project's runs/)")
+    e.add_argument("--worker-memory", type=float, default=None, metavar="GiB",
+                   help="ray: memory each actor (a teacher+student pair) reserves (default: measured pair size x2 + 1 GiB)")
     e.add_argument("--no-retry-errors", action="store_true", help="keep error rows instead of rerunning them")
     e.add_argument("--dry-run", action="store_true", help="validate, print the grid and what is left to run; run nothing")
     e.add_argument("--no-progress", action="store_true")
@@ -92,34 +93,40 @@ def spec_from_args(args):
 
 
 def cmd_sweep(args):
-    from ..results import Results
-    from .runner import pending, run_sweep
+    from ..results import Store
+    from .engines import LocalEngine
+    from .runner import key_tasks, pending, run_sweep
 
     spec = spec_from_args(args)               # every check before any model loads
-    results = Results(args.results)
-    runs = False if args.no_store else args.runs
+    store = Store(args.runs)
     if args.dry_run:
-        todo, skipped = pending(spec, results, not args.no_retry_errors)
         configs = spec.configs()
+        tasks, _ = key_tasks(spec, LocalEngine())     # fingerprints of this machine's device
+        todo, stored = pending(tasks, store, not args.no_retry_errors)
         print(f"sweep {spec.name!r}: {len(configs)} configs x {len(spec.prompts)} prompts x {spec.repeats} repeats "
-              f"= {len(todo) + skipped} tasks; {skipped} stored, {len(todo)} to run -> {results.root}")
+              f"= {len(tasks)} tasks; {len(stored)} stored (keyed for this machine's device), {len(todo)} to run "
+              f"-> {store.root}")
         for c in configs:
             print(f"  {c.mode:9s} N={c.tokens:<5d} ratio={c.student_ratio} T={c.temperature} {c.policy}")
         return spec
+    kw = {}
+    if args.worker_memory is not None:
+        if args.engine != "ray" or not args.worker_memory > 0:
+            raise ValueError(f"--worker-memory={args.worker_memory} needs --engine ray and a positive number of GiB")
+        kw["memory_per_worker"] = int(args.worker_memory * (1 << 30))
     try:
-        report = run_sweep(spec, engine=args.engine, workers=args.workers, address=args.address, results=results,
-                           runs=runs, progress=not args.no_progress, retry_errors=not args.no_retry_errors)
+        report = run_sweep(spec, engine=args.engine, workers=args.workers, address=args.address, store=store,
+                           progress=not args.no_progress, retry_errors=not args.no_retry_errors, **kw)
     except ConnectionError as e:
         raise ValueError(str(e)) from None
     except KeyboardInterrupt:
-        print(f"\ninterrupted; finished rows are stored in {results.root} — rerun the same command to resume",
+        print(f"\ninterrupted; finished runs are stored in {store.root} — rerun the same command to resume",
               file=sys.stderr)
         raise SystemExit(130)
     print(report)
     for m in report.error_messages[:10]:
         print(f"  error: {m}", file=sys.stderr)
-    df = results.load(compact=False)
-    mine = df[df["row_id"].isin({t.row_id for t in spec.tasks()})] if len(df) else df
+    mine = store.load(sweep=spec.name, compact=False)
     ok = mine[mine["status"] == "ok"] if len(mine) else mine
     if len(ok):
         cols = [c for c in ("teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "total_s") if c in ok]
@@ -128,14 +135,14 @@ def cmd_sweep(args):
 
 
 def cmd_figures_from_results(args):
-    from ..results import Results
+    from ..results import Store
     from .tables import write_from_results
 
-    res = Results(args.results)
-    if args.import_runs:
-        print(f"imported {res.import_store(args.runs)} runs from the JSON run store")
-    paths, note = write_from_results(res.load(), args.out, where=args.where)
-    print(f"tables from results ({note}):")
+    store = Store(args.runs)
+    if args.import_runs is not None:
+        print(f"migrated {store.import_json(args.import_runs)} runs from the JSON files in {args.import_runs}")
+    paths, note = write_from_results(store.load(), args.out, where=args.where)
+    print(f"tables from the run store {store.root} ({note}):")
     for p in paths:
         print(p)
     return paths

@@ -1,8 +1,12 @@
 """Where tasks run: in this process, in worker processes, or on Ray actors.
 
-Every engine takes the same tasks and hands each finished ``(row, trace)`` back to the driver
-(``on_result``), which alone writes the results table. Models are loaded once per process
-(in-process: once per Python session; processes: once per worker; Ray: once per actor).
+Every engine has the same three calls: :meth:`probe` (load a pair in a worker, report its
+fingerprints, code version and size — what the driver keys runs with), :meth:`run` (run tasks, hand
+each ``(task, outcome)`` back to the driver, which alone writes the run store) and :meth:`close`.
+Models are loaded once per process (in-process: once per Python session; processes: once per
+worker; Ray: once per actor). A worker that dies is charged to the task it was running, and only to
+it: the task is retried on a fresh worker up to ``max_retries`` times, then recorded as failed,
+while every other task goes on.
 """
 from __future__ import annotations
 
@@ -12,20 +16,11 @@ import time
 from typing import Callable, Iterable
 
 from .spec import Task
-from .task import PairCache, execute, open_store
+from .task import PairCache, execute, failed, probe
 
 PROCESS_PAIRS = PairCache()          # the driver process's pairs (local engine), reused across sweeps
 
-OnResult = Callable[[dict, object], None]
-
-
-def error_row(task: Task, engine: str, msg: str) -> dict:
-    """The row recorded for a task whose worker died more often than it may be retried."""
-    from .task import _provenance
-
-    now = time.time()
-    return {**task.columns(), **_provenance(), "engine": engine, "worker": "", "status": "error",
-            "error": msg, "wall_s": float("nan"), "started_at": now, "finished_at": now}
+OnOutcome = Callable[[Task, dict], None]
 
 
 class LocalEngine:
@@ -33,18 +28,20 @@ class LocalEngine:
 
     name = "local"
 
-    def __init__(self, store_root=None, execute_fn=execute, pairs: PairCache | None = None):
-        self.store_root, self.execute_fn = store_root, execute_fn
+    def __init__(self, execute_fn=execute, pairs: PairCache | None = None):
+        self.execute_fn = execute_fn
         self.pairs = pairs if pairs is not None else PROCESS_PAIRS
 
-    def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
-        store = open_store(self.store_root)
+    def probe(self, models, ratio) -> dict:
+        return probe(models, ratio, self.pairs)
+
+    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
         for t in tasks:
             try:
-                row, trace = self.execute_fn(t, self.pairs, store, self.name, f"pid{os.getpid()}")
+                out = self.execute_fn(t, self.pairs, self.name, f"pid{os.getpid()}")
             except Exception as e:  # noqa: BLE001 - execute() records its own errors; this guards wrappers
-                row, trace = error_row(t, self.name, f"{type(e).__name__}: {e}"), None
-            on_result(row, trace)
+                out = failed(t, self.name, f"{type(e).__name__}: {e}")
+            on_outcome(t, out)
 
     def close(self) -> None:
         pass
@@ -52,75 +49,133 @@ class LocalEngine:
 
 # --------------------------------------------------------------------------- processes
 
-_WORKER: dict = {}
 
-
-def _init_worker(store_root, threads: int, execute_fn) -> None:
+def _worker_main(conn, threads: int, execute_fn) -> None:
+    """A worker process: answer ("probe", (models, ratio)) and ("run", task) messages until None."""
     import torch
 
     torch.set_num_threads(threads)
-    _WORKER.update(pairs=PairCache(), store=open_store(store_root), fn=execute_fn)
+    pairs = PairCache()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        kind, payload = msg
+        try:
+            if kind == "probe":
+                reply = probe(*payload, pairs)
+            else:
+                reply = execute_fn(payload, pairs, "processes", f"pid{os.getpid()}")
+        except Exception as e:  # noqa: BLE001 - reported to the driver, the worker lives on
+            reply = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        conn.send(reply)
 
 
-def _run_in_worker(task: Task):
-    return _WORKER["fn"](task, _WORKER["pairs"], _WORKER["store"], "processes", f"pid{os.getpid()}")
+class _Proc:
+    def __init__(self, ctx, threads, execute_fn):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, threads, execute_fn), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: Task | None = None
+
+    def stop(self, wait: float = 5.0) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(wait)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
 
 
 class ProcessEngine:
-    """Tasks over ``workers`` spawned processes (each loads its models once). A worker that dies
-    takes the pool down; unfinished tasks are resubmitted to a fresh pool up to ``max_retries``
-    times, then recorded as error rows."""
+    """Tasks over ``workers`` spawned processes, one task at a time each (each loads its models
+    once). A worker that dies is replaced; only the task it was running is charged a retry."""
 
     name = "processes"
 
-    def __init__(self, workers: int, store_root=None, execute_fn=execute, max_retries: int = 2,
-                 threads: int | None = None):
-        if not isinstance(workers, int) or workers < 1:
+    def __init__(self, workers: int, execute_fn=execute, max_retries: int = 2, threads: int | None = None):
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive int")
-        self.workers, self.store_root, self.execute_fn, self.max_retries = workers, store_root, execute_fn, max_retries
+        self.workers, self.execute_fn, self.max_retries = workers, execute_fn, max_retries
         self.threads = threads or max(1, (os.cpu_count() or 1) // workers)
+        self._procs: list[_Proc] = []
 
-    _pool = None
-
-    def _get_pool(self):
+    def _spawn(self) -> _Proc:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
 
-        if self._pool is None:      # kept across run() calls: workers keep their models
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                             initargs=(self.store_root, self.threads, self.execute_fn))
-        return self._pool
+        return _Proc(mp.get_context("spawn"), self.threads, self.execute_fn)
 
-    def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
-        from concurrent.futures import as_completed
-        from concurrent.futures.process import BrokenProcessPool
+    def _pool(self) -> list[_Proc]:
+        while len(self._procs) < self.workers:      # kept across run() calls: workers keep their models
+            self._procs.append(self._spawn())
+        return self._procs
 
-        todo = list(tasks)
-        tries = {t.row_id: 0 for t in todo}
-        while todo:
-            failed = []
-            pool = self._get_pool()
-            futs = {pool.submit(_run_in_worker, t): t for t in todo}
-            for f in as_completed(futs):
-                t = futs[f]
-                try:
-                    row, trace = f.result()
-                except BrokenProcessPool as e:
-                    tries[t.row_id] += 1
-                    if tries[t.row_id] > self.max_retries:
-                        on_result(error_row(t, self.name, f"worker died {tries[t.row_id]} times: {e}"), None)
-                    else:
-                        failed.append(t)
+    def probe(self, models, ratio) -> dict:
+        w = self._pool()[0]
+        w.conn.send(("probe", (models, ratio)))
+        try:
+            reply = w.conn.recv()
+        except (EOFError, OSError):
+            self._replace(w)
+            raise RuntimeError(f"a worker process died while loading the models {models} (ratio {ratio})") from None
+        if reply.get("status") == "error":
+            raise RuntimeError(f"loading the models {models} (ratio {ratio}) failed in a worker: {reply['error']}")
+        return reply
+
+    def _replace(self, w: _Proc) -> None:
+        w.proc.join(1)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join()
+        w.conn.close()
+        self._procs[self._procs.index(w)] = self._spawn()
+
+    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
+        from multiprocessing.connection import wait
+
+        queue = list(tasks)[::-1]
+        tries = {t.task_id: 0 for t in queue}
+        while queue or any(w.task is not None for w in self._procs):
+            for w in self._pool():
+                if w.task is None and queue:
+                    w.task = queue.pop()
+                    w.conn.send(("run", w.task))
+            busy = [w for w in self._procs if w.task is not None]
+            ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy]))
+            for w in busy:
+                if w.conn not in ready and w.proc.sentinel not in ready:
                     continue
-                on_result(row, trace)
-            if failed:                   # the pool is broken: a fresh one for the retries
-                self.close()
-            todo = failed
+                t, w.task = w.task, None
+                try:
+                    out = w.conn.recv() if w.conn.poll() else None
+                except (EOFError, OSError):
+                    out = None
+                if out is not None:
+                    if "task_id" not in out:         # the wrapper around execute raised
+                        out = failed(t, self.name, out.get("error", "worker error"))
+                    on_outcome(t, out)
+                    continue
+                w.proc.join(1)
+                code = w.proc.exitcode
+                self._replace(w)                 # it died running t: charge t alone
+                tries[t.task_id] += 1
+                if tries[t.task_id] > self.max_retries:
+                    on_outcome(t, failed(t, self.name, f"worker died {tries[t.task_id]} times running this task "
+                                                       f"(exit code {code})"))
+                else:
+                    queue.append(t)             # retried next, on a fresh worker
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for w in self._procs:
+            w.stop()
+        self._procs = []
 
 
 # --------------------------------------------------------------------------- Ray
@@ -146,20 +201,35 @@ def check_address(address: str, timeout: float = 5.0) -> None:
                               "`ray start --head`, or drop --address to start a local Ray instance") from None
 
 
+def runtime_env() -> dict:
+    """What Ray ships to every node: this kvlab package (so nodes need not have it installed, and
+    run exactly the driver's code). Its dependencies must be on the nodes (see the README)."""
+    from ..provenance import PACKAGE_DIR
+
+    return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"],
+            "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+
+
+def _probe_remote(models, ratio):
+    import kvlab
+
+    return {**probe(models, ratio, PairCache()), "kvlab_path": os.path.dirname(kvlab.__file__)}
+
+
 class _Actor:
     """A Ray actor holding its models: one per worker."""
 
-    def __init__(self, store_root, execute_fn):
+    def __init__(self, execute_fn):
         import ray
 
-        self.pairs, self.store, self.fn = PairCache(), open_store(store_root), execute_fn
+        self.pairs, self.fn = PairCache(), execute_fn
         try:
             self.worker = f"actor{ray.get_runtime_context().get_actor_id()[:8]}"
         except Exception:  # noqa: BLE001
             self.worker = f"pid{os.getpid()}"
 
     def run(self, task: Task):
-        return self.fn(task, self.pairs, self.store, "ray", self.worker)
+        return self.fn(task, self.pairs, "ray", self.worker)
 
     def ping(self) -> int:
         return os.getpid()
@@ -180,26 +250,44 @@ def _init_local(ray, num_cpus, kw, attempts: int = 3) -> None:
             time.sleep(2)
 
 
+GiB = 1 << 30
+
+
+def actor_memory(pair_bytes: int) -> int:
+    """Memory an actor holding a pair reserves: its weights twice (load + conversion peaks, KV cache,
+    activations) plus 1 GiB for the Python/torch process itself."""
+    return int(2 * pair_bytes + GiB)
+
+
 class RayEngine:
-    """Tasks on Ray actors (models loaded once per actor). ``address=None`` starts a local Ray
-    instance (``num_cpus``) and shuts it down on :meth:`close`; an address joins an existing
-    cluster. Actors get ``num_gpus`` when the cluster has GPUs; a dying actor is restarted and
-    its task retried (``max_retries``); the row id makes a retried task's row the same row."""
+    """Tasks on Ray actors, one task in flight per actor, models loaded once per actor.
+
+    ``address=None`` starts a local Ray instance (``num_cpus``) and shuts it down on :meth:`close`;
+    an address joins a running cluster. Either way the kvlab package is shipped to the workers
+    (:func:`runtime_env`). Each actor reserves ``cpus_per_worker`` CPUs, a GPU when the cluster
+    has GPUs, and ``memory_per_worker`` bytes (default :func:`actor_memory` of the pair the
+    :meth:`probe` loaded), so the number of actors (default: as many as the cluster's CPUs, GPUs
+    and memory allow) follows what a teacher+student pair needs. Any Ray failure of a task (its
+    actor died, its node died, out of memory, an object lost …) is charged to that task alone: it is
+    retried on a fresh actor up to ``max_retries`` times, then recorded as failed."""
 
     name = "ray"
 
-    def __init__(self, workers: int | None = None, address: str | None = None, store_root=None,
-                 execute_fn=execute, num_cpus: int | None = None, gpus_per_worker: float | None = None,
-                 max_retries: int = 2, in_flight: int = 2):
+    def __init__(self, workers: int | None = None, address: str | None = None, execute_fn=execute,
+                 num_cpus: int | None = None, gpus_per_worker: float | None = None, cpus_per_worker: float = 1,
+                 memory_per_worker: int | None = None, max_retries: int = 2):
         try:
             import ray
         except ImportError as e:
             raise ModuleNotFoundError("--engine ray needs the 'ray' package: pip install ray") from e
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers={workers!r} must be a positive int")
         if address:
             check_address(address)
         self._own = False
         if not ray.is_initialized():
-            kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            kw = dict(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                      runtime_env=runtime_env())
             if address:
                 try:
                     ray.init(address=address, **kw)
@@ -210,62 +298,94 @@ class RayEngine:
                                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
             else:
                 _init_local(ray, num_cpus, kw)
-                self._own = True
+            self._own = True
         self.ray = ray
         res = ray.cluster_resources()
-        gpus = float(res.get("GPU", 0))
-        self.gpus_per_worker = gpus_per_worker if gpus_per_worker is not None else (1.0 if gpus >= 1 else 0.0)
-        if workers is None:
-            workers = int(gpus // self.gpus_per_worker) if self.gpus_per_worker else int(res.get("CPU", 1))
-        if workers < 1:
-            raise ValueError(f"workers={workers!r}: the Ray cluster has too few resources ({res})")
-        self.workers, self.store_root, self.execute_fn = workers, store_root, execute_fn
-        self.max_retries, self.in_flight = max_retries, in_flight
+        self.gpus_per_worker = gpus_per_worker if gpus_per_worker is not None else (
+            1.0 if float(res.get("GPU", 0)) >= 1 else 0.0)
+        self.cpus_per_worker, self.memory_per_worker = cpus_per_worker, memory_per_worker
+        self.workers, self.execute_fn, self.max_retries = workers, execute_fn, max_retries
+        self._pair_bytes = 0
         self._actors = None
+        self.probes: list[dict] = []
 
-    def _start(self):
+    def probe(self, models, ratio) -> dict:
+        """Load the pair once in a Ray task with an actor's CPUs/GPUs (so on the kind of node the
+        actors get): its fingerprints, the workers' code version, and its size for the reservation."""
+        fn = self.ray.remote(_probe_remote).options(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
+                                                     max_retries=self.max_retries)
+        try:
+            out = self.ray.get(fn.remote(models, ratio))
+        except Exception as e:  # noqa: BLE001 - any Ray failure: say which models
+            raise RuntimeError(f"loading the models {models} (ratio {ratio}) on the Ray cluster failed: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        self._pair_bytes = max(self._pair_bytes, int(out["pair_bytes"]))
+        self.probes.append(out)
+        return out
+
+    def _actor_options(self) -> dict:
+        mem = self.memory_per_worker if self.memory_per_worker is not None else actor_memory(self._pair_bytes)
+        return dict(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, memory=int(mem),
+                    max_restarts=0, max_task_retries=0)
+
+    def _fits(self) -> int:
+        """Actors the cluster's resources allow."""
+        res, opt = self.ray.cluster_resources(), self._actor_options()
+        n = [int(res.get("CPU", 0) // opt["num_cpus"])] if opt["num_cpus"] else []
+        if opt["num_gpus"]:
+            n.append(int(res.get("GPU", 0) // opt["num_gpus"]))
+        if opt["memory"] and "memory" in res:
+            n.append(int(res["memory"] // opt["memory"]))
+        return min(n) if n else 1
+
+    def _new_actor(self):
+        return self.ray.remote(_Actor).options(**self._actor_options()).remote(self.execute_fn)
+
+    def _start(self) -> list:
         if self._actors is None:
-            cls = self.ray.remote(_Actor).options(num_cpus=1, num_gpus=self.gpus_per_worker,
-                                                  max_restarts=self.max_retries, max_task_retries=self.max_retries)
-            self._actors = [cls.remote(str(self.store_root) if self.store_root else None, self.execute_fn)
-                            for _ in range(self.workers)]
+            fits = self._fits()
+            n = self.workers if self.workers is not None else fits
+            if n < 1 or fits < 1:
+                raise ValueError(f"the Ray cluster cannot hold one worker: each reserves {self._actor_options()} "
+                                 f"and the cluster has {self.ray.cluster_resources()}; pass memory_per_worker / "
+                                 "--worker-memory or add nodes")
+            self._actors = [self._new_actor() for _ in range(n)]
         return self._actors
 
-    def run(self, tasks: Iterable[Task], on_result: OnResult) -> None:
+    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
         ray = self.ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError
 
-        actors = list(self._start())
+        actors = self._start()
         queue = list(tasks)[::-1]
-        inflight: dict = {}                       # ObjectRef -> (task, actor)
-        load = {id(a): 0 for a in actors}
-
-        def submit():
-            for a in sorted(actors, key=lambda a: load[id(a)]):
-                while queue and load[id(a)] < self.in_flight:
-                    t = queue.pop()
-                    inflight[a.run.remote(t)] = (t, a)
-                    load[id(a)] += 1
-
-        submit()
-        while inflight:
+        tries = {t.task_id: 0 for t in queue}
+        idle = list(range(len(actors)))
+        inflight: dict = {}                       # ObjectRef -> (task, actor index)
+        while queue or inflight:
+            while idle and queue:
+                i, t = idle.pop(), queue.pop()
+                inflight[actors[i].run.remote(t)] = (t, i)
             done, _ = ray.wait(list(inflight), num_returns=1)
-            ref = done[0]
-            t, a = inflight.pop(ref)
-            load[id(a)] -= 1
+            t, i = inflight.pop(done[0])
             try:
-                on_result(*ray.get(ref))
-            except (RayActorError, RayTaskError) as e:
-                # restarts and retries are used up: record it, drop a dead actor, go on
-                on_result(error_row(t, self.name, f"worker failed after {self.max_retries} retries: "
-                                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"), None)
-                if isinstance(e, RayActorError):
-                    actors.remove(a)
-                    if not actors:
-                        for t2 in queue[::-1]:
-                            on_result(error_row(t2, self.name, "no Ray worker left"), None)
-                        queue.clear()
-            submit()
+                out = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 - every Ray failure type (RayError and its kin) is per task
+                if isinstance(e, RayActorError) or not isinstance(e, ray.exceptions.RayTaskError):
+                    try:
+                        ray.kill(actors[i])
+                    except Exception:  # noqa: BLE001
+                        pass
+                    actors[i] = self._new_actor()     # the task's actor (or its node) is gone: a fresh one
+                tries[t.task_id] += 1
+                if tries[t.task_id] > self.max_retries:
+                    on_outcome(t, failed(t, self.name, f"failed {tries[t.task_id]} times on Ray: "
+                                                       f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+                else:
+                    queue.append(t)
+                idle.append(i)
+                continue
+            idle.append(i)
+            on_outcome(t, out)
 
     def close(self) -> None:
         if self._actors:
@@ -279,15 +399,15 @@ class RayEngine:
             self.ray.shutdown()
 
 
-def make_engine(engine: str = "local", workers: int | None = None, address: str | None = None, store_root=None,
+def make_engine(engine: str = "local", workers: int | None = None, address: str | None = None,
                 execute_fn=execute, **kw):
     """``local`` (``workers == 1``: in-process; more: processes) or ``ray``."""
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers={workers!r} must be a positive int")
     if engine == "local":
         if workers is None or workers == 1:
-            return LocalEngine(store_root, execute_fn)
-        return ProcessEngine(workers, store_root, execute_fn, **kw)
+            return LocalEngine(execute_fn)
+        return ProcessEngine(workers, execute_fn, **kw)
     if engine == "ray":
-        return RayEngine(workers, address, store_root, execute_fn, **kw)
+        return RayEngine(workers, address, execute_fn, **kw)
     raise ValueError(f"--engine={engine!r} must be 'local' or 'ray'")

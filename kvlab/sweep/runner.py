@@ -1,10 +1,11 @@
-"""Run a grid: skip finished rows, run the rest on an engine, write each row as it finishes."""
+"""Run a grid: key every task, skip what the run store holds, run the rest on an engine, store
+each outcome as it arrives (this process alone writes the store)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..results import Results
+from ..results import CodeVersionMismatch, Store
 from .engines import make_engine
 from .spec import GridSpec, Task
 from .task import execute
@@ -15,8 +16,8 @@ class SweepReport:
     name: str
     engine: str
     total: int                 # tasks in the grid
-    skipped: int               # already stored (status ok)
-    done: int = 0              # written in this call
+    skipped: int               # already stored (finished runs, from any sweep, table or the playground)
+    done: int = 0              # stored in this call
     errors: int = 0            # of which error rows
     wall_s: float = 0.0
     results_root: str = ""
@@ -31,53 +32,102 @@ class SweepReport:
                 f"{self.done} run ({self.errors} errors) in {self.wall_s:.1f} s -> {self.results_root}")
 
 
-def pending(spec: GridSpec, results: Results, retry_errors: bool = True) -> tuple[list[Task], int]:
-    """(tasks still to run, how many are already stored)."""
-    tasks = spec.tasks()
-    have = results.row_ids(status="ok" if retry_errors else None)
-    todo = [t for t in tasks if t.row_id not in have]
-    return todo, len(tasks) - len(todo)
+def _store(store) -> Store:
+    return store if isinstance(store, Store) else Store(store)
+
+
+def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
+    """Every task of ``spec`` with its ``run_key``, from fingerprints the engine's workers report
+    (:meth:`probe`, one per model group). Raises :class:`CodeVersionMismatch` if a worker runs
+    another code version than this driver (before any task runs). Returns (tasks, probes)."""
+    from ..experiment import stored_config
+    from ..provenance import CODE_VERSION
+    from ..results import run_key
+
+    probes = {}
+    out = []
+    for t in spec.tasks():
+        g = (t.models, t.config.student_ratio)
+        if g not in probes:
+            probes[g] = engine.probe(*g)
+            if probes[g]["code_version"] != CODE_VERSION:
+                raise CodeVersionMismatch(
+                    f"the {getattr(engine, 'name', 'sweep')} workers run kvlab code version "
+                    f"{probes[g]['code_version']!r}, this driver {CODE_VERSION!r}: their rows would be refused; "
+                    "run the same kvlab on both (the Ray engine ships the driver's code with a runtime_env)")
+        p = probes[g]
+        out.append(replace(t, run_key=run_key(stored_config(p["teacher"], p["student"], t.prompt, t.decode))))
+    return out, probes
+
+
+def pending(tasks: list[Task], store: Store, retry_errors: bool = True) -> tuple[list[Task], list[Task]]:
+    """(tasks still to run, tasks whose run is stored): a finished run counts wherever it was
+    computed; an error row counts only with ``retry_errors=False``."""
+    have = store.ok_keys()
+    if not retry_errors:
+        rows = store.load(compact=False)
+        if len(rows):
+            have |= set(rows.loc[rows["status"] == "error", "run_key"])
+    todo = [t for t in tasks if t.run_key not in have]
+    return todo, [t for t in tasks if t.run_key in have]
 
 
 def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = None, address: str | None = None,
-              results=None, runs=None, progress: bool = True, retry_errors: bool = True,
+              store=None, results=None, progress: bool = True, retry_errors: bool = True,
               execute_fn=execute, engine_obj=None, **engine_kw) -> SweepReport:
-    """Run every (config, prompt, repeat) of ``spec`` that ``results`` lacks.
+    """Run every (config, prompt, repeat) of ``spec`` whose run the store lacks.
 
-    ``runs`` is the per-run JSON store the runs go through (default: ``$KVLAB_RUNS`` or ``runs/``;
-    ``False`` = none). Rows are written by this process as tasks finish, so a killed sweep loses
-    only the tasks in flight and a rerun skips what is stored. Error rows (a task that raised) are
-    rerun next time unless ``retry_errors=False``."""
+    ``store`` (or its older name ``results``): the run store or its root (default ``$KVLAB_RUNS`` or
+    ``runs/``). Runs already stored — by this sweep, another sweep, a table or the playground — are
+    not rerun, only tagged with this sweep's name. Outcomes are stored by this process as tasks
+    finish, so a killed sweep loses only the tasks in flight and a rerun skips what is stored.
+    Error rows are rerun next time unless ``retry_errors=False``."""
     from tqdm.auto import tqdm
 
-    from ..store import default_root as runs_root
+    from ..experiment import stored_config
+    from ..runrows import config_columns
 
-    res = results if isinstance(results, Results) else Results(results)
-    store_root = None if runs is False else (runs if runs is not None else runs_root())
-    todo, skipped = pending(spec, res, retry_errors)
-    eng = engine_obj if engine_obj is not None else (
-        make_engine(engine, workers, address, store_root, execute_fn, **engine_kw) if todo else None)
-    report = SweepReport(spec.name, getattr(eng, "name", engine), skipped + len(todo), skipped,
-                         results_root=str(res.root))
-    if not todo:
-        return report
-    bar = tqdm(total=len(todo), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
-
-    def on_result(row, trace):
-        res.write(row, trace)
-        report.done += 1
-        if row.get("status") != "ok":
-            report.errors += 1
-            report.error_messages.append(f"{row.get('policy')} prompt {row.get('prompt_idx')}: {row.get('error')}")
-        bar.update(1)
-        bar.set_postfix(errors=report.errors, refresh=False)
-
-    t0 = time.perf_counter()
+    st = _store(store if store is not None else results)
+    eng = engine_obj if engine_obj is not None else make_engine(engine, workers, address, execute_fn, **engine_kw)
     try:
-        eng.run(todo, on_result)
+        tasks, probes = key_tasks(spec, eng)
+        todo, stored = pending(tasks, st, retry_errors)
+        for t in stored:
+            st.tag(t.run_key, spec.name)
+        report = SweepReport(spec.name, getattr(eng, "name", engine), len(tasks), len(stored),
+                             results_root=str(st.root))
+        if not todo:
+            return report
+        bar = tqdm(total=len(todo), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
+
+        def on_outcome(task: Task, out: dict) -> None:
+            msg = None
+            if out.get("status") == "ok":
+                try:
+                    st.put(out["config"], out["result"], meta=out["meta"], tags=[spec.name], extra=out.get("extra"))
+                except CodeVersionMismatch as e:
+                    msg = str(e)
+            else:
+                msg = out.get("error") or "failed"
+            if msg is not None:
+                p = probes[(task.models, task.config.student_ratio)]
+                cols = {**task.columns(), **config_columns(stored_config(p["teacher"], p["student"], task.prompt,
+                                                                          task.decode)),
+                        **(out.get("extra") or {}), "traceback": out.get("traceback", "")}
+                st.put_error(task.run_key, cols, msg, meta=out.get("meta"), tags=[spec.name])
+                report.errors += 1
+                report.error_messages.append(f"{task.config.policy} prompt {task.prompt_idx}: {msg}")
+            report.done += 1
+            bar.update(1)
+            bar.set_postfix(errors=report.errors, refresh=False)
+
+        t0 = time.perf_counter()
+        try:
+            eng.run(todo, on_outcome)
+        finally:
+            report.wall_s = time.perf_counter() - t0
+            bar.close()
+        return report
     finally:
-        report.wall_s = time.perf_counter() - t0
-        bar.close()
         if engine_obj is None:
             eng.close()
-    return report

@@ -211,10 +211,11 @@ class Config:
 
 @dataclass(frozen=True)
 class Task:
-    """One (config, prompt, repeat): what a worker runs. Picklable; ``row_id`` is idempotent."""
+    """One (config, prompt, repeat): what a worker runs. Picklable. ``task_id`` names the grid point
+    (stable across parses); ``run_key`` is the run store's key of the run it makes, set by the
+    driver once the workers told it the models' fingerprints (``""`` before)."""
 
-    row_id: str
-    config_id: str
+    task_id: str
     sweep: str
     config: Config
     decode: DecodeConfig
@@ -223,12 +224,13 @@ class Task:
     prompt_idx: int
     repeat: int
     base_seed: int
+    run_key: str = ""
 
     def columns(self) -> dict:
-        return {"row_id": self.row_id, "config_id": self.config_id, "sweep": self.sweep,
-                **self.config.columns(), "seed": self.decode.sampling.seed, "base_seed": self.base_seed,
-                "repeat": self.repeat, "prompt_idx": self.prompt_idx,
-                "prompt_id": hashlib.sha256(self.prompt.encode()).hexdigest()[:12], "prompt": self.prompt}
+        """Config columns of this task's row (what an error row records; a finished run's row is
+        built from its stored config instead)."""
+        return {**self.config.columns(), "seed": self.decode.sampling.seed, "prompt": self.prompt,
+                "prompt_id": hashlib.sha256(self.prompt.encode()).hexdigest()[:12]}
 
 
 def _digest(obj) -> str:
@@ -282,16 +284,13 @@ class GridSpec:
                     except ValueError as e:     # a combination the decode loop refuses (e.g. evict + refresh)
                         raise SpecError(f"grid config {cfg.policy!r} (mode {cfg.mode!r}) is invalid: {e}") from None
                     models = self.models.key(cfg.student_ratio)
-                    dd = dec.to_dict()
-                    config_id = _digest({"models": models, "decode": {**dd, "sampling": {**dd["sampling"], "seed": None}},
-                                         "base_seed": self.seed, "code": CODE_VERSION})
-                    row_id = _digest({"models": models, "prompt": prompt, "decode": dd, "code": CODE_VERSION})
-                    tasks.append(Task(row_id, config_id, self.name, cfg, dec, self.models, prompt, i, r, self.seed))
+                    task_id = _digest({"models": models, "prompt": prompt, "decode": dec.to_dict(), "code": CODE_VERSION})
+                    tasks.append(Task(task_id, self.name, cfg, dec, self.models, prompt, i, r, self.seed))
         if not tasks:
             raise SpecError("the grid is empty: no (config, prompt) to run; check run.modes and the policy tables")
         seen = {}
         for t in tasks:           # two grid points that mean the same run (e.g. duplicate values)
-            seen.setdefault(t.row_id, t)
+            seen.setdefault(t.task_id, t)
         return list(seen.values())
 
 

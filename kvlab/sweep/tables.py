@@ -20,22 +20,42 @@ INFO_PARAMS = {"T": "refresh_T", "tau_bits": "refresh_tau_bits", "M": "refresh_M
 
 
 def usable(rows: pd.DataFrame, where: str | None = None) -> pd.DataFrame:
-    """Finished rows, one per run: error rows dropped, an imported JSON-store run dropped where a
-    sweep row of the same run exists, optionally filtered by a pandas ``query``."""
+    """Finished decode runs of this code version (every policy family: refresh, eviction, both),
+    optionally filtered by a pandas ``query``. Error rows, other kinds of runs (forced KL, needle)
+    and rows of older code versions are dropped; the store holds one row per run, so nothing needs
+    de-duplicating."""
+    from ..provenance import CODE_VERSION
+
     if not len(rows):
         return rows
     df = rows[rows["status"] == "ok"].copy() if "status" in rows else rows.copy()
-    if "run_key" in df and "engine" in df:
-        df["_imp"] = (df["engine"] == "import").astype(int)
-        df = df.sort_values("_imp", kind="stable").drop_duplicates("run_key", keep="first").drop(columns="_imp")
-    if "evict" in df:
-        df = df[df["evict"].fillna("none") == "none"]
+    if "kind" in df:
+        df = df[df["kind"].fillna("decode") == "decode"]
+    if "code_version" in df:
+        df = df[df["code_version"] == CODE_VERSION]
     if where:
         try:
             df = df.query(where)
         except Exception as e:  # noqa: BLE001 - pandas raises many types for a bad expression
             raise ValueError(f"--where {where!r} is not a valid pandas query on the results columns ({e})") from None
     return df
+
+
+def no_evict(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of runs without eviction (the blog's baselines and refresh tables compare those)."""
+    return df[df["evict"].fillna("none") == "none"] if "evict" in df else df
+
+
+def family(df: pd.DataFrame) -> pd.Series:
+    """A row's policy family: its policies' families joined by ``+`` (e.g. ``periodic``, ``h2o``,
+    ``periodic+sliding``), or the mode for a run without policies."""
+    from .families import SECTIONS
+
+    parts = [df[s].fillna("none").astype(str) if s in df else pd.Series("none", index=df.index) for s in SECTIONS]
+    out = pd.Series("", index=df.index, dtype=object)
+    for p in parts:
+        out = out.where(p == "none", out.where(out == "", out + "+") + p)
+    return out.where(out != "", df["mode"])
 
 
 def pick_setting(df: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
@@ -74,6 +94,7 @@ def _complete(runs: pd.DataFrame) -> pd.DataFrame:
 def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     from ..baselines import baselines_table
 
+    df = no_evict(df)
     base = df[df["refresh"].fillna("none") == "none"] if "refresh" in df else df
     base = base[base["mode"].isin(["teacher", "overfill", "student"])]
     if not len(base):
@@ -85,6 +106,7 @@ def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] |
 def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
     from ..refresh_tables import tables_from_runs
 
+    df = no_evict(df)
     of = df[df["mode"] == "overfill"]
     if "refresh" not in of or not len(of):
         return None
@@ -103,8 +125,15 @@ def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
     return tables_from_runs(runs, info)
 
 
+def kl_notes_for(df: pd.DataFrame) -> list[str]:
+    from ..experiment import kl_notes
+
+    return kl_notes(df)
+
+
 def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tuple[list[Path], str]:
-    """Write ``baselines`` and ``refresh_*`` tables + their figures from results rows into ``out``.
+    """Write ``baselines`` and ``refresh_*`` tables + their figures from results rows into ``out``,
+    and ``sweep_configs`` (:func:`config_summary`: every config of every family, eviction included).
     Returns (paths, a note saying which rows were used)."""
     from ..baselines import write_baselines
     from ..figures import render
@@ -125,9 +154,15 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     if r is not None:
         paths += write_refresh(r, out)
         paths.append(render("refresh_pareto", out))
-    if b is None and r is None:
-        raise ValueError("the results hold no teacher/student/overfill baselines and no refresh policies with a "
-                         "no-refresh OverFill run on the same prompts; nothing to tabulate")
+    from ..experiment import write_table
+
+    summary = config_summary(df)
+    paths += write_table(summary.round(6), out, "sweep_configs", notes=[
+        "one line per config of every policy family (refresh, eviction, both, plain modes): means over its runs",
+        "`teacher_tokens_per_token`: teacher tokens (refresh prefills + probes; teacher mode: every step) per "
+        "generated token; `evicted`: cache entries evicted per run; `cache_len_*`: cache length after each step",
+        "`teacher_pct`: the teacher's compute time inside a run / the rest of that run, in % (timed in one run)",
+        *kl_notes_for(summary)])
     note = (f"{len(df)} rows of setting {setting}" + (f" (of {len(usable(rows, where))} usable rows; "
             "choose another with --where)" if len(usable(rows, where)) != len(df) else ""))
     return [p for p in paths if p is not None], note
@@ -137,7 +172,8 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
 
 
 def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per config (``policy`` within a setting): mean quality and cost.
+    """One line per config (``policy`` within a setting) of every family — refresh, eviction, both,
+    plain modes —: mean quality and cost (eviction: ``evicted`` entries, ``cache_len_max/mean``).
 
     ``teacher_tokens_per_token`` = teacher tokens per generated token beyond the prompt's prefill:
     refresh prefills + probes, or every decode step in teacher mode ((N - 1) / N);
@@ -152,10 +188,12 @@ def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
     if not len(df):
         return pd.DataFrame()
     keys = [c for c in ("max_new_tokens", "student_ratio", "temperature", "top_p") if c in df]
-    fam = df["refresh"].fillna("none") if "refresh" in df else pd.Series("none", index=df.index)
-    df["family"] = fam.where(fam != "none", df["mode"])
+    df["family"] = family(df)
+    for c in ("refreshes", "teacher_tokens", "evicted"):
+        df[c] = df[c].fillna(0) if c in df else 0
     g = df.groupby(keys + ["policy", "family"], sort=False, dropna=False)
-    out = g[["teacher_ppl", "kl", "repeat3", "total_s", "teacher_tokens", "tokens", "refreshes"]].mean()
+    cols = ["teacher_ppl", "kl", "repeat3", "total_s", "teacher_tokens", "tokens", "refreshes", "evicted"]
+    out = g[cols + [c for c in ("cache_len_max", "cache_len_mean") if c in df]].mean()
     out["kl_std"] = g["kl"].std(ddof=1)
     out["teacher_ppl_std"] = g["teacher_ppl"].std(ddof=1)
     out["teacher_pct"] = g["teacher_pct"].mean().fillna(0.0) if "teacher_pct" in df else np.nan

@@ -1,20 +1,16 @@
-"""Running one sweep task: load (once per process) the pair, run + score, build the results row.
+"""Running one sweep task in a worker: load (once per process) the pair, run + score it with
+:func:`kvlab.experiment.scored_run` (the same code the tables use), hand the outcome back.
 
-The run itself goes through :func:`kvlab.experiment.scored_run`, i.e. the per-run JSON store: a
-sweep reuses runs the tables already stored (and the tables reuse the sweep's), with the same keys.
+Workers never touch a store (on a cluster a store path would be node-local): the driver keys every
+task with the fingerprints a :func:`probe` reported, skips what the run store holds, and stores
+what workers return (:meth:`kvlab.results.Store.put`, which refuses another code version).
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
-import re
 import time
 import traceback
-from dataclasses import replace
-
-import pandas as pd
 
 from .spec import ModelSpec, Task
 
@@ -63,163 +59,77 @@ class PairCache:
 
 
 class NullStore:
-    """A run store that stores nothing (every run is computed)."""
+    """A run store that stores nothing (a worker computes; the driver stores what it returns)."""
 
-    def get(self, config):
+    def get(self, config, **kw):
         return None
 
-    def get_or_run(self, config, fn):
+    def get_or_run(self, config, fn, **kw):
         return fn()
 
 
-def open_store(root):
-    """The per-run JSON store at ``root`` (``None`` = no store)."""
-    if root is None:
-        return NullStore()
-    from ..store import RunStore
-
-    return RunStore(root)
+# --------------------------------------------------------------------------- what a worker returns
 
 
-# --------------------------------------------------------------------------- rows
+def provenance_meta() -> dict:
+    """This process's provenance (what a stored run records as ``meta``)."""
+    from ..provenance import stamp
+
+    return {**stamp(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _provenance() -> dict:
-    from .. import __version__
-    from ..provenance import CODE_VERSION, git_commit, git_dirty, machine_key
-
-    return {"kvlab_version": __version__, "code_version": CODE_VERSION, "git_commit": git_commit(),
-            "git_dirty": git_dirty(), "machine_key": machine_key(), "host": platform.node()}
-
-
-def _scalars(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k != "text" and (v is None or isinstance(v, (int, float, str, bool)))}
-
-
-def max_delta(steps: dict) -> int:
-    """Largest teacher prefill at one refresh step (what the methods table reports)."""
-    return max((t - p for t, p, r in zip(steps["teacher_tokens"], steps["probe_tokens"], steps["refreshed"]) if r),
-               default=0)
+def pair_bytes(teacher, student) -> int:
+    """Bytes of the pair's parameters and buffers (what an actor holding it needs at least)."""
+    n = 0
+    for lm in (teacher, student):
+        model = getattr(lm, "model", None)
+        if model is None:
+            continue
+        for t in list(model.parameters()) + list(model.buffers()):
+            n += t.numel() * t.element_size()
+    return n
 
 
-def trace_frame(res: dict) -> pd.DataFrame:
-    """A stored run's per-step trace as a frame (one line per generated token)."""
-    steps = res.get("steps") or {}
-    n = len(steps.get("token_id", []))
-    cols = {k: v for k, v in steps.items() if k != "signals" and isinstance(v, list) and len(v) == n}
-    df = pd.DataFrame({"step": range(1, n + 1), **cols})
-    if "signals" in steps:
-        df["signals"] = [json.dumps(s) for s in steps["signals"]]
-    for k in ("kl_steps", "teacher_logprobs"):
-        if len(res.get(k) or []) == n:
-            df[k] = res[k]
-    return df
+def probe(models: ModelSpec, ratio, pairs: PairCache) -> dict:
+    """Load (once per process) the pair of ``(models, ratio)`` and say what the driver needs before
+    it submits runs: the fingerprints that key them, this process's code version, the pair's size."""
+    from ..provenance import CODE_VERSION
+
+    teacher, student = pairs.get(models, ratio)
+    return {"teacher": teacher.fingerprint, "student": student.fingerprint, "code_version": CODE_VERSION,
+            "pair_bytes": pair_bytes(teacher, student), "device": str(teacher.device), "host": platform.node()}
 
 
-def result_columns(res: dict) -> dict:
-    out = _scalars(res)
-    out["text"] = res.get("text", "")
-    steps = res.get("steps")
-    if steps:
-        out["max_delta"] = max_delta(steps)
-        # cache cost of the run (eviction shrinks it): entries and bytes after each step
-        for k in ("cache_len", "cache_bytes"):
-            vals = [v for v in steps.get(k) or [] if v is not None]
-            if vals and f"{k}_max" not in out:
-                out[f"{k}_max"], out[f"{k}_mean"] = max(vals), sum(vals) / len(vals)
-        if "evicted" in steps and "evicted" not in out:
-            out["evicted"] = sum(int(v or 0) for v in steps["evicted"])
-    return out
-
-
-def execute(task: Task, pairs: PairCache, store, engine: str = "local", worker: str = "") -> tuple[dict, pd.DataFrame | None]:
-    """Run one task; never raises for the task's own failure (an ``error`` row instead)."""
-    from ..experiment import run_config, scored_run
-    from ..store import run_key
+def execute(task: Task, pairs: PairCache, engine: str = "local", worker: str = "") -> dict:
+    """Run one task in this process (no store: the driver stores what this returns); never raises
+    for the task's own failure (``status == "error"`` instead). Returns the *outcome*: ``task_id``,
+    ``status``, ``config`` / ``result`` / ``meta`` (for :meth:`kvlab.results.Store.put`), ``extra``
+    (how it ran: engine, worker, load_s, wall_s, started_at, device) and ``error``."""
+    from ..experiment import scored_run, stored_config
 
     started = time.time()
     t0 = time.perf_counter()
-    row = {**task.columns(), "engine": engine, "worker": worker or f"pid{os.getpid()}"}
-    trace = None
+    out = {"task_id": task.task_id, "status": "error", "error": "", "config": None, "result": None}
+    extra = {"engine": engine, "worker": worker or f"pid{os.getpid()}", "started_at": started,
+             "student_ratio": task.config.student_ratio}
     try:
         t_load = time.perf_counter()
         teacher, student = pairs.get(task.models, task.config.student_ratio)
-        row["load_s"] = time.perf_counter() - t_load      # > 0 only for a worker's first task of a pair
-        key_cfg = run_config(teacher, student, task.prompt, replace(task.decode, keep_dists=True))
-        reused = store.get(key_cfg) is not None
-        res = scored_run(teacher, student, task.prompt, task.decode, store)
-        row.update(result_columns(res))
-        row.update({"status": "ok", "error": "", "reused": reused, "run_key": run_key(key_cfg),
-                    "teacher_fp": teacher.fingerprint, "student_fp": student.fingerprint,
-                    "device": str(teacher.device)})
-        trace = trace_frame(res)
+        extra["load_s"] = time.perf_counter() - t_load      # > 0 only for a worker's first task of a pair
+        extra["device"] = str(teacher.device)
+        out["config"] = stored_config(teacher, student, task.prompt, task.decode)
+        out["result"] = scored_run(teacher, student, task.prompt, task.decode, NullStore())
+        out["status"] = "ok"
     except Exception as e:   # noqa: BLE001 - a failing config is a result; the sweep goes on
-        tb = traceback.format_exc(limit=6)
-        row.update({"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": tb[-4000:]})
-    row.update(_provenance())
-    row.update({"wall_s": time.perf_counter() - t0, "started_at": started, "finished_at": time.time()})
-    return row, trace
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc(limit=6)[-4000:]
+    extra["wall_s"] = time.perf_counter() - t0
+    out.update(meta=provenance_meta(), extra=extra)
+    return out
 
 
-# --------------------------------------------------------------------------- the JSON store -> rows
-
-
-def _policy_columns(section: str, d: dict | None, registry) -> tuple[dict, str]:
-    if not d:
-        return {section: "none"}, ""
-    cls_name = d.get("policy")
-    family = next((f for f, c in registry.items() if c.__name__ == cls_name), str(cls_name).lower())
-    cols = {section: family, **{f"{section}_{k}": v for k, v in d.items() if k != "policy"}}
-    cls = registry.get(family)
-    defaults = {}
-    if cls is not None:
-        import dataclasses
-
-        if dataclasses.is_dataclass(cls):
-            defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-    label = "_".join([family] + [f"{k}{format(v, 'g') if isinstance(v, float) else v}" for k, v in d.items()
-                                 if k != "policy" and k in defaults and v != defaults[k]])
-    return cols, label
-
-
-def row_from_stored(key: str, data: dict) -> tuple[dict, pd.DataFrame] | None:
-    """A results row for one per-run JSON store entry (``engine == "import"``), or None if it is
-    not a scored decode run."""
-    import hashlib
-
-    from .families import SECTIONS
-
-    cfg, res = data.get("config") or {}, data.get("result") or {}
-    dec = cfg.get("decode")
-    if cfg.get("kind") != "decode" or not isinstance(dec, dict) or "teacher_ppl" not in res:
-        return None
-    samp = dec.get("sampling") or {}
-    ctx = (data.get("meta") or {}).get("code_version"), (data.get("meta") or {}).get("machine_key")
-    row = {"row_id": f"import-{key}-" + hashlib.sha256(repr(ctx).encode()).hexdigest()[:8], "run_key": key, "sweep": "", "mode": dec.get("mode"),
-           "max_new_tokens": dec.get("max_new_tokens"), "temperature": samp.get("temperature"),
-           "top_p": samp.get("top_p"), "seed": samp.get("seed"),
-           "prompt": cfg.get("prompt"), "prompt_id": hashlib.sha256(str(cfg.get("prompt")).encode()).hexdigest()[:12],
-           "teacher_fp": cfg.get("teacher"), "student_fp": cfg.get("student")}
-    m = re.search(r"-i(\d\.\d+)-", str(cfg.get("student") or ""))
-    row["student_ratio"] = float(m.group(1)) if m else math.nan
-    labels = []
-    for name, sec in SECTIONS.items():
-        cols, label = _policy_columns(name, dec.get(sec.field), sec.registry())
-        row.update(cols)
-        if label:
-            labels.append(label)
-    has_refresh = row.get("refresh", "none") != "none"
-    row["refresh_next"] = dec.get("refresh_next", "rerun") if has_refresh else ""
-    pol = "+".join(labels) if labels else row["mode"]
-    if labels and row["mode"] != "overfill":
-        pol = f"{row['mode']}+{pol}"
-    if has_refresh and row["refresh_next"] != "rerun":
-        pol += f"_{row['refresh_next']}"
-    row["policy"] = pol
-    row.update(result_columns(res))
-    meta = data.get("meta") or {}
-    row.update({"status": "ok", "error": "", "engine": "import", "reused": True,
-                "code_version": meta.get("code_version"), "git_commit": meta.get("git_commit"),
-                "git_dirty": meta.get("git_dirty"), "machine_key": meta.get("machine_key"),
-                "host": (meta.get("machine") or {}).get("host"), "finished_at": 0.0})
-    return row, trace_frame(res)
+def failed(task: Task, engine: str, msg: str) -> dict:
+    """The outcome recorded for a task whose worker died (or failed) more often than it may be retried."""
+    return {"task_id": task.task_id, "status": "error", "error": msg, "config": None, "result": None,
+            "meta": provenance_meta(), "extra": {"engine": engine, "worker": "", "started_at": time.time(),
+                                                 "student_ratio": task.config.student_ratio}}
