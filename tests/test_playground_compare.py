@@ -91,6 +91,10 @@ def test_spread_is_mean_and_paired_ci_over_prompts_and_seeds(pg, tiny_teacher, t
 
 
 def test_spread_controls_are_checked(pg):
+    assert pg.set(n_seeds=2)
+    good = pg.spread
+    assert good.complete and pg.set(N=0) is False and pg.spread is good      # bad input keeps the last good spread
+    assert pg.set(N=N, n_seeds=1)
     assert pg.set(n_prompts=len(PROMPTS) + 1) is False and "n_prompts" in pg.errors
     assert pg.set(n_prompts=1, sampling="greedy", n_seeds=2) is False and "greedy" in pg.errors["n_seeds"]
     ps = pairs(Settings(prompt=PROMPTS[1], n_prompts=2, n_seeds=3, seed=5), PROMPTS)

@@ -366,8 +366,6 @@ class Playground:
                 new, auto_mc = new.replace(mc_threshold=thr), False
                 self._emit("settings", new)
         self.settings = new
-        self.spread = None
-        self._emit("spread", None)
         errors = self.check(new)
         self.errors = errors
         self._emit("errors", dict(errors))
@@ -379,6 +377,8 @@ class Playground:
         self._emit("percentiles", self.percentiles(new))
         with self._show_lock:
             self.runner.cancel()
+            self.spread = None                           # the spread shown belongs to the old settings
+            self._emit("spread", None)
             shown = None if auto_mc else self._from_disk(new, t0)
             if shown is not None:
                 self._show(shown)
