@@ -387,7 +387,7 @@ class Decoding:
         if self._needs_attention:
             ev = self.config.evict
             cache.track_attention(getattr(ev, "ema_decay", 0.9), window=getattr(ev, "attention_window", None),
-                                  pool=getattr(ev, "attention_pool", 1))
+                                  pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False))
 
     def _start(self) -> torch.Tensor:
         """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""

@@ -188,13 +188,14 @@ class EvictStudy:
         budget in entries, except block eviction (evictable blocks). SnapKV compresses the prompt
         only (its knob: prompt entries kept); when even its smallest budget stays above the target,
         the table shows the mismatch in ``mem_vs_target``."""
-        from .eviction import H2O, BlockEvict, RandomEvict, SlidingWindow, SnapKV
+        from .eviction import H2O, BlockEvict, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
         bs, rec = self.block_size, self.protect
         return {
             "sliding": (lambda b: SlidingWindow(window=b, sinks=self.sinks), self.sinks + 1, 4096),
             "h2o": (lambda b: H2O(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "random": (lambda b: RandomEvict(budget=b, recent=min(rec, b - 1), seed=0), 2, 4096),
+            "scissorhands": (lambda b: Scissorhands(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "snapkv": (lambda b: SnapKV(budget=b, window=rec), rec + 1, 4096),
             "block": (lambda k: BlockEvict(block_size=bs, start_blocks=1, evictable_blocks=k,
                                            recent_blocks=max(1, rec // bs)), 1, 512),

@@ -25,7 +25,7 @@ from pathlib import Path
 #     steps); runs are tied to CODE_VERSION + machine in the store.
 #   2026-11-22.evict: DecodeConfig(evict=...) (issue 9); records' cache_len is the cache length after the
 #     step (differs on "teacher"/"student" refresh steps), records store cache_bytes.
-CODE_VERSION = "2026-11-23.evict-openvino"
+CODE_VERSION = "2026-11-23.evict-openvino-drawn-conf"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

@@ -297,6 +297,25 @@ def test_snapkv_window_pooling_and_lifetimes(lm2):
     c.forward(m, [9], writer="teacher", attention=True)
     assert c.attn["count"].tolist() == [4.0] * 8 + [3.0, 2.0, 1.0]
     assert (c.copy().attn_window, c.copy().attn_pool) == (3, 2)
+    # Scissorhands' counts: measured queries that gave an entry less than the uniform share 1/T_i
+    b = KVCache()
+    b.track_attention(0.5, below=True)
+    b.forward(m, IDS[:10], writer="teacher", attention=True)
+    b.forward(m, [9], writer="teacher", attention=True)
+    _set_impl(m, "eager")
+    try:
+        with torch.no_grad():
+            out = m(input_ids=torch.tensor([IDS[:10] + [9]]), output_attentions=True)
+    finally:
+        _set_impl(m, "sdpa")
+    for layer, att in enumerate(out.attentions):                              # (1, H, 11, 11)
+        a = att[0].mean(0)                                                    # (11, 11)
+        want = torch.zeros(11)
+        for i in range(11):
+            want[: i + 1] += (a[i, : i + 1] < 1.0 / (i + 1)).float()
+        assert torch.equal(b.attn["low"][layer], want)
+        assert 0 < float(want.sum()) < 66
+    assert "low" not in c.attn and b.copy().attn["low"].shape == (2, 11)
     with pytest.raises(ValueError, match="window"):
         c.track_attention(0.5, window=4, pool=2)
     for bad in ({"window": 0}, {"pool": 0}):

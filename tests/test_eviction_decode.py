@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from conftest import make_tiny_lm
 from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Decoding, Sampling, run
-from kvlab.eviction import H2O, BlockEvict, ConfKV, FullCache, RandomEvict, SlidingWindow
+from kvlab.eviction import H2O, BlockEvict, ConfKV, FullCache, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 from kvlab.policies import Periodic
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 2
@@ -23,7 +23,8 @@ def cfg(**kw):
 
 POLICIES = [SlidingWindow(30, sinks=2), H2O(30, 6), RandomEvict(30, 6), ConfKV(tight=24, loose=36, protect=6),
             ConfKV(tight=24, loose=36, protect=6, int8_window=6, int8_group=8, pyramidal=True),
-            BlockEvict(4, 1, 5, 1), BlockEvict(4, 1, 5, 1, rerotate=True, kvcrush=1, score="norm_sum")]
+            BlockEvict(4, 1, 5, 1), BlockEvict(4, 1, 5, 1, rerotate=True, kvcrush=1, score="norm_sum"),
+            Scissorhands(30, 6)]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p).__name__)
@@ -43,6 +44,14 @@ def test_every_mode_runs_and_records(tiny_teacher, tiny_student, policy, mode):
     assert sum(r.evicted for r in recs) == L + 29 - len(d.cache)     # every written entry is live or evicted
     if getattr(policy, "int8_window", None):
         assert d.cache.n_int8 > 0 and recs[-1].cache_bytes < len(d.cache) * 2 * 2 * 2 * 16 * 4
+
+
+def test_snapkv_cuts_the_prompt_once_then_appends(tiny_teacher):
+    tr = run(tiny_teacher, None, PROMPT, cfg(mode="teacher", max_new_tokens=8, evict=SnapKV(budget=12, window=4)))
+    L = len(tr.prompt_ids)
+    assert L > 12
+    assert tr.records[0].evicted == L - 12 and tr.records[0].cache_len == 12
+    assert [r.cache_len for r in tr.records] == list(range(12, 20)) and sum(r.evicted for r in tr.records[1:]) == 0
 
 
 def test_evicted_counts_add_up(tiny_teacher):

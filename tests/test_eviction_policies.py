@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, EvictView, FullCache, RandomEvict,
-                            SlidingWindow, SnapKV, confidence, drawn_stats, pyramid_weights)
+                            Scissorhands, SlidingWindow, SnapKV, confidence, drawn_stats, pyramid_weights)
 
 V = 1000
 CONFIDENT = SimpleNamespace(entropy_bits=0.05, top1_prob=0.99, margin=0.985)
@@ -24,7 +24,7 @@ def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
 
 
 def test_registry_names():
-    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv"}
+    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv", "scissorhands"}
     assert EVICTION_POLICIES["confkv"] is ConfKV
 
 
@@ -46,6 +46,7 @@ def test_registry_names():
     (lambda: ConfKV(pyramid_ratio=0.0), "pyramid_ratio"),
     (lambda: ConfKV(confidence_from="logits"), "confidence_from"),
     (lambda: SnapKV(16, window=16), "window"),
+    (lambda: Scissorhands(16, 16), "recent"),
     (lambda: SnapKV(32, kernel=4), "kernel"),
     (lambda: BlockEvict(block_size=0), "block_size"),
     (lambda: BlockEvict(evictable_blocks=0), "evictable_blocks"),
@@ -334,6 +335,18 @@ def test_snapkv_compresses_the_prompt_once_by_pooled_window_scores():
                       num_layers=2, attn={"acc": torch.zeros(2, n + 5), "ema": acc, "count": torch.ones(n + 5)})
     assert p.keep(later).slots == tuple(range(n + 5))           # decoding appends without eviction
     assert p.attention_window == w and p.needs_attention
+
+
+def test_scissorhands_drops_the_entries_most_often_below_average():
+    n = 12
+    low = torch.tensor([[0, 5, 1, 7, 2, 2, 9, 0, 3, 4, 8, 8.0]] * 2)      # (L, T) below-average counts
+    v = EvictView(step=3, length=n, positions=tuple(range(n)), record=CONFIDENT, vocab_size=V, num_layers=2,
+                  attn={"acc": low, "ema": low, "count": torch.ones(n), "low": low})
+    p = Scissorhands(budget=7, recent=2)
+    # candidates 0..9: keep the 5 with the fewest lows: 0 (0), 7 (0), 2 (1), then 4/5 (2 each) → 4, 5
+    assert p.keep(v).slots == (0, 2, 4, 5, 7, 10, 11)
+    assert p.attention_below and p.needs_attention
+    assert Scissorhands(budget=12, recent=2).keep(v).slots == tuple(range(n))
 
 
 def test_full_cache_keeps_everything():

@@ -65,14 +65,16 @@ class QueryCapture:
         return hook
 
     @torch.no_grad()
-    def mass(self, keys_of, n: int, window: int | None = None) -> torch.Tensor:
+    def mass(self, keys_of, n: int, window: int | None = None, below: bool = False) -> torch.Tensor:
         """``(L, T)`` float32 attention mass of the captured ``n`` queries over each layer's keys.
 
         ``keys_of(i)`` returns layer ``i``'s cached keys ``(1, H_kv, T, D)`` after the forward
         (the ``n`` new entries last). ``window``: only the last ``window`` queries count (SnapKV's
-        observation window); ``None`` = all ``n``."""
+        observation window); ``None`` = all ``n``. ``below=True`` also sets :attr:`low` ``(L, T)``:
+        per entry, how many of those queries gave it less than the uniform share ``1/T_i`` of
+        their head-mean attention (``T_i`` = entries query ``i`` sees; Scissorhands)."""
         w = n if window is None else min(int(window), n)
-        out = []
+        out, lows = [], []
         for m in self.modules:
             i = m.layer_idx
             q, pe = self.q.get(i), self.pe.get(i)
@@ -96,5 +98,11 @@ class QueryCapture:
                 kj = torch.arange(t, device=q.device).view(1, t)
                 scores = scores.masked_fill(kj > qi, float("-inf"))
             probs = torch.softmax(scores, dim=-1)                                  # (1, H, w, T)
-            out.append(probs[0].mean(0).sum(0))                                    # (T,)
+            a = probs[0].mean(0)                                                   # (w, T)
+            out.append(a.sum(0))                                                   # (T,)
+            if below:
+                seen = torch.arange(w, device=a.device).view(w, 1) + (t - w) + 1   # (w, 1) entries query i sees
+                vis = torch.arange(t, device=a.device).view(1, t) < seen           # (w, T)
+                lows.append(((a < 1.0 / seen) & vis).sum(0).float())              # (T,)
+        self.low = torch.stack(lows) if below else None                            # (L, T)
         return torch.stack(out)                                                    # (L, T)

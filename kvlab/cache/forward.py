@@ -43,15 +43,17 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
         if attention:
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
-            mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window)  # (L, T)
+            mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window,
+                            below=cache._stats.below)                                      # (L, T)
+            low = cap.low
         else:
             out = model(**kwargs)
-            mass = None
+            mass = low = None
         store.dematerialize(nq)
         rows = mirror.ledger.append(ids.tolist(), positions, writer, step)
         mirror.live.extend(rows)
         if cache._stats is not None:
-            cache._stats.append(n, store.num_layers, mass)
+            cache._stats.append(n, store.num_layers, mass, low)
         cache.check()
     except BaseException:
         store.dematerialize(nq)

@@ -201,7 +201,8 @@ class KVCache:
     def ema_decay(self) -> float | None:
         return self._stats.ema_decay if self._stats is not None else None
 
-    def track_attention(self, ema_decay: float = 0.9, *, window: int | None = None, pool: int = 1) -> None:
+    def track_attention(self, ema_decay: float = 0.9, *, window: int | None = None, pool: int = 1,
+                        below: bool = False) -> None:
         """Start keeping per-entry attention statistics (``attn``), updated by every
         ``forward(..., attention=True)`` and carried through every edit:
 
@@ -215,6 +216,8 @@ class KVCache:
         ``window`` queries of a multi-token forward contribute mass (and count); ``None`` = all.
         ``pool``: each forward's mass is max-pooled over the entry and the ``pool - 1`` entries after
         it (``mass_j ← max(mass_j … mass_{j+pool-1})``, OpenVINO's ``_max_pool``) before it is folded in.
+        ``below=True`` also keeps ``attn["low"]`` (L, T): how many measured queries gave the entry less
+        than the uniform share ``1/T_i`` of their head-mean attention (Scissorhands).
 
         Entries present before tracking starts, or written by a forward without
         ``attention=True``, start at 0. Idempotent for the same settings."""
@@ -224,14 +227,16 @@ class KVCache:
             raise ValueError(f"window={window!r} must be None (every query) or an int >= 1 (the last queries)")
         if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
             raise ValueError(f"pool={pool!r} must be an int >= 1 (1: no pooling)")
+        if not isinstance(below, bool):
+            raise ValueError(f"below={below!r} must be True or False")
         s = self._stats
         if s is not None:
-            if (s.ema_decay, s.window, s.pool) != (float(ema_decay), window, pool):
+            if (s.ema_decay, s.window, s.pool, s.below) != (float(ema_decay), window, pool, below):
                 raise ValueError(f"attention is already tracked with ema_decay={s.ema_decay}, "
-                                 f"window={s.window}, pool={s.pool}")
+                                 f"window={s.window}, pool={s.pool}, below={s.below}")
             return
         dev = self._store.device if len(self) else torch.device("cpu")
-        self._stats = AttnStats(ema_decay, self.num_layers, len(self), dev, window, pool)
+        self._stats = AttnStats(ema_decay, self.num_layers, len(self), dev, window, pool, below)
 
     @property
     def attn_window(self) -> int | None:

@@ -19,12 +19,15 @@ class AttnStats:
     ``pool``: each forward's mass is max-pooled over this many entries (see
     :meth:`kvlab.cache.KVCache.track_attention`)."""
 
-    def __init__(self, ema_decay: float, layers: int, n: int, device, window: int | None = None, pool: int = 1):
+    def __init__(self, ema_decay: float, layers: int, n: int, device, window: int | None = None, pool: int = 1,
+                 below: bool = False):
         self.ema_decay = float(ema_decay)
-        self.window, self.pool = window, pool
+        self.window, self.pool, self.below = window, pool, below
         self.data: dict[str, torch.Tensor] = {
             "acc": torch.zeros(layers, n, device=device), "ema": torch.zeros(layers, n, device=device),
             "count": torch.zeros(n, device=device)}
+        if below:                              # Scissorhands: measured queries that gave the entry < 1/T
+            self.data["low"] = torch.zeros(layers, n, device=device)
 
     def check(self, n: int) -> None:
         for name, t in self.data.items():
@@ -36,17 +39,19 @@ class AttnStats:
 
     def copy(self) -> "AttnStats":
         new = AttnStats.__new__(AttnStats)
-        new.ema_decay, new.window, new.pool = self.ema_decay, self.window, self.pool
+        new.ema_decay, new.window, new.pool, new.below = self.ema_decay, self.window, self.pool, self.below
         new.data = {k: t.clone() for k, t in self.data.items()}
         return new
 
-    def append(self, n: int, layers: int, mass: torch.Tensor | None) -> None:
-        """``n`` new entries (zeros), then fold in one forward's ``mass`` (L, T) if measured."""
+    def append(self, n: int, layers: int, mass: torch.Tensor | None, low: torch.Tensor | None = None) -> None:
+        """``n`` new entries (zeros), then fold in one forward's ``mass`` (L, T) if measured (and,
+        when tracked, its ``low`` counts (L, T))."""
         a = self.data
         dev = a["acc"].device
         if a["acc"].shape[0] != layers:        # tracking started on an empty cache
-            a["acc"] = torch.zeros(layers, a["acc"].shape[1], device=dev)
-            a["ema"] = torch.zeros(layers, a["ema"].shape[1], device=dev)
+            for k in ("acc", "ema", "low"):
+                if k in a:
+                    a[k] = torch.zeros(layers, a[k].shape[1], device=dev)
         acc = torch.cat([a["acc"], torch.zeros(layers, n, device=dev)], dim=1)
         ema = torch.cat([a["ema"], torch.zeros(layers, n, device=dev)], dim=1)
         count = torch.cat([a["count"], torch.zeros(n, device=dev)])
@@ -56,6 +61,9 @@ class AttnStats:
             ema = self.ema_decay * ema + (1.0 - self.ema_decay) * mass
             count = count + lifetime_increment(count.shape[0], n, self.window).to(dev)
         self.data = {"acc": acc, "ema": ema, "count": count}
+        if "low" in a:
+            lo = torch.cat([a["low"], torch.zeros(layers, n, device=dev)], dim=1)
+            self.data["low"] = lo + low.to(dev) if (mass is not None and low is not None) else lo
 
     def keep(self, keep: Sequence[int] | torch.Tensor) -> None:
         """Keep the columns ``keep`` (slots, in order)."""
@@ -75,7 +83,10 @@ class AttnStats:
         a = self.data
         if a["acc"].shape[0] != layers:        # tracked on an empty cache, nothing written yet
             return {k: (a["count"],) * layers for k in a}
-        return {"acc": tuple(a["acc"].unbind(0)), "ema": tuple(a["ema"].unbind(0)), "count": (a["count"],) * layers}
+        out = {"acc": tuple(a["acc"].unbind(0)), "ema": tuple(a["ema"].unbind(0)), "count": (a["count"],) * layers}
+        if "low" in a:
+            out["low"] = tuple(a["low"].unbind(0))
+        return out
 
     def truncate(self, n: int) -> None:
         self.data = {k: t[..., :n] for k, t in self.data.items()}

@@ -10,6 +10,7 @@ from .confkv import ConfKV, confidence, pyramid_weights
 from .full import FullCache
 from .h2o import H2O
 from .random_evict import RandomEvict
+from .scissorhands import Scissorhands
 from .sliding import SlidingWindow
 from .snapkv import SnapKV
 
@@ -21,7 +22,8 @@ EVICTION_POLICIES: dict[str, type] = {
     "confkv": ConfKV,
     "block": BlockEvict,
     "snapkv": SnapKV,
+    "scissorhands": Scissorhands,
 }
 
 __all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "RandomEvict",
-           "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights", "validate_evict"]
+           "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights", "validate_evict"]

@@ -13,7 +13,9 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
 * ``attention_window: int | None = None`` — only the last ``attention_window`` queries of a
   multi-token forward (the prefill) are measured: SnapKV's observation window;
 * ``attention_pool: int = 1`` — each forward's mass is max-pooled over the entry and the next
-  ``attention_pool - 1`` entries before it is accumulated (OpenVINO GenAI's ``max_pool_window_size``).
+  ``attention_pool - 1`` entries before it is accumulated (OpenVINO GenAI's ``max_pool_window_size``);
+* ``attention_below: bool = False`` — the cache also counts, per entry, the measured queries that
+  gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands).
 
 The loop calls ``keep`` once per step, after the token was chosen (and after a refresh), and
 removes every slot not in ``Keep.slots`` through ``KVCache.evict`` (the cache module is the only
