@@ -559,11 +559,9 @@ class Playground:
         with self.gate.hold():
             student = self._ensure_student(s, job)
             for i, p in enumerate(ps):
-                fresh = self.stored(p) is None or self.stored(p.baseline()) is None
-                if fresh and self.runner.is_current(job):
-                    self._emit("progress", Progress("spread", i, len(ps), f"spread: pair {i + 1}/{len(ps)} decoding…"))
-                r = self._scored(p, student, self._cancel_only(job))
-                b = self._scored(p.baseline(), student, self._cancel_only(job))
+                # one store lookup per run; a pair that must be decoded reports its progress from its steps
+                r = self._scored(p, student, self._pair_progress(job, i, len(ps), p.N))
+                b = self._scored(p.baseline(), student, self._pair_progress(job, i, len(ps), p.N))
                 rows.append((readouts(r, b, s.mode), readouts(b, b, s.mode)))
                 with self._show_lock:
                     if not self.runner.is_current(job):
@@ -572,6 +570,14 @@ class Playground:
                     self._emit("spread", self.spread)
         if self.runner.is_current(job):
             self._emit("progress", Progress("spread", len(ps), len(ps), ""))
+
+    def _pair_progress(self, job, i: int, n: int, total: int):
+        def on_step(rec, d):
+            job.check()
+            if rec.step == 1 and self.runner.is_current(job):
+                self._emit("progress", Progress("spread", i, n, f"spread: pair {i + 1}/{n} decoding…"))
+            self.gate.pause_point()
+        return on_step
 
     # ------------------------------------------------------------------ MC-gate calibration
 
