@@ -211,20 +211,83 @@ def load_teacher(device=None, dtype=None) -> LM:
     return LM(lm.model, lm.tokenizer, TEACHER_NAME)
 
 
-DEFAULT_PRUNE = 0.30  # fraction of MLP intermediate channels removed (numbers in the README)
+DEFAULT_PRUNE = 0.30  # the untrained student's old MLP ratio (kept for the sweep's `student_ratio`)
+
+STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
+DEFAULT_VARIANT = "overfill"
+DEFAULT_SHAPE = "i0.30"   # see README "Training the student" for the measurement behind it
 
 
-def load_student(ratio: float = DEFAULT_PRUNE, device=None, dtype=None) -> LM:
-    """The embedded student: the teacher with ``ratio`` of its MLP channels pruned (KV geometry kept)."""
-    from .prune import student_path
+def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:
+    """Cached safetensors folder of the untrained pruned student for ``shape`` (built on first use)."""
+    from .data import calibration_file, load_prompts
+    from .prune import PruneShape, prune_lm
 
-    path = student_path(ratio)
+    shape = PruneShape.parse(shape)
+    calib = calibration_file()
+    digest = hashlib.sha256(calib.read_bytes()).hexdigest()[:8]
+    target = cache_dir() / "models" / f"{TEACHER_NAME}-pruned-{shape.label}-c{digest}"
+    if (target / "config.json").is_file():
+        return target
+
+    def write(tmp: Path) -> None:
+        lm = load_model(teacher_path(), device="cpu", dtype=torch.float32, local_files_only=True)
+        prune_lm(lm, shape, [r["prompt"] for r in load_prompts(calib)])
+        lm.model.config.name_or_path = target.name
+        lm.model.save_pretrained(tmp)
+        lm.tokenizer.save_pretrained(tmp)
+
+    _atomic_save(target, write)
+    return target
+
+
+def student_path(ratio: float = DEFAULT_PRUNE) -> Path:
+    """The untrained student pruned at MLP ``ratio`` (old name; see :func:`pruned_student_path`)."""
+    from .prune import PruneShape
+
+    return pruned_student_path(PruneShape(0.0, ratio))
+
+
+def check_student(variant, shape):
+    """``(variant, PruneShape)`` validated (ValueError naming ``--student`` / ``--prune``), no model loaded."""
+    from .prune import PruneShape
+
+    if variant not in STUDENT_VARIANTS:
+        raise ValueError(f"--student={variant!r} must be one of {', '.join(STUDENT_VARIANTS)} "
+                         "(pruned = untrained; the others are trained by `python -m kvlab train-student`)")
+    return variant, PruneShape.parse(shape)
+
+
+def load_student(variant: str = DEFAULT_VARIANT, shape=DEFAULT_SHAPE, device=None, dtype=None, *,
+                 train_if_missing: bool = False, progress: bool = True) -> LM:
+    """The embedded student: ``variant`` (pruned / standalone / overfill / refresh-aware) at prune ``shape``.
+
+    ``pruned`` is the untrained width-pruned teacher. A trained variant loads from the model cache;
+    if it is not there this raises (naming the ``python -m kvlab train-student`` command) unless
+    ``train_if_missing=True``, which trains it (minutes on a CPU) and caches it. ``name`` is the cached
+    folder's name: variant, shape and training key.
+    """
+    variant, shape = check_student(variant, shape)
+    if variant == "pruned":
+        path = pruned_student_path(shape)
+    else:
+        from .train.weights import trained_student_path
+
+        path = trained_student_path(variant, shape, train_if_missing=train_if_missing, progress=progress)
     lm = load_model(path, device=device, dtype=dtype, local_files_only=True)
     return LM(lm.model, lm.tokenizer, path.name)
 
 
-def load_pair(teacher=None, student=None, device=None, dtype=None, ratio: float = DEFAULT_PRUNE):
-    """(teacher, student) — the embedded pair by default, or any two ids/folders."""
+def load_pair(teacher=None, student=None, device=None, dtype=None, ratio: float | None = None, *,
+              variant: str = DEFAULT_VARIANT, shape=DEFAULT_SHAPE, train_if_missing: bool = False):
+    """(teacher, student): the embedded pair by default (student ``variant`` at ``shape``), or any two
+    ids/folders. ``ratio`` (old API) selects the untrained student pruned at that MLP ratio."""
+    if ratio is not None:
+        from .prune import PruneShape
+
+        variant, shape = "pruned", PruneShape(0.0, ratio)
+    check_student(variant, shape)   # before any model loads
     t = load_teacher(device, dtype) if teacher is None else load_model(teacher, device, dtype)
-    s = load_student(ratio, device, dtype) if student is None else load_model(student, device, dtype)
+    s = (load_student(variant, shape, device, dtype, train_if_missing=train_if_missing)
+         if student is None else load_model(student, device, dtype))
     return t, s

@@ -1,0 +1,86 @@
+"""Training configuration, its validation (before any model loads) and the cache key of trained weights.
+
+``TRAIN_VERSION`` versions the *training* code: bump it when a change alters trained weights
+(data, forward, loss, optimiser, schedule). It is deliberately separate from
+``kvlab.provenance.CODE_VERSION``, which other parts bump for decode/scoring changes that do not
+change what a trained student is; trained weights stay cached across those.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+
+TRAIN_VERSION = "1"
+STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
+TRAINED_VARIANTS = STUDENT_VARIANTS[1:]
+
+
+def check_variant(variant) -> str:
+    if variant not in STUDENT_VARIANTS:
+        raise ValueError(f"--student={variant!r} must be one of {', '.join(STUDENT_VARIANTS)} "
+                         "(pruned = untrained; the others are trained by `python -m kvlab train-student`)")
+    return variant
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Every variant uses the same data, steps, batch and seed (comparable runs).
+
+    Loss per response token: ``ce_weight · CE(teacher token) + (1 − ce_weight) · KL(p_T ‖ q)``
+    (KL over the teacher's top-``topk`` + a tail bucket).
+    """
+
+    steps: int = 50                 # optimiser steps
+    batch: int = 8                  # examples per step (accumulated one at a time: no padding)
+    lr: float = 3e-4                # AdamW peak, linear warm-up then cosine to 10 %
+    warmup: int = 5
+    weight_decay: float = 0.0
+    ce_weight: float = 0.5
+    seed: int = 0
+    train_prompts: int = 424        # rows of data/train_prompts.jsonl (seeded selection); last `heldout` held out
+    heldout: int = 24
+    tokens: int = 128               # teacher response length
+    topk: int = 32
+    eval_every: int = 10            # held-out KL every this many steps (and at the end)
+    refresh_gap: tuple = (16, 64)   # refresh-aware: steps between refresh points, uniform
+    refresh_none: float = 0.5       # refresh-aware: share of examples without any refresh
+    threads: int = 0                # torch threads (0 = leave torch's setting)
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "train_prompts", "tokens", "topk", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
+        for name in ("heldout", "warmup", "threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be an integer ≥ 0")
+        if self.heldout >= self.train_prompts:
+            raise ValueError(f"--heldout={self.heldout} must be below --train-prompts={self.train_prompts}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if not (isinstance(self.ce_weight, (int, float)) and 0.0 <= self.ce_weight <= 1.0):
+            raise ValueError(f"--ce-weight={self.ce_weight!r} must be in [0, 1] (1 = CE only, 0 = KL only)")
+        lo, hi = self.refresh_gap
+        if not 1 <= lo <= hi:
+            raise ValueError(f"refresh_gap={self.refresh_gap!r} must be (lo, hi) with 1 <= lo <= hi")
+        if not 0.0 <= self.refresh_none <= 1.0:
+            raise ValueError(f"refresh_none={self.refresh_none!r} must be in [0, 1]")
+
+    def replace(self, **kw) -> "TrainConfig":
+        return replace(self, **kw)
+
+    def key(self, variant: str, shape_label: str, data_key: str) -> str:
+        """Cache key of the trained weights: variant, prune shape, data hash, every setting that changes
+        the weights, seed and TRAIN_VERSION (``threads`` and ``eval_every`` do not change weights)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("threads", "eval_every")}
+        if variant != "refresh-aware":
+            d.pop("refresh_gap"), d.pop("refresh_none")
+        blob = json.dumps({"v": TRAIN_VERSION, "variant": variant, "shape": shape_label, "data": data_key, **d},
+                          sort_keys=True, default=list)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+DEFAULT_TRAIN = TrainConfig()
