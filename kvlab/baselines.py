@@ -27,14 +27,22 @@ TIMING_NOTE = ("Times of the stored runs, each timed when it was run (mean over 
 
 
 def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool = True,
-              rebuild_student_cache: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+              rebuild_student_cache: bool = False, alone=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(table, per-run rows); the table has quality and timing columns (:func:`write_baselines`
-    splits them). ``rebuild_student_cache``: OverFill with a KV-incompatible student (it prefills
-    its own cache from the text)."""
+    splits them). ``student`` decodes the OverFill row; ``alone`` (default: ``student``) the Student
+    row — e.g. the ``overfill``- and ``standalone``-trained students. ``rebuild_student_cache``:
+    OverFill with a KV-incompatible student (it prefills its own cache from the text)."""
     policies = dict(POLICIES)
     if rebuild_student_cache:
         policies["overfill"] = replace(policies["overfill"], rebuild_student_cache=True)
-    per_run = run_policies(teacher, student, spec, policies, store, progress)
+    if alone is None or alone is student:
+        per_run = run_policies(teacher, student, spec, policies, store, progress)
+    else:
+        with_of = run_policies(teacher, student, spec, {k: policies[k] for k in ("teacher", "overfill")}, store,
+                               progress)
+        solo = run_policies(teacher, alone, spec, {"student": policies["student"]}, store, progress)
+        per_run = pd.concat([with_of, solo], ignore_index=True).sort_values(["prompt_idx"], kind="stable")
+        per_run = per_run.reset_index(drop=True)
     return baselines_table(per_run), per_run
 
 

@@ -31,9 +31,11 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i for every policy")
     p.add_argument("--teacher", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--student", default=None, help="hub id or folder (default: embedded pruned student)")
+    from .train.command import add_student_arguments
+
+    add_student_arguments(p)
     p.add_argument("--student-ratio", type=float, default=None,
-                   help="MLP pruning ratio of the embedded student (default: kvlab.models.DEFAULT_PRUNE)")
+                   help="old flag: the untrained student pruned at this MLP ratio (= --student pruned --prune iR)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -53,10 +55,10 @@ def _check_model_args(args) -> None:
         if math.isnan(r) or not 0.0 <= r < 1.0:
             raise ValueError(f"--student-ratio={r} must be in [0, 1): the fraction of the embedded student's MLP "
                              "channels pruned away (e.g. 0.3)")
-        if args.student is not None:
-            raise ValueError("--student-ratio prunes the embedded student; it has no effect with --student "
-                             f"{args.student!r}: pass one of the two")
-    for flag, ref in (("--teacher", args.teacher), ("--student", args.student)):
+    from .train.command import student_choice
+
+    variant, _ = student_choice(args)   # --student variant / --prune shape (ValueError naming the flag)
+    for flag, ref in (("--teacher", args.teacher), ("--student", None if variant else args.student)):
         if ref is not None:
             try:
                 check_model_ref(ref)
@@ -80,10 +82,27 @@ def _spec(args):
 
 
 def _pair(args):
-    from .models import DEFAULT_PRUNE, load_pair
+    """(teacher, student): ``--student`` variant at ``--prune`` (trained and cached first if missing)."""
+    from .models import load_pair
+    from .train.command import student_choice
 
-    ratio = DEFAULT_PRUNE if args.student_ratio is None else args.student_ratio
-    return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype, ratio=ratio)
+    variant, shape = student_choice(args)
+    if variant is None:
+        return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
+    return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,
+                     train_if_missing=True)
+
+
+def _alone_student(args, student):
+    """The Student row's model: ``standalone`` at the same shape when the OverFill student is a trained
+    embedded variant (OverFill's own baseline), else the same student."""
+    from .models import load_student
+    from .train.command import student_choice
+
+    variant, shape = student_choice(args)
+    if variant in (None, "pruned", "standalone"):
+        return student
+    return load_student("standalone", shape, device=args.device, dtype=args.dtype, train_if_missing=True)
 
 
 def cmd_baselines(args) -> list[Path]:
@@ -94,7 +113,8 @@ def cmd_baselines(args) -> list[Path]:
     spec = _spec(args)              # validates everything before any model loads
     teacher, student = _pair(args)
     table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress,
-                               rebuild_student_cache=getattr(args, "rebuild_student_cache", False))
+                               rebuild_student_cache=getattr(args, "rebuild_student_cache", False),
+                               alone=_alone_student(args, student))
     paths = write_baselines(table, per_run, args.out)
     paths += [render("baselines", args.out), render("baselines_timing", args.out)]
     print((args.out / "baselines.md").read_text() + "\n" + (args.out / "baselines_timing.md").read_text())
@@ -260,9 +280,30 @@ JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_re
 NEEDS_SAME_GEOMETRY = ("refresh", "evict")   # evict: its OverFill + refresh row
 
 
+def cmd_train_missing(args) -> list[Path]:
+    """Train (or find cached) every trained variant of the embedded student's shape."""
+    from .train.command import student_choice
+    from .train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
+    from .train.weights import train_student
+
+    variant, shape = student_choice(args)
+    if variant is None:
+        print("train: skipped (--student is a model folder/hub id)", flush=True)
+        return []
+    return [train_student(v, shape, DEFAULT_TRAIN, device=args.device, progress=not args.no_progress)
+            for v in TRAINED_VARIANTS]
+
+
+def cmd_train_study(args) -> list[Path]:
+    from .train.report import train_study
+
+    _check_model_args(args)
+    return train_study(args)
+
+
 def cmd_all(args) -> list[Path]:
     paths = []
-    for name, fn in JOBS:
+    for name, fn in [("train", cmd_train_missing)] + JOBS + [("train-study", cmd_train_study)]:
         if getattr(args, "rebuild_student_cache", False) and name in NEEDS_SAME_GEOMETRY:
             print(f"== {name}: skipped (--rebuild-student-cache: the pair's KV geometry differs, and a refresh "
                   "splices teacher K/V into the student cache)", flush=True)
@@ -441,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
                         "configurations per prompt + 180 needle runs)")
     p.set_defaults(fn=cmd_all)
+    p = sub.add_parser("train-student", help="train the embedded student variants on the teacher (cached)")
+    from .train.command import add_train_arguments, cmd_train_student
+
+    add_train_arguments(p)
+    p.set_defaults(fn=cmd_train_student)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")

@@ -35,3 +35,4 @@ def _load_registrations() -> None:
     """Import the modules that register figures (kept lazy: no import-time side effects;
     they import :mod:`kvlab.figbase`, never this module)."""
     from . import evict_plots, plots  # noqa: F401
+    from .train import plots as _train_plots  # noqa: F401

@@ -215,7 +215,7 @@ DEFAULT_PRUNE = 0.30  # the untrained student's old MLP ratio (kept for the swee
 
 STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 DEFAULT_VARIANT = "overfill"
-DEFAULT_SHAPE = "i0.30"   # see README "Training the student" for the measurement behind it
+DEFAULT_SHAPE = "h0.20,i0.50"   # measured: best held-out KL among the shapes ≥ 1.5× faster than the teacher (README)
 
 
 def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:

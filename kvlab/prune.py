@@ -34,7 +34,7 @@ class PruneShape:
     def __post_init__(self):
         for name, v in (("hidden", self.hidden), ("inter", self.inter)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0.0 <= v < 1.0:
-                raise ValueError(f"--prune: {name} ratio {v!r} must be in [0, 1) (the fraction of channels removed), "
+                raise ValueError(f"--prune: {name} ratio={v!r} must be in [0, 1) (the fraction of channels removed), "
                                  "e.g. --prune h0.45,i0.45")
         object.__setattr__(self, "hidden", round(float(self.hidden), 4))
         object.__setattr__(self, "inter", round(float(self.inter), 4))
@@ -71,8 +71,11 @@ def _norms(model) -> list:
     return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
 
 
-def importance(lm, prompts: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(hidden-channel importance ``(H,)``, per-layer MLP-channel importance ``[(I,)] * L``) over ``prompts``."""
+def importance(lm, prompts: list[str], norm_sq: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(hidden-channel importance ``(H,)``, per-layer MLP-channel importance ``[(I,)] * L``) over ``prompts``.
+
+    If ``norm_sq`` is a list, it receives every norm's mean squared input per channel ``(H,)`` (for
+    :func:`prune_hidden`'s RMS correction)."""
     model = lm.model
     layers = model.model.layers
     mlp = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
@@ -85,14 +88,20 @@ def importance(lm, prompts: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]
             mlp[i].add_(args[0].detach().float().abs().sum(dim=(0, 1)).double().cpu())   # (B, T, I) → (I,)
         return fn
 
-    def norm_hook(module, args, out):
-        hid.add_(out.detach().float().abs().sum(dim=(0, 1)).double().cpu())               # (B, T, H) → (H,)
+    norms = _norms(model)
+    sq = [torch.zeros(model.config.hidden_size, dtype=torch.float64) for _ in norms]
+
+    def norm_hook(i):
+        def fn(module, args, out):
+            hid.add_(out.detach().float().abs().sum(dim=(0, 1)).double().cpu())           # (B, T, H) → (H,)
+            sq[i].add_(args[0].detach().float().pow(2).sum(dim=(0, 1)).double().cpu())
+        return fn
 
     try:
         for i, layer in enumerate(layers):
             handles.append(layer.mlp.down_proj.register_forward_pre_hook(mlp_hook(i)))
-        for norm in _norms(model):
-            handles.append(norm.register_forward_hook(norm_hook))
+        for i, norm in enumerate(norms):
+            handles.append(norm.register_forward_hook(norm_hook(i)))
         with torch.inference_mode():
             for p in prompts:
                 ids = torch.tensor([lm.encode_prompt(p)], device=lm.device)
@@ -101,6 +110,8 @@ def importance(lm, prompts: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]
     finally:
         for h in handles:
             h.remove()
+    if norm_sq is not None:
+        norm_sq[:] = [q / max(count, 1) for q in sq]
     return hid / max(count, 1), [s / max(count, 1) for s in mlp]
 
 
@@ -139,10 +150,15 @@ def prune_mlp(model, keep: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def prune_hidden(model, idx: torch.Tensor) -> None:
+def prune_hidden(model, idx: torch.Tensor, norm_sq: list | None = None) -> None:
     """Keep hidden channels ``idx`` (sorted) everywhere: embeddings (and the tied LM head), every norm,
     the input columns of q/k/v/gate/up and the output rows of o/down. q/k/v output sizes, heads and
-    ``head_dim`` are unchanged (the KV geometry is kept)."""
+    ``head_dim`` are unchanged (the KV geometry is kept).
+
+    ``norm_sq`` (per norm, mean squared input per channel over calibration text): each RMSNorm's weight is
+    scaled by ``sqrt(mean_kept / mean_all)``, so a kept channel is normalised by about the RMS it had
+    before the other channels were removed (without it, RMSNorm over the kept, larger channels shrinks
+    every output)."""
     import torch.nn as nn
 
     cfg = model.config
@@ -153,8 +169,12 @@ def prune_hidden(model, idx: torch.Tensor) -> None:
                            dtype=emb.weight.dtype, device=emb.weight.device)
     new_emb.weight.copy_(emb.weight[:, idx])
     model.model.embed_tokens = new_emb
-    for norm in _norms(model):
-        norm.weight = nn.Parameter(norm.weight[idx].clone())
+    for i, norm in enumerate(_norms(model)):
+        w = norm.weight[idx].clone()
+        if norm_sq is not None:
+            q = norm_sq[i]
+            w = w * float((q[idx].mean() / q.mean()).sqrt())
+        norm.weight = nn.Parameter(w)
     for layer in model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
         att.q_proj, att.k_proj, att.v_proj = (_linear(p, cols=idx) for p in (att.q_proj, att.k_proj, att.v_proj))
@@ -175,12 +195,13 @@ def prune_hidden(model, idx: torch.Tensor) -> None:
 def prune_lm(lm, shape, prompts: list[str]):
     """Prune ``lm`` in place to ``shape`` (a :class:`PruneShape`, its string, or a bare MLP ratio)."""
     shape = PruneShape.parse(shape)
-    hid, mlp = importance(lm, prompts)
+    norm_sq: list = []
+    hid, mlp = importance(lm, prompts, norm_sq)
     if shape.inter:
         n_keep = max(1, round(len(mlp[0]) * (1.0 - shape.inter)))
         prune_mlp(lm.model, [torch.sort(torch.topk(s, n_keep).indices).values for s in mlp])
     if shape.hidden:
         heads = lm.model.config.num_attention_heads   # transformers wants hidden_size % heads == 0
         n_keep = max(heads, heads * round(len(hid) * (1.0 - shape.hidden) / heads))
-        prune_hidden(lm.model, torch.sort(torch.topk(hid, n_keep).indices).values)
+        prune_hidden(lm.model, torch.sort(torch.topk(hid, n_keep).indices).values, norm_sq)
     return lm

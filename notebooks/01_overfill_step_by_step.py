@@ -28,6 +28,9 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
+# the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
+# trained once first (`python -m kvlab train-student`, ~10 min per variant); smoke runs use the untrained one
+STUDENT = "pruned" if SMOKE else "overfill"
 N_TOKENS = 12 if SMOKE else 64          # tokens to step through
 N_PROMPTS = 1 if SMOKE else 8           # prompts in the baselines table
 TABLE_TOKENS = 8 if SMOKE else 128      # tokens per run in the table
@@ -36,7 +39,7 @@ TABLE_TOKENS = 8 if SMOKE else 128      # tokens per run in the table
 import kvlab
 from kvlab.models import load_pair
 
-teacher, student = load_pair()
+teacher, student = load_pair(variant=STUDENT)
 print(teacher.name, "→", student.name)
 print(kvlab.kv_compat(teacher, student))
 print("MLP width:", teacher.config.intermediate_size, "→", student.config.intermediate_size)

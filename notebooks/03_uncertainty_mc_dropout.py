@@ -32,6 +32,9 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
+# the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
+# trained once first (`python -m kvlab train-student`, ~10 min per variant); smoke runs use the untrained one
+STUDENT = "pruned" if SMOKE else "overfill"
 N_PROMPTS = 2 if SMOKE else 8          # prompts for the real traces
 N_TOKENS = 12 if SMOKE else 64         # tokens per trace
 N_PASSES = 4 if SMOKE else 8           # MC passes per step
@@ -103,7 +106,7 @@ from kvlab import mc
 from kvlab.data import load_prompts
 from kvlab.models import load_pair
 
-teacher, student = load_pair()
+teacher, student = load_pair(variant=STUDENT)
 pruned = 1 - student.config.intermediate_size / teacher.config.intermediate_size
 print(f"student: {pruned:.0%} of the MLP channels pruned "
       f"({teacher.config.intermediate_size} → {student.config.intermediate_size} per layer)")

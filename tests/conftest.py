@@ -23,7 +23,8 @@ def tiny_student():
 
 @pytest.fixture(scope="session")
 def real_pair():
-    """The embedded teacher/student (CPU, fp32). Built once into the kvlab cache dir."""
+    """The embedded teacher and the UNTRAINED pruned student (i0.30; CPU, fp32), built once into the kvlab
+    cache dir. Tests never train the full students (CI starts with an empty model cache)."""
     from kvlab.models import load_pair
 
-    return load_pair(device="cpu")
+    return load_pair(device="cpu", variant="pruned", shape="i0.30")

@@ -122,7 +122,7 @@ def train(student, teacher, examples: list, heldout: list, variant: str, cfg: Tr
                 ce, kl = token_losses(fw, ex)
                 loss = (cfg.ce_weight * ce + (1 - cfg.ce_weight) * kl).sum() / total
                 loss.backward()
-                ce_sum, kl_sum, n_tok = ce_sum + float(ce.sum()), kl_sum + float(kl.sum()), n_tok + ce.numel()
+                ce_sum, kl_sum, n_tok = ce_sum + float(ce.detach().sum()), kl_sum + float(kl.detach().sum()), n_tok + ce.numel()
                 n_in += fw.positions.numel() + (len(ex.prompt_ids) - 1 if variant == "standalone" else 0)
                 fws.append(fw.mask is not None and bool(fw.mask.any()))
                 del fw

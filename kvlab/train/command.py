@@ -1,0 +1,98 @@
+"""``python -m kvlab train-student`` and the student flags every command shares (``--student``, ``--prune``).
+
+All checks run before any model loads and raise ``ValueError`` naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_student_arguments(p: argparse.ArgumentParser) -> None:
+    """``--student`` (variant or hub id/folder) and ``--prune`` (the embedded student's shape)."""
+    from ..models import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS
+
+    p.add_argument("--student", default=None,
+                   help=f"embedded student: {' | '.join(STUDENT_VARIANTS)} (default {DEFAULT_VARIANT}; trained ones are "
+                        "trained and cached on first use), or a hub id / model folder")
+    p.add_argument("--prune", default=None,
+                   help=f"prune shape of the embedded student, e.g. h0.45,i0.45 (default {DEFAULT_SHAPE})")
+
+
+def student_choice(args):
+    """``(variant, shape)`` of the embedded student from ``args`` (``variant`` None: --student is a model
+    ref, checked by the caller). ``--student-ratio R`` (old flag) = ``--student pruned --prune iR``."""
+    from ..models import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS, check_student
+
+    ref = getattr(args, "student", None)
+    ratio = getattr(args, "student_ratio", None)
+    prune = getattr(args, "prune", None)
+    if ref is not None and ref not in STUDENT_VARIANTS:
+        from pathlib import Path
+
+        if "/" not in str(ref) and not Path(str(ref)).expanduser().exists():
+            raise ValueError(f"--student={ref!r} is neither a student variant ({', '.join(STUDENT_VARIANTS)}) nor a "
+                             "model folder or 'org/name' hub id")
+        for flag, val in (("--prune", prune), ("--student-ratio", ratio)):
+            if val is not None:
+                raise ValueError(f"{flag} shapes the embedded student; it has no effect with --student {ref!r}: "
+                                 "pass one of the two")
+        return None, None
+    if ratio is not None:
+        if prune is not None:
+            raise ValueError("--student-ratio and --prune both shape the embedded student: pass only --prune")
+        if ref not in (None, "pruned"):
+            raise ValueError(f"--student-ratio prunes the untrained student; it has no effect with --student {ref}: "
+                             "use --prune iR instead")
+        return check_student("pruned", ratio)
+    return check_student(ref or DEFAULT_VARIANT, prune if prune is not None else DEFAULT_SHAPE)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import positive_int
+    from .config import DEFAULT_TRAIN as D
+
+    p.add_argument("--student", nargs="+", default=["standalone", "overfill", "refresh-aware"],
+                   help="variant(s) to train: standalone | overfill | refresh-aware")
+    p.add_argument("--prune", default=None, help="prune shape, e.g. h0.45,i0.45 (default kvlab.models.DEFAULT_SHAPE)")
+    p.add_argument("--steps", type=int, default=D.steps, help="optimiser steps (> 0)")
+    p.add_argument("--batch", type=int, default=D.batch, help="examples per step")
+    p.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
+    p.add_argument("--ce-weight", type=float, default=D.ce_weight, help="loss = w·CE + (1 − w)·KL, w in [0, 1]")
+    p.add_argument("--seed", type=int, default=D.seed, help="data sampling, batch order and refresh points")
+    p.add_argument("--train-prompts", type=int, default=D.train_prompts, help="training prompts used (incl. held-out)")
+    p.add_argument("--heldout", type=int, default=D.heldout, help="prompts held out for the KL curve")
+    p.add_argument("--eval-every", type=int, default=D.eval_every, help="held-out KL every this many steps")
+    p.add_argument("--threads", type=int, default=D.threads, help="torch threads (0 = torch's default)")
+    p.add_argument("--checkpoint-s", type=positive_int("--checkpoint-s"), default=180,
+                   help="seconds between checkpoints (an interrupted run resumes from the last one)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def train_config(args):
+    from .config import DEFAULT_TRAIN
+
+    return DEFAULT_TRAIN.replace(steps=args.steps, batch=args.batch, lr=args.lr, ce_weight=args.ce_weight,
+                                 seed=args.seed, train_prompts=args.train_prompts, heldout=args.heldout,
+                                 eval_every=args.eval_every, threads=args.threads)
+
+
+def cmd_train_student(args) -> list:
+    """Train every ``--student`` variant at ``--prune`` (cached: a second call returns at once)."""
+    from ..models import DEFAULT_SHAPE, check_student, resolve_device
+    from .config import TRAINED_VARIANTS
+    from .weights import train_student
+
+    for v in args.student:
+        if v not in TRAINED_VARIANTS:
+            raise ValueError(f"--student={v!r} must be one of {', '.join(TRAINED_VARIANTS)} (pruned is not trained)")
+    _, shape = check_student("pruned", args.prune if args.prune is not None else DEFAULT_SHAPE)
+    cfg = train_config(args)            # validates steps, batch, lr, ... (ValueError naming the flag)
+    resolve_device(args.device)
+    paths = []
+    for v in args.student:
+        path = train_student(v, shape, cfg, device=args.device, progress=not args.no_progress,
+                             checkpoint_s=args.checkpoint_s)
+        print(f"{v} {shape.flag}: {path}", flush=True)
+        paths.append(path)
+    return paths

@@ -1,0 +1,47 @@
+"""``train-study`` (a step of ``python -m kvlab all``): the variants compared, the speed ratio, the curves."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def train_study(args, T: int = 32) -> list[Path]:
+    """Tables ``train_study`` / ``train_speed`` / ``train_curves`` and the ``train_curves`` figure in ``args.out``."""
+    import pandas as pd
+
+    from ..cli import _spec
+    from ..experiment import write_table
+    from ..figures import render
+    from ..models import load_student, load_teacher
+    from ..store import RunStore
+    from .command import student_choice
+    from .config import DEFAULT_TRAIN
+    from .study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
+    from .weights import trained_dir
+
+    spec = _spec(args)
+    variant, shape = student_choice(args)
+    if variant is None:
+        print("train-study: skipped (--student is a model folder/hub id)", flush=True)
+        return []
+    progress = not args.no_progress
+    teacher = load_teacher(args.device, args.dtype)
+    students = {v: load_student(v, shape, args.device, args.dtype, train_if_missing=True) for v in VARIANTS}
+    per_run = study_runs(teacher, students, spec, RunStore(args.runs), T, progress)
+    table = study_table(per_run, students, T)
+    out = Path(args.out)
+    paths = write_table(table.round(4), out, "train_study", notes=STUDY_NOTES)
+    paths += write_table(per_run.drop(columns=[c for c in ("ttft_s", "tps", "total_s", "e2e_tps") if c in per_run]),
+                         out, "train_study_runs", notes=STUDY_NOTES)
+    speed = decode_speed(teacher, students["overfill"], spec.prompts[0])
+    speed_df = pd.DataFrame([{"shape": shape.label, **{k: round(v, 3) if isinstance(v, float) else v
+                                                       for k, v in speed.items()}}])
+    paths += write_table(speed_df, out, "train_speed_timing",
+                         notes=["Decode ms per cached step (batch 1), teacher and student timed alternately in one "
+                                "process after a warm-up; median over repeats. Machine-dependent (untracked)."])
+    curves = curves_frame({v: trained_dir(v, shape, DEFAULT_TRAIN) for v in VARIANTS[1:]})
+    if len(curves):
+        paths += write_table(curves.round(5), out, "train_curves", notes=["Training logs of the cached students."])
+        if (p := render("train_curves", out)) is not None:
+            paths.append(p)
+    print((out / "train_study.md").read_text() + "\n" + (out / "train_speed_timing.md").read_text())
+    return paths

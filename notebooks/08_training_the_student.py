@@ -1,0 +1,118 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+
+# %% [markdown]
+# # 08 · Training the student
+#
+# OverFill's decoder is not just a pruned teacher: it is trained **on top of the frozen teacher's
+# prefill cache** (`TwoStageModel.forward`, `freeze_strategy: teacher`), with the loss on the response
+# tokens only. Untrained, the teacher's K/V are foreign input to the pruned student, and OverFill loses
+# to the student alone. kvlab trains four comparable students (same data, steps, seed):
+#
+# | variant | what the student sees during training |
+# |---|---|
+# | `pruned` | nothing (the untrained width-pruned teacher) |
+# | `standalone` | its own prefill of the prompt, then the teacher's response |
+# | `overfill` | the frozen teacher's prompt K/V (writer `T`), positions continuing after the prompt |
+# | `refresh-aware` | as `overfill`, plus teacher K/V spliced over the response at random refresh points |
+#
+# Training: `python -m kvlab train-student` (cached; `make figures` trains what is missing).
+# This notebook shows the training curves and the Baselines table before (pruned) and after (trained).
+
+# %% tags=["parameters"]
+import os
+
+SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
+SHAPE = None                       # prune shape; None = kvlab.models.DEFAULT_SHAPE
+N_PROMPTS = 1 if SMOKE else 8      # prompts of the before/after table
+N_TOKENS = 8 if SMOKE else 128     # tokens per run
+
+# %% [markdown]
+# ## What one training example looks like
+# The `overfill` forward on tiny random models: the teacher prefills the prompt into a kvlab cache
+# (every entry written by `T`), the student runs over the response on top of it.
+
+# %%
+import torch
+
+from kvlab.tiny import make_tiny_lm
+from kvlab.train.data import Example
+from kvlab.train.forward import student_forward, teacher_cache, token_losses
+
+tiny_t, tiny_s = make_tiny_lm(seed=0), make_tiny_lm(seed=1, intermediate_size=48)
+prompt, response = [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15]
+with torch.no_grad():
+    lp = tiny_t.model(torch.tensor([prompt + response])).logits[0, 4:-1].log_softmax(-1)
+val, idx = lp.topk(16, -1)
+ex = Example("demo", tuple(prompt), tuple(response), idx, val)
+fw = student_forward(tiny_s, tiny_t, ex, "overfill")
+ce, kl = token_losses(fw, ex)
+print("teacher cache writers:", "".join(teacher_cache(tiny_t, prompt).writers))
+print("student position ids:", fw.positions.tolist(), "(the prompt has", len(prompt), "tokens)")
+print(f"loss terms per token: CE {ce.mean():.3f}, KL {kl.mean():.3f} nats")
+
+# %% [markdown]
+# ## Training curves
+# Loss per step and held-out KL to the teacher (a held-out slice of the training prompts), read from
+# the logs stored beside the cached weights.
+
+# %%
+from kvlab.models import DEFAULT_SHAPE
+from kvlab.prune import PruneShape
+from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
+from kvlab.train.study import curves_frame
+from kvlab.train.weights import train_command, trained_dir
+
+shape = PruneShape.parse(SHAPE or DEFAULT_SHAPE)
+dirs = {v: trained_dir(v, shape, DEFAULT_TRAIN) for v in TRAINED_VARIANTS}
+missing = [v for v, d in dirs.items() if not (d / "config.json").is_file()]
+trained = not missing and not SMOKE
+if missing:
+    print("not trained yet:", missing, "→", train_command(missing[0], shape).rsplit(" --prune", 1)[0].replace(
+        f"--student {missing[0]}", "--student " + " ".join(missing)) + f" --prune {shape.flag}")
+curves = curves_frame({v: d for v, d in dirs.items() if v not in missing})
+if len(curves):
+    from kvlab.train.plots import train_curves_figure
+
+    display(train_curves_figure({"train_curves": curves}))  # noqa: F821  (IPython)
+    display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "heldout_ce"]])  # noqa: F821
+
+# %% [markdown]
+# ## Baselines before and after training
+# Before: the untrained `pruned` student for both OverFill and the student alone. After: OverFill with
+# the `overfill` student, the student alone = `standalone` (OverFill's own baseline).
+# **Smoke mode / untrained cache:** only the untrained pair is shown (a note says so).
+
+# %%
+from kvlab.baselines import baselines
+from kvlab.data import load_prompts
+from kvlab.experiment import RunSpec
+from kvlab.models import load_student, load_teacher
+from kvlab.store import RunStore
+
+teacher = load_teacher()
+spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=N_PROMPTS)), tokens=N_TOKENS)
+pruned = load_student("pruned", "i0.30" if SMOKE else shape)
+before, _ = baselines(teacher, pruned, spec, RunStore(), progress=False)
+rows = {"before (pruned)": before}
+if trained:
+    of, alone = load_student("overfill", shape), load_student("standalone", shape)
+    rows["after (trained)"], _ = baselines(teacher, of, spec, RunStore(), progress=False, alone=alone)
+else:
+    print("NOTE: showing the untrained pair only (smoke mode or students not trained yet)")
+import pandas as pd
+
+pd.concat({k: t.set_index("policy")[["teacher_ppl", "kl", "repeat3"]] for k, t in rows.items()}).round(3)
