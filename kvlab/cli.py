@@ -482,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
                         "configurations per prompt + 180 needle runs)")
     p.set_defaults(fn=cmd_all)
+    p = sub.add_parser("train-study", help="student variants compared: OverFill vs student alone, refresh, speed, curves")
+    _common(p)
+    p.set_defaults(fn=cmd_train_study)
     p = sub.add_parser("train-student", help="train the embedded student variants on the teacher (cached)")
     from .train.command import add_train_arguments, cmd_train_student
 

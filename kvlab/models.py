@@ -213,9 +213,8 @@ def load_teacher(device=None, dtype=None) -> LM:
 
 DEFAULT_PRUNE = 0.30  # the untrained student's old MLP ratio (kept for the sweep's `student_ratio`)
 
-STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
-DEFAULT_VARIANT = "overfill"
-DEFAULT_SHAPE = "h0.20,i0.50"   # measured: best held-out KL among the shapes ≥ 1.5× faster than the teacher (README)
+# the student variants and the default pair (defined in the torch-free kvlab.train.config)
+from .train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS  # noqa: E402
 
 
 def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:

@@ -9,7 +9,7 @@ import argparse
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
     """``--student`` (variant or hub id/folder) and ``--prune`` (the embedded student's shape)."""
-    from ..models import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS
+    from .config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS   # torch-free: --help stays fast
 
     p.add_argument("--student", default=None,
                    help=f"embedded student: {' | '.join(STUDENT_VARIANTS)} (default {DEFAULT_VARIANT}; trained ones are "

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, replace
 TRAIN_VERSION = "1"
 STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 TRAINED_VARIANTS = STUDENT_VARIANTS[1:]
+DEFAULT_VARIANT = "overfill"
+# measured: the best held-out KL among the trained shapes at least 1.5x faster than the teacher (README)
+DEFAULT_SHAPE = "h0.20,i0.50"
 
 
 def check_variant(variant) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def train_study(args, T: int = 32) -> list[Path]:
+def train_study(args, T: int = 27) -> list[Path]:
     """Tables ``train_study`` / ``train_speed`` / ``train_curves`` and the ``train_curves`` figure in ``args.out``."""
     import pandas as pd
 
