@@ -1,0 +1,352 @@
+""""How to read this" texts, computed from the tables and figures they sit under.
+
+Every function takes the numbers a notebook shows and returns Markdown: which direction is better, what
+the spread or interval means at this sample size, what the paper or blog found for the same quantity,
+and whether this table agrees. Nothing is hard-coded about *this* run's outcome, so a reading stays
+true when the numbers change (a retrained student, another prompt set, smoke settings).
+"""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .tableview import fmt, plural, single_prompt
+
+# --- the sources, named (links where the source has one) --------------------------------------------------------
+OVERFILL = "[OverFill (Kim et al. 2025)](https://arxiv.org/abs/2508.08446)"
+BLOG = ("the blog *KV-Cache Refresh Methods for Long Generation* (Emara, Kim & Abdelfattah 2025; code: "
+        "[friendshipkim/overfill](https://github.com/friendshipkim/overfill))")
+BLOG_SETTING = "50 ELI5 prompts × 1200 tokens, a larger teacher/student pair"
+CONFKV = ("the Conf-KV paper (*Conf-KV: Confidence-Aware KV Cache Eviction with Mixed-Precision Storage for "
+          "Long-Horizon LLM*, Li & Miao 2026)")
+OPENVINO = ("[OpenVINO GenAI's KV-cache eviction](https://github.com/openvinotoolkit/openvino.genai/blob/master/"
+            "site/docs/concepts/optimization-techniques/kvcache-eviction-algorithm.md)")
+
+# --- what they report (quoted from the sources) -----------------------------------------------------------------
+BLOG_BASELINES = {"teacher": {"teacher_ppl": 1.64, "repeat3": 0.032}, "overfill": {"teacher_ppl": 1.88, "repeat3": 0.072},
+                  "student": {"teacher_ppl": 2.35, "repeat3": 0.028}}
+BLOG_PERIODIC = {0: (1.88, 0.0), 256: (1.86, 0.7), 128: (1.81, 2.0), 64: (1.71, 3.9)}   # T: (PPL, overhead %)
+BLOG_ENTROPY = {5.5: (2.5, 1.70), 6.0: (2.0, 2.27), 6.5: (1.5, 2.19)}                  # τ bits: (refreshes, PPL)
+BLOG_SPECULATIVE = (8, 1.77, 1.9)                                                     # k, PPL, overhead %
+CONFKV_GAP_CLOSED = 0.74          # Conf-KV-L closes 74 % of the sliding-window → full-cache PPL gap (GPT-2)
+CONFKV_ABLATION = {"random_rate": 36.54, "confkv_recency": 32.08, "confkv_attention": 31.47, "confkv": 30.92}
+
+HOW = "**How to read this.** "
+
+
+def cap(s: str) -> str:
+    """``s`` with its first letter upper-case (a source's name at the start of a sentence)."""
+    return s[:1].upper() + s[1:]
+
+
+def _row(table: pd.DataFrame, policy: str, col: str = "policy"):
+    hit = table[table[col] == policy]
+    return None if hit.empty else hit.iloc[0]
+
+
+def _n(table: pd.DataFrame) -> int:
+    for c in ("n_prompts", "n", "n_runs"):
+        if c in table.columns:
+            return int(pd.to_numeric(table[c], errors="coerce").max())
+    return 0
+
+
+def _join(parts) -> str:
+    return " ".join(p.strip() for p in parts if p.strip())
+
+
+def interval_verdict(d: float, lo: float, hi: float, one: bool, lower_is_better: bool = True) -> str:
+    """What a paired difference and its bootstrap 95 % interval say, in words."""
+    if one or lo is None or (isinstance(lo, float) and math.isnan(lo)):
+        return f"{fmt(d, 3, signed=True)} (one prompt: no interval, not evidence either way)"
+    span = f"{fmt(d, 3, signed=True)} [{fmt(lo, 3, signed=True)}, {fmt(hi, 3, signed=True)}]"
+    if lo > 0 or hi < 0:
+        good = (hi < 0) == lower_is_better
+        return f"{span}: {'better' if good else 'worse'} (the interval excludes 0)"
+    return f"{span}: no measurable change (the interval spans 0)"
+
+
+def spread_sentence(table: pd.DataFrame) -> str:
+    n = _n(table)
+    if single_prompt(table):
+        return "One prompt: there is no spread, and a single prompt can rank these rows either way. "
+    rough = f" With only {plural(n, 'prompt')}, treat the intervals as rough." if n < 5 else ""
+    return (f"`±` is the standard deviation across the {plural(n, 'prompt')} (how much one prompt differs from "
+            f"another, not the uncertainty of the mean); paired differences carry a bootstrap 95 % interval.{rough} ")
+
+
+def smoke_banner(smoke: bool) -> str:
+    """The banner a notebook prints at its top in smoke mode (empty otherwise)."""
+    if not smoke:
+        return ""
+    return ("> ⚠️ **Smoke mode** (`KVLAB_SMOKE=1`): tiny settings that check the code runs end to end. "
+            "**The numbers check the code, not findings** — the readings below still describe them, but read "
+            "findings from a full run (unset `KVLAB_SMOKE`).")
+
+
+# --- notebook 01: baselines ------------------------------------------------------------------------------------
+def read_baselines(table: pd.DataFrame) -> str:
+    """Teacher / OverFill / Student rows (``policy``, ``teacher_ppl``, ``kl``, ``repeat3``, ``*_std``, ``n_prompts``)."""
+    r = {p: _row(table, p) for p in ("teacher", "overfill", "student")}
+    if any(v is None for v in r.values()):
+        raise ValueError("read_baselines needs rows 'teacher', 'overfill' and 'student' in column 'policy'")
+    T, O, S = (float(r[p].teacher_ppl) for p in ("teacher", "overfill", "student"))
+    one = single_prompt(table)
+    order = " < ".join(f"{p} {fmt(float(r[p].teacher_ppl), 2)}" for p in sorted(r, key=lambda p: r[p].teacher_ppl))
+    text = [HOW + "Lower is better in every column: teacher-PPL (how likely the teacher finds the text), "
+            "KL(p_T‖q) (how far the decoder's next-token distribution is from the teacher's, in nats; 0 for the "
+            "teacher by construction) and repeat@3 (the share of repeated 3-grams). " + spread_sentence(table)]
+    rel = "better" if O < S else "worse"
+    gap = abs(O - S)
+    sd = max(float(r["overfill"].get("teacher_ppl_std", float("nan"))), float(r["student"].get("teacher_ppl_std", float("nan"))))
+    caveat = ""
+    if not one and not math.isnan(sd) and gap < sd:
+        caveat = f" — a gap smaller than the per-prompt spread (up to ±{fmt(sd, 2)}), so these prompts do not settle it"
+    text.append(f"Here, by teacher-PPL: {order}. **OverFill scores {rel} teacher-PPL than the student alone "
+                f"({fmt(O, 2)} vs {fmt(S, 2)}){caveat}.**")
+    b = BLOG_BASELINES
+    blog_order = T < O < S
+    if blog_order:
+        agree = "This table agrees: OverFill sits between the two."
+    elif O >= S:
+        agree = ("This table **contradicts** it: OverFill is not better than the student here, so the teacher's "
+                 "prefill did not buy quality on this pair and prompt set.")
+    else:
+        agree = "This table differs: OverFill scores better than the teacher here."
+    text.append(f"{cap(BLOG)} ({BLOG_SETTING}) found Teacher {b['teacher']['teacher_ppl']} < OverFill "
+                f"{b['overfill']['teacher_ppl']} < Student {b['student']['teacher_ppl']}. {agree}")
+    rep = {p: float(r[p].repeat3) for p in r}
+    worst = max(rep, key=rep.get)
+    text.append(f"PPL rewards repetition loops, so read it with repeat@3: the most repetitive text here is "
+                f"{worst}'s ({fmt(rep[worst], 3)}; the blog: OverFill {b['overfill']['repeat3']}, teacher "
+                f"{b['teacher']['repeat3']}, student {b['student']['repeat3']}).")
+    return _join(text)
+
+
+# --- notebook 02: refresh ----------------------------------------------------------------------------------------
+def read_periodic(table: pd.DataFrame) -> str:
+    """``refresh_periodic``: ``none`` + ``periodic_T*`` rows with ``T``, ``teacher_ppl``, ``kl``, ``d_kl`` (+ interval)."""
+    one = single_prompt(table)
+    per = table[table.policy.str.startswith("periodic")].sort_values("T", ascending=False)
+    base = _row(table, "none")
+    if per.empty or base is None:
+        raise ValueError("read_periodic needs a 'none' row and at least one 'periodic_T*' row")
+    parts = [HOW + "Each row refreshes every T tokens; smaller T = more teacher work. Lower KL and teacher-PPL are "
+             "better; ΔKL is the paired difference to no refresh on the same prompts and seeds (below 0 = the "
+             "refresh brought the student closer to the teacher). " + spread_sentence(table)]
+    parts.append("ΔKL by T: " + "; ".join(f"T={int(r.T)}: {interval_verdict(r.d_kl, r.d_kl_lo, r.d_kl_hi, one)}"
+                                         for r in per.itertuples()) + ".")
+    ppl = [float(base.teacher_ppl)] + [float(v) for v in per.teacher_ppl]
+    falls = all(b < a for a, b in zip(ppl, ppl[1:]))
+    seq = " → ".join(fmt(v, 2) for v in ppl)
+    blog = " → ".join(f"{v[0]}" for v in BLOG_PERIODIC.values())
+    parts.append(f"Teacher-PPL from no refresh to the smallest T: {seq} — it "
+                 f"{'falls steadily, as in' if falls else 'does not fall steadily, unlike'} {BLOG}, where PPL fell "
+                 f"{blog} (no refresh, T = 256, 128, 64; +0.7 / +2.0 / +3.9 % latency).")
+    return _join(parts)
+
+
+def read_entropy(table: pd.DataFrame) -> str:
+    """``refresh_entropy``: ``entropy_*`` rows with ``tau_bits``, ``refreshes_per_1k``, ``d_kl`` (+ interval)."""
+    one = single_prompt(table)
+    ent = table[table.policy.str.startswith("entropy")].sort_values("tau_bits")
+    if ent.empty:
+        raise ValueError("read_entropy needs 'entropy_*' rows")
+    parts = [HOW + "A lower threshold τ fires more often (more refreshes per 1k tokens, more teacher work). ΔKL vs no "
+             "refresh below 0 is better. " + spread_sentence(table)]
+    parts.append("By τ: " + "; ".join(f"τ = {fmt(r.tau_bits, 2)} bits ({fmt(r.refreshes_per_1k, 1)} refreshes / 1k "
+                                      f"tokens): ΔKL {interval_verdict(r.d_kl, r.d_kl_lo, r.d_kl_hi, one)}"
+                                      for r in ent.itertuples()) + ".")
+    best = ent.loc[ent.d_kl.idxmin()]
+    parts.append(f"The lowest ΔKL here is {best.policy}'s ({fmt(best.d_kl, 3, signed=True)}). {cap(BLOG)} "
+                 f"found τ = 5.5 bits fired {BLOG_ENTROPY[5.5][0]} times per generation and reached PPL "
+                 f"{BLOG_ENTROPY[5.5][1]:.2f} — as low as refreshing every 64 tokens ({BLOG_PERIODIC[64][0]:.2f}) for less "
+                 "teacher work; higher τ (6.0, 6.5) fired less and lost most of the gain.")
+    return _join(parts)
+
+
+def read_methods(table: pd.DataFrame) -> str:
+    """``refresh_methods``: one row per method with ``kl``, ``d_kl`` (+ interval), ``teacher_tokens``."""
+    one = single_prompt(table)
+    meth = table[table.policy != "none"]
+    if meth.empty:
+        raise ValueError("read_methods needs rows besides 'none'")
+    best = meth.loc[meth.kl.idxmin()]
+    cheap = meth.loc[meth.teacher_tokens.idxmin()]
+    parts = [HOW + "One row per refresh method at its default setting; lower KL is better, `teacher tokens` is the "
+             "teacher's work per run (refresh prefills + probes). " + spread_sentence(table)]
+    parts.append(f"Lowest KL: {best.policy} ({fmt(best.kl, 3)}, ΔKL {interval_verdict(best.d_kl, best.d_kl_lo, best.d_kl_hi, one)}); "
+                 f"least teacher work: {cheap.policy} ({fmt(cheap.teacher_tokens, 1)} tokens).")
+    k, ppl, over = BLOG_SPECULATIVE
+    parts.append(f"{cap(BLOG)} found speculative refresh (k = {k}) at PPL {ppl} with ~{over} % latency "
+                 f"overhead against periodic T = 64 at {BLOG_PERIODIC[64][0]} with {BLOG_PERIODIC[64][1]} %: a little "
+                 "quality for half the overhead.")
+    return _join(parts)
+
+
+def read_timing(table: pd.DataFrame) -> str:
+    """``refresh_timing``: ``overhead_pct`` and its quartiles per policy; the ``none`` row is the noise floor."""
+    base = _row(table, "none")
+    rest = table[table.policy != "none"]
+    parts = [HOW + "Overhead % = extra wall time of a policy over no refresh, timed back to back; lower is better. "
+             "The bars/quartiles are the spread over the timed pairs."]
+    if base is not None:
+        noise = max(abs(float(base.overhead_pct_q25)), abs(float(base.overhead_pct_q75)))
+        above = rest[rest.overhead_pct_q25 > noise]
+        parts.append(f"The `none` row times no refresh against itself: its quartiles (±{fmt(noise, 1)} %) are the noise "
+                     f"floor. {plural(len(above), 'policy', 'policies')} of {len(rest)} cost more than that noise "
+                     f"(lower quartile above it){': ' + ', '.join(above.policy) if len(above) else ''}.")
+    if int(table["pairs"].max()) <= 1:
+        parts.append("One timed pair per policy: a single timing, not a measurement of the overhead.")
+    parts.append(f"{cap(BLOG)} reports +0.7 % to +3.9 % for periodic refresh on a GPU with a larger "
+                 "pair; on a 2-core CPU the teacher's share of the time is much larger.")
+    return _join(parts)
+
+
+def read_forced(table: pd.DataFrame) -> str:
+    """``refresh_forced``: conditions ``student`` / ``overfill`` / ``window`` / ``refreshed`` with ``kl`` and
+    ``d_kl_vs_overfill`` (``d_lo``, ``d_hi``)."""
+    one = single_prompt(table)
+    parts = [HOW + "The tokens are fixed (the teacher's greedy text); only who wrote the cache differs. Lower KL = the "
+             "student predicts the teacher's next-token distribution better. Δ is against OverFill's cache (teacher "
+             "prompt, student text). " + spread_sentence(table)]
+    for cond, what in (("refreshed", "a teacher re-prefill of the generated text"),
+                       ("window", "a teacher rewrite of the last W entries only"),
+                       ("student", "the student's own prefill (no teacher at all)")):
+        r = _row(table, cond, "condition")
+        if r is not None:
+            parts.append(f"{what}: ΔKL {interval_verdict(r.d_kl_vs_overfill, r.d_lo, r.d_hi, one)}.")
+    parts.append(f"{cap(BLOG)} argues that a refresh re-anchors the student's state and lowers "
+                 "KL(p_T‖q) for the tokens after it; a `refreshed` interval below 0 is that effect, measured with the "
+                 "sampling noise removed.")
+    return _join(parts)
+
+
+def costs_frame(costs: dict) -> pd.DataFrame:
+    """``kvlab.refresh.run_costs``' dict as a two-column table with plain names."""
+    names = {"refreshes": "refreshes", "teacher_tokens": "teacher tokens (prefills + probes)",
+             "probe_tokens": "probe tokens", "delta_tokens": "teacher prefill tokens (Σ|Δ|)",
+             "spliced": "cache entries overwritten", "teacher_s": "teacher compute (s)", "probes": "probe steps",
+             "teacher_pct": "teacher time, % of the rest of the run"}
+    rows = [{"cost": names.get(k, k.replace("_", " ")), "value": fmt(v, 2) if isinstance(v, float) else str(v)}
+            for k, v in costs.items()]
+    return pd.DataFrame(rows)
+
+
+def read_trace(records, tau: float) -> str:
+    """The entropy trace of one entropy-gated run: how many steps crossed τ and where it refreshed."""
+    recs = list(records)
+    over = [r.step for r in recs if r.entropy_bits >= tau]
+    fired = [r.step for r in recs if r.refreshed]
+    return (HOW + f"Each point is one generated token's student entropy (bits; high = unsure). Of {plural(len(recs), 'step')}, "
+            f"{len(over)} reached τ = {fmt(tau, 2)} bits and the run refreshed {plural(len(fired), 'time')}"
+            f"{' (steps ' + ', '.join(map(str, fired[:12])) + ('…' if len(fired) > 12 else '') + ')' if fired else ''}. "
+            "Teacher-PPL depends only on the emitted tokens: a τ that changes the refreshes but not the tokens leaves it "
+            "unchanged.")
+
+
+def read_provenance(matrix, prompt_len: int, label: str) -> str:
+    """A provenance matrix (steps × slots; 1 teacher, 0 student, −1 empty): the final row's writers."""
+    import numpy as np
+
+    last = np.asarray(matrix)[-1]
+    gen = last[prompt_len:]
+    gen = gen[gen >= 0]
+    t = int((gen == 1).sum())
+    return (HOW + f"Rows are steps (time runs down), columns cache slots; green = teacher-written, orange = "
+            f"student-written. The first {prompt_len} slots are the prompt (the teacher's prefill). At the end of "
+            f"{label}, {t} of the {len(gen)} generated entries are teacher-written ({fmt(100 * t / max(1, len(gen)), 0)} %).")
+
+
+# --- notebook 05: eviction -------------------------------------------------------------------------------------
+def read_evict_matched(table: pd.DataFrame) -> str:
+    """``evict_matched``: ``full``, ``confkv``, ablations and fixed-budget rows at matched memory."""
+    one = single_prompt(table)
+    full, ck = _row(table, "full"), _row(table, "confkv")
+    if full is None or ck is None:
+        raise ValueError("read_evict_matched needs rows 'full' and 'confkv'")
+    parts = [HOW + "Every row decodes the same prompts with the same seeds. Lower teacher-PPL and lower KL to the "
+             "full cache are better; Δ PPL vs full is the paired difference (0 = as good as keeping everything). "
+             "Memory is matched: each fixed-budget family's budget was solved so its mean KV memory equals "
+             "Conf-KV's (`memory vs target` ≈ 1). " + spread_sentence(table)]
+    parts.append(f"Conf-KV keeps {fmt(float(ck.mean_mb) / float(full.mean_mb) * 100, 0)} % of the full cache's mean "
+                 f"memory; its Δ PPL vs full: {interval_verdict(ck.d_teacher_ppl_vs_full, ck.d_teacher_ppl_vs_full_lo, ck.d_teacher_ppl_vs_full_hi, one)}.")
+    fixed = table[table.matched_by == "solved budget"]
+    if len(fixed):
+        order = ", ".join(f"{r.policy} {fmt(r.teacher_ppl, 2)}" for r in fixed.sort_values("teacher_ppl").itertuples())
+        beats = [r.policy for r in fixed.itertuples() if r.teacher_ppl > ck.teacher_ppl]
+        parts.append(f"At the same memory, fixed budgets score (PPL, best first): {order}; Conf-KV "
+                     f"({fmt(ck.teacher_ppl, 2)}) beats {len(beats)} of {len(fixed)}"
+                     f"{' (' + ', '.join(beats) + ')' if beats else ''}.")
+    sl = _row(table, "sliding")
+    if sl is not None and sl.teacher_ppl > full.teacher_ppl:
+        closed = (sl.teacher_ppl - ck.teacher_ppl) / (sl.teacher_ppl - full.teacher_ppl)
+        parts.append(f"Conf-KV closes {fmt(100 * closed, 0)} % of the sliding-window → full-cache PPL gap here; "
+                     f"{CONFKV} reports {CONFKV_GAP_CLOSED:.0%} for Conf-KV-L on GPT-2.")
+    abl = {p: _row(table, p) for p in CONFKV_ABLATION}
+    have = {p: float(r.teacher_ppl) for p, r in abl.items() if r is not None}
+    if len(have) > 1:
+        here = " > ".join(f"{p} {fmt(v, 2)}" for p, v in sorted(have.items(), key=lambda kv: -kv[1]))
+        paper = " > ".join(f"{p} {CONFKV_ABLATION[p]}" for p in sorted(have, key=lambda p: -CONFKV_ABLATION[p]))
+        same = sorted(have, key=have.get) == sorted(have, key=CONFKV_ABLATION.get)
+        parts.append(f"Same schedule, other ranking (the paper's matched-rate ablation): here {here}; the paper: {paper}"
+                     f" — {'the same order' if same else 'a different order'}.")
+    off = table[(table.mem_vs_target - 1).abs() > 0.1]
+    off = off[~off.policy.isin(["full"])]
+    if len(off):
+        parts.append("Not matched within 10 %: " + ", ".join(f"{r.policy} (×{fmt(r.mem_vs_target, 2)})"
+                                                             for r in off.itertuples()) + " — compare those with care.")
+    return _join(parts)
+
+
+def read_needle(table: pd.DataFrame) -> str:
+    """The long needle table (``policy``, ``length``, ``depth``, ``accuracy``)."""
+    acc = table.groupby("policy", sort=False)["accuracy"].mean()
+    full = acc.get("full", float("nan"))
+    n = int(table.groupby("policy")["n"].sum().max()) if "n" in table else len(table)
+    parts = [HOW + "1.00 = every hidden passkey retrieved exactly; higher is better. Depth 0 hides the key at the "
+             f"start of the haystack (oldest entries), 1 at the end. {plural(n, 'case')} per policy"
+             f"{' — a handful: one miss moves a cell a lot' if n < 10 else ''}."]
+    if full < 1:
+        parts.append(f"The full cache itself retrieves only {fmt(full, 2)}: misses here are partly the model's, not "
+                     "the eviction policy's.")
+    else:
+        parts.append("The full cache retrieves every key, so each miss below is the eviction policy's.")
+    rest = acc.drop("full", errors="ignore").sort_values(ascending=False)
+    parts.append("Mean accuracy: " + ", ".join(f"{p} {fmt(v, 2)}" for p, v in rest.items()) + ".")
+    deep = table[table.depth == table.depth.min()].groupby("policy", sort=False)["accuracy"].mean().drop("full", errors="ignore")
+    lost = [p for p, v in deep.items() if v == 0]
+    if lost:
+        parts.append(f"At depth {fmt(float(table.depth.min()), 2)} (the oldest entries) {', '.join(lost)} never "
+                     "retrieve the key: they evicted it.")
+    parts.append(f"{cap(CONFKV)} reports that Conf-KV preserves needle-in-a-haystack retrieval at matched memory; "
+                 f"{OPENVINO} keeps a never-evicted start area and evicts whole blocks by accumulated attention.")
+    return _join(parts)
+
+
+def read_survivors(frame: pd.DataFrame, live: list[int], prompt_len: int) -> str:
+    """After eviction: how many of the prompt's ledger rows are still in the cache, and which."""
+    alive = sorted(i for i in live if i < prompt_len)
+    total = len(live)
+    if not alive:
+        what = "none of the prompt's entries survive: the cache holds only generated tokens"
+    else:
+        first = [i for i in alive if i < 8]
+        what = (f"{len(alive)} of the prompt's {prompt_len} entries survive ({fmt(100 * len(alive) / prompt_len, 0)} %)"
+                f"{f', {len(first)} of them among the first 8 (the attention sinks)' if first else ''}")
+    return (HOW + f"Each column is a cache snapshot; a line joins a slot to the ledger row it holds. At the end the "
+            f"cache holds {plural(total, 'entry', 'entries')}; {what}. Survivors keep their RoPE positions (lower panel).")
+
+
+def read_pareto(summary: pd.DataFrame, x: str, y: str, mask) -> str:
+    """Which configs are Pareto-optimal in (x cost, y quality), both lower-is-better."""
+    front = summary[list(mask)].sort_values(x)
+    return (HOW + f"Down and left is better (lower `{y}` for less `{x}`). Circled: the Pareto front, configs no other "
+            f"config beats on both: {', '.join(front.policy)}. Every other point is dominated. "
+            + spread_sentence(summary.assign(n_prompts=summary.get("n_runs", 1))))
+
+
+__all__ = ["read_baselines", "read_periodic", "read_entropy", "read_methods", "read_timing", "read_forced",
+           "costs_frame", "read_trace", "read_provenance", "read_evict_matched", "read_needle", "read_survivors",
+           "read_pareto", "smoke_banner", "interval_verdict", "spread_sentence"]

@@ -1,0 +1,102 @@
+"""The "how to read this" texts are computed from the table they sit under, and the table views format
+numbers for reading (plain Python; one test builds a real baselines table on the tiny pair)."""
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+
+from kvlab import readings as R
+from kvlab.tableview import fmt, plural, show
+
+
+def _baselines(ppl, n=8, std=0.3):
+    return pd.DataFrame([{"policy": p, "teacher_ppl": v, "kl": k, "repeat3": r, "teacher_ppl_std": std if n > 1 else 0.0,
+                          "kl_std": 0.1, "repeat3_std": 0.1, "n_prompts": n}
+                         for p, v, k, r in zip(("teacher", "overfill", "student"), ppl, (0.0, 0.5, 0.6), (0.1, 0.5, 0.2))])
+
+
+def test_fmt_and_plural():
+    assert fmt(-0.0004) == "0.000" and fmt(-0.0004, signed=True) == "0.000" and fmt(0.0) == "0.000"
+    assert fmt(-0.0126) == "-0.013" and fmt(0.0126, signed=True) == "+0.013" and fmt(float("nan")) == "–"
+    assert fmt(7) == "7" and fmt(2.5, 1) == "2.5"
+    assert plural(1, "prompt") == "1 prompt" and plural(2, "prompt") == "2 prompts" and plural(0, "entry", "entries") == "0 entries"
+
+
+def test_show_hides_std_and_intervals_when_one_prompt_and_keeps_the_full_frame():
+    t = pd.DataFrame([{"policy": "a", "ppl": 2.0, "ppl_std": 0.5, "d": -0.00001, "d_lo": -0.2, "d_hi": 0.1, "n_prompts": 3,
+                       "secret_column": 1}])
+    cols = {"policy": "policy", "teacher-PPL ↓": ("ppl", "ppl_std"), "Δ (95 % CI)": ("d", "d_lo", "d_hi"),
+            "std": "ppl_std", "missing": "not_there"}
+    v = show(t, cols)
+    assert list(v.frame.columns) == ["policy", "teacher-PPL ↓", "Δ (95 % CI)", "std"]
+    assert v.frame.iloc[0].tolist() == ["a", "2.000 ± 0.500", "0.000 [-0.200, +0.100]", "0.500"]
+    assert v.full is t and "secret_column" in v.full
+    one = show(t.assign(n_prompts=1), cols)
+    assert list(one.frame.columns) == ["policy", "teacher-PPL ↓", "Δ (95 % CI)"]       # std column hidden at n = 1
+    assert one.frame.iloc[0].tolist() == ["a", "2.000", "0.000"]                        # no ± and no interval
+    assert "<table" in v._repr_html_() and "teacher-PPL ↓" in v.to_markdown()
+
+
+@pytest.mark.parametrize("ppl, verdict", [((2.9, 4.7, 3.3), "contradicts"), ((1.64, 1.88, 2.35), "agrees")])
+def test_baselines_reading_follows_the_numbers(ppl, verdict):
+    text = R.read_baselines(_baselines(ppl))
+    T, O, S = ppl
+    assert f"({fmt(O, 2)} vs {fmt(S, 2)})" in text
+    assert ("OverFill scores better" in text) == (O < S) and ("OverFill scores worse" in text) == (O > S)
+    assert verdict in text and "1.64 < OverFill 1.88 < Student 2.35" in text
+    assert "8 prompts" in text
+
+
+def test_baselines_reading_says_when_the_gap_is_within_the_spread_and_when_there_is_one_prompt():
+    assert "do not settle it" in R.read_baselines(_baselines((2.0, 3.1, 3.0), std=0.5))
+    assert "do not settle it" not in R.read_baselines(_baselines((2.0, 4.0, 3.0), std=0.5))
+    one = R.read_baselines(_baselines((2.0, 3.1, 3.0), n=1))
+    assert "One prompt: there is no spread" in one and "1 prompts" not in one
+
+
+def test_interval_verdict():
+    assert "better" in R.interval_verdict(-0.1, -0.2, -0.01, False)
+    assert "worse" in R.interval_verdict(0.1, 0.01, 0.2, False)
+    assert "no measurable change" in R.interval_verdict(0.0, -0.1, 0.1, False)
+    assert "one prompt" in R.interval_verdict(0.1, 0.1, 0.1, True)
+
+
+def test_evict_reading_computes_the_gap_closed_and_the_ablation_order():
+    rows = [("full", "reference", 2.0, 1.0), ("confkv", "target", 2.5, 1.0), ("sliding", "solved budget", 4.0, 1.0),
+            ("h2o", "solved budget", 2.2, 1.0), ("confkv_recency", "Conf-KV schedule", 3.0, 1.3),
+            ("random_rate", "Conf-KV eviction rate", 5.0, 1.0)]
+    t = pd.DataFrame([{"policy": p, "matched_by": m, "teacher_ppl": v, "mem_vs_target": mem, "mean_mb": 1.0 if p != "full" else 4.0,
+                       "d_teacher_ppl_vs_full": v - 2.0, "d_teacher_ppl_vs_full_lo": v - 2.2, "d_teacher_ppl_vs_full_hi": v - 1.8,
+                       "n_prompts": 4} for p, m, v, mem in rows])
+    text = R.read_evict_matched(t)
+    assert "closes 75 % of the sliding-window" in text          # (4.0 - 2.5) / (4.0 - 2.0)
+    assert "beats 1 of 2 (sliding)" in text and "keeps 25 %" in text
+    assert "random_rate 5.00 > confkv_recency 3.00 > confkv 2.50" in text and "the same order" in text
+    assert "confkv_recency (×1.30)" in text and "treat the intervals as rough" in text
+
+
+def test_needle_reading_blames_the_model_when_the_full_cache_misses():
+    t = pd.DataFrame([{"policy": p, "length": 128, "depth": d, "accuracy": a, "n": 1}
+                      for p, d, a in [("full", 0.0, 1.0), ("full", 1.0, 0.0), ("h2o", 0.0, 0.0), ("h2o", 1.0, 1.0)]])
+    text = R.read_needle(t)
+    assert "retrieves only 0.50" in text and "h2o never retrieve" in text and "2 cases" in text
+
+
+def test_baselines_reading_matches_a_real_table(tiny_teacher, tiny_student, tmp_path):
+    """Build the baselines table on the tiny pair (seconds); every number the reading quotes is the table's."""
+    from kvlab.baselines import baselines
+    from kvlab.experiment import RunSpec
+    from kvlab.store import RunStore
+
+    table, _ = baselines(tiny_teacher, tiny_student, RunSpec(prompts=("abc", "hello there"), tokens=4),
+                         RunStore(tmp_path), progress=False)
+    text = R.read_baselines(table)
+    r = table.set_index("policy")
+    O, S = r.loc["overfill", "teacher_ppl"], r.loc["student", "teacher_ppl"]
+    assert f"({fmt(O, 2)} vs {fmt(S, 2)})" in text
+    assert ("scores better" in text) == (O < S)
+    order = re.search(r"Here, by teacher-PPL: (.*?)\. \*\*OverFill", text).group(1)
+    assert order == " < ".join(f"{p} {fmt(r.loc[p, 'teacher_ppl'], 2)}" for p in r["teacher_ppl"].sort_values().index)
+    assert "2 prompts" in text
