@@ -177,7 +177,9 @@ def needle_markdown(table: pd.DataFrame) -> str:
         parts.append(f"Exact passkey retrieval by {label} (mean over the other axis):\n\n"
                      + to_markdown(pv.reset_index(), floatfmt=".2f"))
     n = int(table.n.sum() / max(1, table.policy.nunique()))
-    return "\n".join(parts) + f"\n{n} prompts per policy; greedy; accuracy = exact 5-digit match.\n"
+    from .tableview import plural
+
+    return "\n".join(parts) + f"\n{plural(n, 'prompt')} per policy; greedy; accuracy = exact 5-digit match.\n"
 
 
 __all__ = ["NeedleCase", "build_case", "make_cases", "parse_key", "is_correct", "digits_correct", "needle_config",

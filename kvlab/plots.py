@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .figbase import figure, new_figure
+from .tableview import plural
 
 POLICY_COLORS = {"teacher": "#1b9e77", "overfill": "#7570b3", "student": "#d95f02"}
 
@@ -29,7 +30,8 @@ def baselines_figure(tables):
                               ["teacher-PPL ↓", "KL(p_T‖q) nats ↓", "repeat@3 ↓"]):
         _bars(ax, df, col, label, colors)
     n = int(df["n_prompts"].iloc[0]) if "n_prompts" in df else 0
-    fig.suptitle(f"Baselines (no refresh): {n} prompts × {int(df['tokens'].iloc[0])} tokens, mean ± per-prompt std")
+    spread = "mean ± per-prompt std" if n > 1 else "one prompt: no spread"
+    fig.suptitle(f"Baselines (no refresh): {plural(n, 'prompt')} × {int(df['tokens'].iloc[0])} tokens, {spread}")
     fig.tight_layout()
     return fig
 
@@ -143,8 +145,8 @@ def refresh_pareto_figure(tables):
     t = tables["refresh_timing"]
     df = q.merge(t[["policy", "overhead_pct", "overhead_pct_q25", "overhead_pct_q75", "pairs"]], on="policy",
                  how="inner", suffixes=("_stored", ""))
-    fig = new_figure(figsize=(14, 4.8))
-    gs = fig.add_gridspec(1, 3, width_ratios=[1, 1, 0.75])
+    fig = new_figure(figsize=(15, max(5.2, 1.8 + 0.3 * len(df))))
+    gs = fig.add_gridspec(1, 3, width_ratios=[1, 1, 0.95])
     axes = [fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1])]
     tab_ax = fig.add_subplot(gs[0, 2])
     handles = {}
@@ -162,16 +164,16 @@ def refresh_pareto_figure(tables):
         ax.set_title(label)
         ax.grid(linestyle=":", linewidth=0.6)
         ax.margins(0.12)
-    fig.legend(list(handles.values()), list(handles.keys()), fontsize=7, loc="lower center", ncol=len(handles),
+    fig.legend(list(handles.values()), list(handles.keys()), fontsize=9, loc="lower center", ncol=len(handles),
                frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     for ax, m in zip(axes, ["kl", "teacher_ppl"]):
         labels = [str(n) for n in range(1, len(df) + 1)]
         px = ax.transData.transform(np.column_stack([df["overhead_pct"], df[m]]))
         for (x, y), lab, off in zip(zip(df["overhead_pct"], df[m]), labels,
-                                    place_labels(ax, px, labels, 7, fig.dpi)):
+                                    place_labels(ax, px, labels, 8, fig.dpi)):
             far = abs(off[0]) > 8 or abs(off[1]) > 15
-            ax.annotate(lab, (x, y), xytext=off, textcoords="offset points", fontsize=7,
+            ax.annotate(lab, (x, y), xytext=off, textcoords="offset points", fontsize=8,
                         ha="right" if off[0] < 0 else ("center" if off[0] == 0 else "left"), va="bottom",
                         arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"} if far else None)
     tab_ax.axis("off")
@@ -179,10 +181,10 @@ def refresh_pareto_figure(tables):
     table = tab_ax.table(cellText=cells, colLabels=["#", "policy", "overhead %", "ΔKL"], loc="center",
                          colLoc="left", cellLoc="left", colWidths=[0.08, 0.5, 0.24, 0.18])
     table.auto_set_font_size(False)
-    table.set_fontsize(7)
-    table.scale(1, 1.15)
+    table.set_fontsize(10)          # the side table must read like the axes' labels, not ~7 px text
+    table.scale(1, 1.6)
     n = int(df["n_prompts"].iloc[0])
-    fig.suptitle(f"Refresh policies on OverFill: quality ({n} prompts × {int(df['tokens'].iloc[0])} tokens, stored runs) "
+    fig.suptitle(f"Refresh policies on OverFill: quality ({plural(n, 'prompt')} × {int(df['tokens'].iloc[0])} tokens, stored runs) "
                  f"vs overhead ({int(df['pairs'].iloc[0])} side-by-side timed pairs per policy)")
     return fig
 
@@ -234,7 +236,7 @@ def mc_real_figure(tables):
             ax.set_ylabel(label, fontsize=8)
             ax.grid(linestyle=":", linewidth=0.6)
     c0 = corr.iloc[0]
-    fig.suptitle(f"MC dropout on the student: {int(c0['prompts'])} prompts, {int(c0['steps'])} probed steps per p, "
+    fig.suptitle(f"MC dropout on the student: {plural(c0['prompts'], 'prompt')}, {int(c0['steps'])} probed steps per p, "
                  f"N = {int(c0['n_passes'])} passes")
     fig.tight_layout()
     return fig

@@ -350,3 +350,75 @@ def read_pareto(summary: pd.DataFrame, x: str, y: str, mask) -> str:
 __all__ = ["read_baselines", "read_periodic", "read_entropy", "read_methods", "read_timing", "read_forced",
            "costs_frame", "read_trace", "read_provenance", "read_evict_matched", "read_needle", "read_survivors",
            "read_pareto", "smoke_banner", "interval_verdict", "spread_sentence"]
+
+
+def read_ledger(ledger: pd.DataFrame, prompt_len: int, mode: str = "overfill") -> str:
+    """The cache ledger of one decode (``KVCache.to_frame`` + a ``text`` column): prompt rows, y₁'s writer."""
+    prompt = ledger[ledger.step == -1]
+    gen = ledger[ledger.step >= 0]
+    writers = ", ".join(f"{w} ×{n}" for w, n in prompt.writer.value_counts().items())
+    parts = [HOW + f"One row per cache entry: token, RoPE position, the model that computed its K/V (`writer`) and "
+             f"the decode step that wrote it. The first {prompt_len} rows are the prompt, written in one prefill "
+             f"before any token is generated, hence `step = -1` ({writers})."]
+    if len(prompt) and "text" in ledger:
+        head = "".join(prompt.text.head(3)).replace("\n", "⏎")
+        tail = "".join(prompt.text.tail(3)).replace("\n", "⏎")
+        parts.append(f"The prompt starts with `{head}` and ends with `{tail}`: the tokenizer's chat template wraps your "
+                     "text in role markers, so the model answers as the assistant; they are real tokens in the cache.")
+    if len(gen):
+        y1 = gen.iloc[0]
+        if mode == "overfill":
+            parts.append(f"The first generated entry (y₁, step {int(y1.step)}) shows writer **{y1.writer}**: the teacher's "
+                         "prefill logits *chose* y₁, but y₁'s K/V is computed when the decoder reads it back at the next "
+                         "step — the cache lags the emitted token by one entry — and in OverFill that decoder is the "
+                         "student.")
+        n_s = int((gen.writer == "student").sum())
+        parts.append(f"Of the {len(gen)} generated entries, {n_s} are student-written.")
+    return _join(parts)
+
+
+def read_steps(records) -> str:
+    """One decode's step records: how unsure the decoder was, step by step."""
+    recs = list(records)
+    if not recs:
+        return HOW + "No steps were decoded."
+    import statistics
+
+    h = [r.entropy_bits for r in recs]
+    p1 = [r.top1_prob for r in recs]
+    unsure = [r.step for r in recs if r.top1_prob < 0.5]
+    by = ", ".join(f"{w} ×{n}" for w, n in pd.Series([r.source for r in recs]).value_counts().items())
+    return (HOW + "`H` is the entropy of the next-token distribution in bits (0 = certain; high = many plausible "
+            "tokens), `p1` the probability of the most likely token, `cache` the entries after the step, `by` the "
+            f"model whose logits chose the token. Over {plural(len(recs), 'step')}: median H = "
+            f"{fmt(statistics.median(h), 2)} bits, median p1 = {fmt(statistics.median(p1), 2)}; "
+            f"{plural(len(unsure), 'step')} had p1 < 0.5 (the decoder was unsure there). Tokens chosen by: {by}.")
+
+
+def read_confidence(records, gamma: float) -> str:
+    """A Conf-KV run's records: how often it was confident (tight budget) and what the cache did."""
+    recs = [r for r in records if "confidence" in r.signals]
+    if not recs:
+        return HOW + "No step carried a Conf-KV confidence (no eviction policy ran)."
+    conf = [r for r in recs if r.signals["confidence"] >= gamma]
+    cut = [r for r in recs if r.evicted]
+    lens = [r.cache_len for r in records]
+    return (HOW + f"The upper line is Conf-KV's confidence per step (higher = surer), γ = {fmt(gamma, 2)} the dashed "
+            "line: at or above it the tight budget applies, below it the loose one; the lower panel is the cache "
+            f"length. {len(conf)} of {len(recs)} steps were confident; the cache was cut at "
+            f"{plural(len(cut), 'step')}, and its length ranged {min(lens)}–{max(lens)} entries. "
+            "Conf-KV's premise (from the paper): a confident step needs less context, so the cache can shrink "
+            "there and grow back while the model is unsure — a sawtooth.")
+
+
+def read_sawtooth(saw: pd.DataFrame) -> str:
+    """``evict_sawtooth``: per-policy cache length per step on one prompt."""
+    g = saw.groupby("policy", sort=False)["cache_len"]
+    stats = ", ".join(f"{p} {int(lo)}–{int(hi)}" for p, (lo, hi) in g.agg(["min", "max"]).iterrows())
+    ck = saw[saw.policy == "confkv"]
+    ups = int((ck.cache_len.diff() > 0).sum()) if len(ck) else 0
+    downs = int((ck.cache_len.diff() < 0).sum()) if len(ck) else 0
+    return (HOW + f"Cache length per step on one prompt (lower = less memory; quality is in the table below). "
+            f"Range per policy: {stats}. Conf-KV's cache grew at {plural(ups, 'step')} and was cut at "
+            f"{plural(downs, 'step')}: {'a sawtooth' if ups and downs else 'no sawtooth on this run'}; the fixed "
+            "budgets stay flat once full.")

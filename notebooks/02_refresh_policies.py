@@ -14,14 +14,20 @@
 # ---
 
 # %% [markdown]
-# # Refresh policies on OverFill
+# # 02 · Refresh policies on OverFill
 #
-# OverFill decodes with the student on a cache the teacher prefilled; the student's cache updates
-# `F_S` drift from the teacher's `F_T`. A **refresh** lets the teacher prefill only the tokens it has
-# not seen (Δ) on its own cache, then splices its K/V over the last `k = min(W, |Δ|)` student
-# entries (seed 000, "KV Cache Refresh"). This notebook shows one entropy-gated generation, which
-# cache entries come from which model over time, and the refresh tables over a prompt set.
-# All logic is in `kvlab.refresh`, `kvlab.policies`, `kvlab.refresh_tables`.
+# OverFill (notebook 01) decodes with the student on a cache the teacher prefilled; the entries the
+# student writes, `F_S`, drift from what the teacher would have written, `F_T`. A **refresh** lets the
+# teacher prefill only the tokens it has not seen yet (Δ) on its own cache, then splices its K/V over the
+# student's stale entries (the last `k = min(W, |Δ|)` of them) — the *KV Cache Refresh* section of the blog
+# *KV-Cache Refresh Methods for Long Generation* (Emara, Kim & Abdelfattah 2025; code:
+# [friendshipkim/overfill](https://github.com/friendshipkim/overfill)). The blog refreshes periodically
+# (every T tokens), when the student's entropy crosses a threshold τ, after a probe KL exceeds κ, or in
+# small speculative bursts of k tokens.
+#
+# This notebook shows one entropy-gated generation, which cache entries come from which model over time,
+# and the blog's refresh tables over a prompt set, each with a computed **How to read this**. All logic is
+# in `kvlab.refresh`, `kvlab.policies`, `kvlab.refresh_tables`, `kvlab.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -35,19 +41,21 @@ TIMING_REPEATS = 1 if SMOKE else 3    # side-by-side timings per prompt and poli
 SEED = 0
 
 # %%
-
 from IPython.display import Markdown, display
 
+from kvlab import readings
 from kvlab.data import calibration_file, load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
-from kvlab.experiment import RunSpec, to_markdown
+from kvlab.experiment import RunSpec
 from kvlab.models import load_pair
 from kvlab.plots import plot_entropy_trace, plot_provenance, refresh_pareto_figure
 from kvlab.policies import EntropyGate, Periodic
 from kvlab.refresh import provenance, run_costs
 from kvlab.refresh_tables import calibrate, refresh_tables, timing_note
 from kvlab.store import RunStore
+from kvlab.tableview import show
 
+display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair()  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 store = RunStore()
@@ -58,10 +66,11 @@ calib = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(calibration_file
 # %% [markdown]
 # ## Calibrating τ
 # τ is a percentile of the student's next-token entropy over no-refresh OverFill runs on the
-# calibration prompts (the seed suggests the 95th–97th); `tau_budget` targets ~2.5 refreshes / 1k tokens.
+# calibration prompts (the blog suggests the 95th–97th); `tau_budget` targets ~2.5 refreshes / 1k tokens.
+# κ is the same for the probe KL.
 
 # %%
-cal = calibrate(teacher, student, calib, store)
+cal = calibrate(teacher, student, calib, store, progress=True)
 tau = cal.tau(95)
 print(f"{len(cal.entropy)} calibration steps: τ95 = {tau:.2f} bits, τ(2.5/1k) = {cal.tau_budget():.2f} bits, "
       f"κ90 = {cal.kappa(90):.3f} nats")
@@ -75,8 +84,11 @@ prompt = spec.prompts[0]
 gate = Decoding(teacher, student, prompt, DecodeConfig(max_new_tokens=TRACE_TOKENS, sampling=sampling,
                                                        refresh=EntropyGate(tau)))
 records, matrix_gate = provenance(gate)
-print(run_costs(records))
+display(show(readings.costs_frame(run_costs(records)), {"cost of this run": "cost", "value": "value"}))
 plot_entropy_trace(records, tau, title=f"EntropyGate(τ={tau:.2f}) on: {prompt[:60]}…")
+
+# %%
+display(Markdown(readings.read_trace(records, tau)))
 
 # %% [markdown]
 # ## Where the cache entries come from
@@ -86,13 +98,20 @@ plot_entropy_trace(records, tau, title=f"EntropyGate(τ={tau:.2f}) on: {prompt[:
 
 # %%
 T = max(2, TRACE_TOKENS // 6)
+W = max(1, T // 2)
 per = Decoding(teacher, student, prompt, DecodeConfig(max_new_tokens=TRACE_TOKENS, sampling=sampling,
-                                                      refresh=Periodic(T, W=max(1, T // 2))))
+                                                      refresh=Periodic(T, W=W)))
 _, matrix = provenance(per)
-plot_provenance(matrix, len(per.prompt_ids), title=f"Periodic(T={T}, W={max(1, T // 2)}): teacher (green) vs student (orange)")
+plot_provenance(matrix, len(per.prompt_ids), title=f"Periodic(T={T}, W={W}): teacher (green) vs student (orange)")
+
+# %%
+display(Markdown(readings.read_provenance(matrix, len(per.prompt_ids), f"Periodic(T={T}, W={W})")))
 
 # %%
 plot_provenance(matrix_gate, len(gate.prompt_ids), title="EntropyGate: teacher (green) vs student (orange)")
+
+# %%
+display(Markdown(readings.read_provenance(matrix_gate, len(gate.prompt_ids), f"EntropyGate(τ={tau:.2f})")))
 
 # %% [markdown]
 # ## The refresh tables
@@ -101,16 +120,48 @@ plot_provenance(matrix_gate, len(gate.prompt_ids), title="EntropyGate: teacher (
 # overhead does not: it is a ratio of times, so `refresh_timing` re-times each policy and the
 # no-refresh run back to back in this kernel (same prompt and seed, fixed N, order alternating,
 # repeated) and reports the median per-pair overhead with its quartiles; the `none` row times no
-# refresh against itself, the noise floor.
+# refresh against itself, the noise floor. This cell runs every policy (minutes on a CPU; stored runs
+# are reused) and prints its progress.
 
 # %%
-tables = refresh_tables(teacher, student, spec, store, calib, progress=False, timing_repeats=TIMING_REPEATS)
-for name in ("refresh_periodic", "refresh_entropy", "refresh_methods"):
-    display(Markdown(f"### {name}\n" + to_markdown(tables[name].round(4))))
-display(Markdown("### refresh_timing\n" + timing_note(tables["refresh_timing"]) + to_markdown(tables["refresh_timing"].round(3))))
+tables = refresh_tables(teacher, student, spec, store, calib, progress=True, timing_repeats=TIMING_REPEATS)
+QUALITY = {"policy": "policy", "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"), "KL(p_T‖q) ↓": ("kl", "kl_std"),
+           "ΔKL vs none (95 % CI)": ("d_kl", "d_kl_lo", "d_kl_hi"), "repeat@3 ↓": ("repeat3", "repeat3_std"),
+           "refreshes": "refreshes", "teacher tokens": "teacher_tokens", "prompts": "n_prompts"}
+periodic = show(tables["refresh_periodic"], {**QUALITY, "T": "T"})
+periodic       # every column: periodic.full
+
+# %%
+display(Markdown(readings.read_periodic(tables["refresh_periodic"])))
+
+# %%
+entropy = show(tables["refresh_entropy"], {"policy": "policy", "τ (bits)": "tau_bits", "percentile": "percentile",
+                                           "refreshes / 1k tokens": "refreshes_per_1k", **QUALITY})
+display(entropy)
+display(Markdown(readings.read_entropy(tables["refresh_entropy"])))
+
+# %%
+methods = show(tables["refresh_methods"], {**QUALITY, "next token after a refresh": "refresh_next",
+                                           "probe tokens": "probe_tokens"})
+display(methods)
+display(Markdown(readings.read_methods(tables["refresh_methods"])))
+
+# %%
+timing = show(tables["refresh_timing"], {"policy": "policy", "overhead % (median)": "overhead_pct",
+                                         "q25": "overhead_pct_q25", "q75": "overhead_pct_q75", "timed pairs": "pairs",
+                                         "refreshes": "refreshes"}, digits=1)
+display(Markdown(timing_note(tables["refresh_timing"])))
+display(timing)
+display(Markdown(readings.read_timing(tables["refresh_timing"])))
 
 # %%
 refresh_pareto_figure({"refresh_all": tables["refresh_all"], "refresh_timing": tables["refresh_timing"]})
+
+# %% [markdown]
+# **How to read this.** Each numbered point is one policy (the table on the right names it): x is its
+# latency overhead over no refresh, y its quality; down and left is better. Horizontal bars are the
+# quartiles of the timed pairs, vertical bars the paired 95 % interval vs no refresh (none with one
+# prompt). A policy is worth its cost only if its point sits below `none` (point 1) by more than its bar.
 
 # %% [markdown]
 # ## The mechanism with the tokens held fixed
@@ -121,6 +172,9 @@ refresh_pareto_figure({"refresh_all": tables["refresh_all"], "refresh_timing": t
 # %%
 from kvlab.forced import forced_table
 
+print(f"forced table: {len(spec.prompts)} prompt(s) × 4 cache conditions", flush=True)
 forced, _ = forced_table(teacher, student, spec.prompts, store, tokens=TOKENS, split=TOKENS // 2,
                          window=max(1, min(8, TOKENS // 2 - 1)))
-display(Markdown(to_markdown(forced.round(4))))
+display(show(forced, {"cache written by": "condition", "KL(p_T‖q_S) ↓": ("kl", "kl_std"),
+                      "ΔKL vs OverFill (95 % CI)": ("d_kl_vs_overfill", "d_lo", "d_hi"), "prompts": "n_prompts"}))
+display(Markdown(readings.read_forced(forced)))

@@ -16,7 +16,10 @@
 # %% [markdown]
 # # 05 · Cache eviction: Conf-KV, fixed budgets, and what they forget
 #
-# Seeds 002 (Conf-KV) and 003 (block eviction). An eviction policy *decides* which cache entries
+# Two sources: the Conf-KV paper (*Conf-KV: Confidence-Aware KV Cache Eviction with Mixed-Precision
+# Storage for Long-Horizon LLM*, Li & Miao 2026) and
+# [OpenVINO GenAI's KV-cache eviction](https://github.com/openvinotoolkit/openvino.genai/blob/master/site/docs/concepts/optimization-techniques/kvcache-eviction-algorithm.md)
+# (block-wise, H2O-style accumulated attention). An eviction policy *decides* which cache entries
 # survive a step (`kvlab.eviction`, one frozen dataclass per file); the cache module removes them
 # from the tensors and the live map in the same call (`KVCache.evict`). Survivors keep their RoPE
 # positions, so the model still sees the right distances.
@@ -30,7 +33,7 @@
 # This notebook: (1) one run step by step with the live map shrinking, (2) the confidence trace
 # with γ and the budget switching, (3) the sawtooth of every policy on one prompt, (4) the
 # matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.evict_tables`,
-# `kvlab.needle` and `kvlab.evict_plots`.
+# `kvlab.needle`, `kvlab.evict_plots`; the readings in `kvlab.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -40,7 +43,9 @@ PROMPTS = 1 if SMOKE else 2            # prompts of the matched-memory table
 TOKENS = 24 if SMOKE else 128          # new tokens per run
 STEP_TOKENS = 24 if SMOKE else 96      # the single run stepped through
 GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see README)
-TIGHT, LOOSE, PROTECT = (8, 16, 4) if SMOKE else (48, 112, 16)
+# Budgets in cache entries. The same in smoke mode: the loose budget must hold the whole prompt (~70
+# tokens with the chat template) or the prompt is gone at the first eviction, and every row degenerates.
+TIGHT, LOOSE, PROTECT = 48, 112, 16
 NEEDLE_LENGTHS = (128,) if SMOKE else (256, 512)
 NEEDLE_DEPTHS = (0.0, 1.0) if SMOKE else (0.0, 0.5, 1.0)
 NEEDLE_BUDGET = 64 if SMOKE else 128
@@ -50,21 +55,28 @@ SEED = 0
 # %matplotlib inline
 from IPython.display import Markdown, display
 
+from kvlab import readings
 from kvlab.data import load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
 from kvlab.eviction import ConfKV
 from kvlab.evict_plots import evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
 from kvlab.evict_tables import EvictStudy, NeedleGrid, evict_tables
-from kvlab.experiment import RunSpec, to_markdown
+from kvlab.experiment import RunSpec
 from kvlab.livemap import live_map_figure
 from kvlab.models import load_pair
 from kvlab.needle import needle_markdown
 from kvlab.store import RunStore
+from kvlab.tableview import show
 
+display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair()  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 prompt = load_prompts(n=1)[0]["prompt"]
 policy = ConfKV(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT)
+L = len(teacher.encode_prompt(prompt))
+if LOOSE < L:
+    raise ValueError(f"LOOSE={LOOSE} must be at least the prompt's {L} tokens, or the prompt is evicted at once")
+print(f"prompt: {L} tokens; budgets: tight {TIGHT}, loose {LOOSE}, protect {PROTECT}")
 policy
 
 # %% [markdown]
@@ -88,13 +100,13 @@ snapshots[f"end ({len(d.cache)} entries)"] = list(d.cache.live)
 print(repr(teacher.tokenizer.decode(d.tokens)))
 
 # %% [markdown]
-# The live map maps each cache slot to the ledger row it holds. After eviction the slots point at a
-# thinning subset of rows: the prompt's early entries (high attention mass) and the protected
-# newest ones survive; the lower panel shows their RoPE positions, unchanged by eviction.
+# The live map maps each cache slot to the ledger row it holds. After an eviction the slots point at a
+# thinning subset of rows; the lower panel shows their RoPE positions, unchanged by eviction.
 
 # %%
 fig = live_map_figure(d.cache.ledger_frame(), snapshots, title="Conf-KV: the live map shrinking")
 display(fig)
+display(Markdown(readings.read_survivors(d.cache.ledger_frame(), list(d.cache.live), len(d.prompt_ids))))
 
 # %% [markdown]
 # ## 2 · Confidence, γ and the budget
@@ -104,6 +116,7 @@ display(fig)
 # %%
 fig = plot_confidence_trace(records, GAMMA, title=f"Conf-KV(γ={GAMMA}, tight={TIGHT}, loose={LOOSE}, protect={PROTECT})")
 display(fig)
+display(Markdown(readings.read_confidence(records, GAMMA)))
 
 # %% [markdown]
 # ## 3 · The sawtooth, and 4 · the matched-memory table
@@ -111,25 +124,33 @@ display(fig)
 # Conf-KV's achieved mean KV memory is the target; each fixed-budget family's budget is solved so
 # its measured mean memory matches (the table shows target, achieved and their ratio). KL is to the
 # full-cache teacher on the run's own tokens; Δ columns are paired with a bootstrap 95 % interval.
+# This cell runs every policy and the passkey grid (minutes on a CPU) and prints its progress.
 
 # %%
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=PROMPTS)), tokens=TOKENS, sampling=sampling)
 study = EvictStudy(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, block_size=4 if SMOKE else 8)
 grid = NeedleGrid(NEEDLE_LENGTHS, NEEDLE_DEPTHS, 1, NEEDLE_BUDGET)
-tables = evict_tables(teacher, student, spec, RunStore(), study, grid, progress=False)
+tables = evict_tables(teacher, student, spec, RunStore(), study, grid, progress=True)
 display(evict_sawtooth_figure(tables))
+display(Markdown(readings.read_sawtooth(tables["evict_sawtooth"])))
 
 # %%
-cols = ["policy", "matched_by", "target_mb", "mean_mb", "mem_vs_target", "peak_len", "teacher_ppl", "teacher_ppl_std",
-        "d_teacher_ppl_vs_full", "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi", "kl", "kl_std", "repeat3", "tps"]
-display(Markdown(to_markdown(tables["evict_matched"][cols].round(4))))
+matched = show(tables["evict_matched"], {
+    "policy": "policy", "matched by": "matched_by", "mean KV MiB": "mean_mb", "memory vs target": "mem_vs_target",
+    "peak entries": "peak_len", "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"),
+    "Δ PPL vs full (95 % CI)": ("d_teacher_ppl_vs_full", "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi"),
+    "KL to full cache ↓": ("kl", "kl_std"), "repeat@3 ↓": "repeat3", "tokens/s": "tps", "prompts": "n_prompts"})
+matched        # every column (budgets found, solver probes, policy parameters): matched.full
+
+# %%
+display(Markdown(readings.read_evict_matched(tables["evict_matched"])))
 
 # %% [markdown]
 # ## 5 · Passkey retrieval
-# A passkey hidden at a depth of a filler haystack; the full cache retrieves it at these lengths on
-# the embedded model (measured, see the README), so a miss is the policy's. Every policy has the
-# same peak budget.
+# A passkey hidden at a depth of a filler haystack; every policy has the same peak budget. The reading
+# checks whether the full cache retrieves it at these lengths, so that a miss is the policy's.
 
 # %%
 display(Markdown(needle_markdown(tables["evict_needle"])))
 display(evict_needle_figure(tables))
+display(Markdown(readings.read_needle(tables["evict_needle"])))
