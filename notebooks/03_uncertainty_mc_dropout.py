@@ -19,7 +19,9 @@
 # The entropy gate refreshes the cache when the student is unsure. But entropy mixes two kinds
 # of uncertainty: **aleatoric** (the next token is genuinely ambiguous — "a car or a …") and
 # **epistemic** (the student's internal state has drifted from what the teacher would compute).
-# Only the second calls for a refresh. The blog's *Future Work* proposes MC dropout: run the
+# Only the second calls for a refresh. The *Future Work* section of the blog *KV-Cache Refresh
+# Methods for Long Generation* (Emara, Kim & Abdelfattah 2025; code:
+# [friendshipkim/overfill](https://github.com/friendshipkim/overfill)) proposes MC dropout: run the
 # student N times with random dropout masks and measure how much the passes disagree,
 #
 # $$U(t) = \frac{1}{D_{vocab}} \sum_{j=1}^{D_{vocab}} \mathrm{Var}\big(\{z_{i,j}\}_{i=1}^N\big).$$
@@ -45,6 +47,13 @@ PERCENTILE = 70                        # the blog's MC-variance percentile
 PROBE_EVERY = 4 if SMOKE else 16       # the gate's probe interval M
 REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 
+# %%
+from IPython.display import Markdown, display
+
+from kvlab import readings
+
+display(Markdown(readings.smoke_banner(SMOKE)))
+
 # %% [markdown]
 # ## Part 1 — the blog's simulation
 # Four phases: confident, epistemic drift (passes disagree *and* the distribution is flat),
@@ -53,8 +62,6 @@ REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 # blog's settings (`mcsim.SimConfig` defaults) are printed with the result.
 
 # %%
-from IPython.display import Markdown, display
-
 from kvlab import mcsim
 
 sim = mcsim.simulate()
@@ -85,7 +92,12 @@ display(Markdown(
     f"the drift, so the {sim.config.mcvar_pct:g}th percentile puts τ among their variances and noise crosses it."))
 
 # %%
-sim.phase_summary.round(4)
+from kvlab.tableview import show
+
+display(show(sim.phase_summary.reset_index(), {"phase": "phase", "steps": "steps", "mean entropy (bits)": "mean_entropy",
+                                               "mean MC variance U(t)": "mean_mcvar", "entropy gate fired (share)": "frac_entropy_fire",
+                                               "MC gate fired (share)": "frac_mcvar_fire"}, digits=4))
+display(Markdown(readings.read_phase_summary(sim.phase_summary)))
 
 # %% [markdown]
 # ## Part 2 — real MC dropout on the student
@@ -97,7 +109,7 @@ sim.phase_summary.round(4)
 # cache and throws the N noisy entries away, so the decoding cache is bit-identical afterwards.
 #
 # Per step we record the student's entropy (clean pass) and three MC signals:
-# * `u` — the seed's $U(t)$ (population variance across passes, i.e. numpy's `Z.var(axis=0)`),
+# * `u` — the blog's $U(t)$ (population variance across passes, i.e. numpy's `Z.var(axis=0)`),
 # * `mi` — mutual information (BALD): $H(\bar p) - \frac1N\sum_i H(p_i)$, nats,
 # * `flip` — the fraction of noisy passes whose argmax differs from the clean pass's.
 
@@ -132,7 +144,7 @@ def strength(r):
 display(Markdown(
     f"Over {int(c.steps)} probed steps ({len(prompts)} prompts × {N_TOKENS} tokens, N = {N_PASSES}, p = {P_DROP}): "
     f"r_U = {c.r_u:+.2f}, r_MI = {c.r_mi:+.2f}, r_flip = {c.r_flip:+.2f}. "
-    f"**The seed's U(t) is {strength(c.r_u)} the student's entropy; MI is {strength(c.r_mi)} it and the flip rate "
+    f"**The blog's U(t) is {strength(c.r_u)} the student's entropy; MI is {strength(c.r_mi)} it and the flip rate "
     f"{strength(c.r_flip)} it.** A plausible reason for U (not tested here): it averages the variance of all "
     f"{vocab:,} logits, so the tail that dropout shakes whatever the head of the distribution looks like weighs "
     f"as much as the head. MI and the flip rate look at probabilities and the argmax. A signal that *only* "
@@ -144,7 +156,7 @@ first[["step", "token", "entropy", "u", "mi", "flip"]].head(12).round(3)
 
 # %% [markdown]
 # ## The MCGate
-# `MCGate` is a refresh policy of the refresh loop (issue 3): `probe = "mc"`, every
+# `MCGate` is a refresh policy of the refresh loop (notebook 02): `probe = "mc"`, every
 # `probe_every` steps the loop runs the MC probe (N extra student passes, counted in the run's
 # cost), and the gate fires when the chosen signal exceeds its threshold at least `refractory`
 # steps after the last refresh. The threshold is calibrated as a percentile of the signal over
@@ -178,12 +190,16 @@ for i, df in traces.groupby("prompt"):
         rows.append({"prompt": i, "signal": sig, "fires": fired, "probes": probes,
                      "extra_student_passes": probes * g.n_passes, "decode_passes": len(df)})
 firings = pd.DataFrame(rows)
-firings
+display(firings)
+display(Markdown(readings.read_firings(firings)))
 
 # %%
 fires0 = {sig: mc.replay_gate(g, first) for sig, g in gates.items()}
 mc.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (p={P_DROP}, N={N_PASSES}); "
                                        "dashed = gate fires")
+
+# %%
+display(Markdown(readings.read_mc_trace(first, fires0)))
 
 # %% [markdown]
 # **Reading.** Compare the correlations measured above with the simulation: there $U(t)$ separates

@@ -16,12 +16,13 @@
 # %% [markdown]
 # # 04 · Cache surgery: one tick, two blades
 #
-# Seed 004 ("Step 4"): after a token is generated, an action list edits the KV cache — delete,
+# The *Positronic Brain* research request "Step 4 — Atomic KV Cache and Mirror Update": after a token
+# is generated, an action list edits the KV cache — delete,
 # insert, `replace_pair`, `add` — and the token mirror must receive *exactly* the same cut.
 # kvlab's `KVCache` keeps an append-only **ledger** (every entry ever written: token, RoPE
 # position, writer, step) and a **live map** (slot → ledger row). `KVCache.apply` validates the
 # whole list first, then splices every layer and the live map with one layout (one `torch.cat`
-# per layer), in the seed's descending order, appends last. On a failure it rebuilds the cache from
+# per layer), in the request's descending order, appends last. On a failure it rebuilds the cache from
 # the live map's tokens (no VRAM snapshot).
 #
 # Positions are **no-shift**: surviving entries keep the position they were written at (nothing
@@ -37,10 +38,14 @@ PREFIX_TOKENS = 8 if SMOKE else 24     # tokens generated before the tick
 AFTER_TOKENS = 6 if SMOKE else 24      # tokens generated after it
 
 # %%
+from IPython.display import Markdown, display
+
+from kvlab import readings
 from kvlab.decode import Decoding
 from kvlab.livemap import live_map_figure
 from kvlab.models import load_teacher
 
+display(Markdown(readings.smoke_banner(SMOKE)))
 lm = load_teacher()  # CUDA (bf16) when present, else CPU
 tok = lm.tokenizer
 d = Decoding(lm, None, PROMPT, mode="teacher", max_new_tokens=PREFIX_TOKENS)
@@ -52,7 +57,7 @@ cache
 # %% [markdown]
 # ## The tick
 # Slots refer to the cache *before* the tick. We delete a prompt token, insert a phrase inside the
-# generated text, merge two generated tokens into one, and `add` the pending token (the seed's way
+# generated text, merge two generated tokens into one, and `add` the pending token (the request's way
 # of writing the token that was just generated).
 
 # %%
@@ -75,7 +80,8 @@ cache.check()
 frame = cache.ledger_frame()
 fig = live_map_figure(frame, {"before": before_live, "after": cache.live}, labels=lambda t: tok.decode([t]),
                       title="live map before / after one tick")
-fig
+display(fig)
+display(Markdown(readings.read_tick(frame, before_live, list(cache.live), list(cache.positions))))
 
 # %%
 frame[(frame["origin"] != "written") | (frame["status"] != "live")]   # rows the tick wrote or retired

@@ -42,10 +42,14 @@ import tomllib
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from kvlab.experiment import to_markdown
+from kvlab import readings
+from kvlab.plots import place_labels
 from kvlab.results import Results
 from kvlab.sweep import parse_spec, run_sweep
 from kvlab.sweep.tables import config_summary, pareto_mask
+from kvlab.tableview import show
+
+display(Markdown(readings.smoke_banner(SMOKE)))
 
 # %% [markdown]
 # ## The grid
@@ -92,8 +96,10 @@ print(report)
 # %%
 rows = results.load(sweep=spec.name)            # every run tagged with this sweep, whoever computed it
 print(rows.shape, "errors:", int((rows["status"] != "ok").sum()))
-rows[["policy", "prompt_id", "seed", "teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens", "total_s",
-      "engine", "git_commit"]].head(12)
+show(rows.head(12), {"config": "policy", "prompt": "prompt_id", "seed": "seed", "teacher-PPL ↓": "teacher_ppl",
+                     "KL(p_T‖q) ↓": "kl", "repeat@3 ↓": "repeat3", "refreshes": "refreshes",
+                     "teacher tokens": "teacher_tokens", "run time (s)": "total_s", "engine": "engine",
+                     "commit": "git_commit"})   # every column: rows
 
 # %%
 one = rows[(rows["refresh"] == "entropy") & (rows["status"] == "ok")].iloc[0]
@@ -119,23 +125,32 @@ for ax, (x, xlabel), (y, ylabel) in zip(axes, [("teacher_tokens_per_token", "tea
     pts = summary[summary["policy"] != "teacher"] if x == "teacher_pct" else summary
     for fam, g in pts.groupby("family", sort=False):
         ax.scatter(g[x], g[y], color=colors.get(fam, "gray"), label=fam, s=36, zorder=3)
-        for r in g.itertuples():
-            ax.annotate(r.policy, (getattr(r, x), getattr(r, y)), fontsize=7, xytext=(3, 3), textcoords="offset points")
     front = pts[pareto_mask(pts[x], pts[y])].sort_values(x)
     ax.plot(front[x], front[y], color="k", lw=1, ls="--", zorder=2, label="Pareto front")
     ax.scatter(front[x], front[y], s=140, facecolors="none", edgecolors="k", zorder=4)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(linestyle=":", linewidth=0.6)
-axes[0].legend(fontsize=7)
-fig.suptitle(f"{spec.name}: {len(spec.prompts)} prompts × {TOKENS} tokens, means over prompts")
+    ax.margins(0.15)
+axes[0].legend(fontsize=8)
+fig.suptitle(f"{spec.name}: {readings.plural(len(spec.prompts), 'prompt')} × {TOKENS} tokens, means over prompts")
 fig.tight_layout()
+for ax, (x, y) in zip(axes, [("teacher_tokens_per_token", "kl"), ("teacher_pct", "teacher_ppl")]):
+    pts = summary[summary["policy"] != "teacher"] if x == "teacher_pct" else summary
+    px = ax.transData.transform(pts[[x, y]].to_numpy(dtype=float))
+    for (vx, vy), lab, off in zip(pts[[x, y]].to_numpy(), pts["policy"], place_labels(ax, px, list(pts["policy"]), 7, fig.dpi)):
+        ax.annotate(lab, (vx, vy), xytext=off, textcoords="offset points", fontsize=7, va="bottom",
+                    ha="right" if off[0] < 0 else ("center" if off[0] == 0 else "left"),
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"} if abs(off[0]) > 8 or abs(off[1]) > 15 else None)
 display(fig)
 plt.close(fig)
+display(Markdown(readings.read_pareto(summary, "teacher_tokens_per_token", "kl",
+                                      pareto_mask(summary["teacher_tokens_per_token"], summary["kl"]))))
 
 # %%
-display(Markdown(to_markdown(summary[["policy", "family", "kl", "kl_std", "teacher_ppl", "repeat3", "refreshes",
-                                      "teacher_tokens_per_token", "teacher_pct", "n_runs"]].round(3))))
+show(summary, {"config": "policy", "family": "family", "KL(p_T‖q) ↓": ("kl", "kl_std"), "teacher-PPL ↓": "teacher_ppl",
+               "repeat@3 ↓": "repeat3", "refreshes": "refreshes", "teacher tokens / token": "teacher_tokens_per_token",
+               "in-run teacher time %": "teacher_pct", "runs": "n_runs"})   # every column: summary
 
 # %% [markdown]
 # ## The blog's tables from the same rows
@@ -145,5 +160,8 @@ display(Markdown(to_markdown(summary[["policy", "family", "kl", "kl_std", "teach
 from kvlab.sweep.tables import refresh_from_rows, usable
 
 tables = refresh_from_rows(usable(rows))
-display(Markdown(to_markdown(tables["refresh_periodic"][["policy", "T", "kl", "d_kl", "d_kl_lo", "d_kl_hi", "refreshes",
-                                                         "teacher_tokens", "n_prompts"]].round(3))))
+periodic = tables["refresh_periodic"]
+display(show(periodic, {"policy": "policy", "T": "T", "teacher-PPL ↓": "teacher_ppl", "KL(p_T‖q) ↓": "kl",
+                        "ΔKL vs none (95 % CI)": ("d_kl", "d_kl_lo", "d_kl_hi"), "refreshes": "refreshes",
+                        "teacher tokens": "teacher_tokens", "prompts": "n_prompts"}))
+display(Markdown(readings.read_periodic(periodic)))

@@ -100,3 +100,20 @@ def test_baselines_reading_matches_a_real_table(tiny_teacher, tiny_student, tmp_
     order = re.search(r"Here, by teacher-PPL: (.*?)\. \*\*OverFill", text).group(1)
     assert order == " < ".join(f"{p} {fmt(r.loc[p, 'teacher_ppl'], 2)}" for p in r["teacher_ppl"].sort_values().index)
     assert "2 prompts" in text
+
+
+def test_tick_reading_counts_positions_from_the_cache():
+    frame = pd.DataFrame({"row": range(8), "position": range(8), "origin": ["written"] * 6 + ["insert", "add"]})
+    before, after = [0, 1, 2, 3, 4, 5], [0, 1, 3, 6, 4, 5, 7]
+    text = R.read_tick(frame, before, after, [0, 1, 3, 6, 4, 5, 7])
+    assert "retired 1 row and wrote 2 rows (1 by `insert`, 1 by `add`)" in text and "0 changed position" in text
+    assert "gaps where rows were deleted" in text
+    assert "2 changed position (re-rotated)" in R.read_tick(frame, before, after, [0, 1, 2, 6, 3, 5, 7])
+
+
+def test_phase_reading_finds_the_drift_in_the_blogs_simulation():
+    from kvlab import mcsim
+
+    ps = mcsim.simulate().phase_summary
+    text = R.read_phase_summary(ps)
+    assert f"MC variance is highest in {ps.mean_mcvar.idxmax()}" in text and ps.mean_mcvar.idxmax() == "drift"
