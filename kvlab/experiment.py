@@ -171,7 +171,8 @@ def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
     """A GitHub-style Markdown table (no extra dependency)."""
     def fmt(v):
         if isinstance(v, float):
-            return format(v, floatfmt)
+            s = format(v, floatfmt)
+            return format(0.0, floatfmt) if s.lstrip("-").strip("0.") == "" and v == v else s   # no "-0.000"
         return str(v)
 
     cols = list(df.columns)

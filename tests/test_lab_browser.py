@@ -132,3 +132,85 @@ def _diff(a: bytes, b: bytes) -> str:
     import difflib
 
     return "".join(difflib.unified_diff(a.decode().splitlines(True), b.decode().splitlines(True), "committed", "saved"))
+
+
+WIDGET_NOTEBOOK = '''# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %%
+import ipywidgets as W
+W.IntSlider(value=3)
+
+# %%
+from tqdm.auto import tqdm
+for i in tqdm(range(3)):
+    pass
+
+# %%
+import plotly.graph_objects as go
+go.FigureWidget(data=[go.Scatter(y=[1, 2, 3])])
+'''
+
+
+@pytest.mark.integration
+def test_widgets_in_a_second_session_and_after_a_reload(tmp_path):
+    """The widgets the notebooks use (a slider, a tqdm bar, a plotly FigureWidget) render in a second browser
+    session on the same kernel and after a reload, never as "Error displaying widget: model not found"."""
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "w.py").write_text(WIDGET_NOTEBOOK)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "s"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "w"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    log_path = tmp_path / "lab.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+                             f"--ServerApp.port={port}", f"--ServerApp.root_dir={root}"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/lab/tree/w.py?token={token}"
+
+    def run_all(page):
+        page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=TIMEOUT_MS)
+        _wait_kernel_idle(port, token, "w.py", 120)
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+        page.keyboard.press("Escape")
+        for _ in range(3):
+            page.keyboard.press("Shift+Enter")
+        page.wait_for_function("() => document.querySelectorAll('.jp-NotebookPanel .js-plotly-plot').length > 0"
+                               " && document.querySelectorAll('.jp-NotebookPanel .widget-slider').length > 0"
+                               " && document.querySelectorAll('.jp-NotebookPanel .widget-hprogress, .jp-NotebookPanel"
+                               " progress').length > 0", timeout=120_000)
+
+    def check(page, when):
+        text = page.locator(".jp-NotebookPanel").first.inner_text()
+        assert "model not found" not in text and "Error displaying widget" not in text, f"{when}: {text[-500:]}"
+
+    try:
+        _wait_listening(port, proc, log_path, 120)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            try:
+                a = browser.new_context().new_page()          # two sessions: separate cookies and storage
+                a.goto(url, timeout=TIMEOUT_MS)
+                run_all(a)
+                check(a, "session A")
+                b = browser.new_context().new_page()
+                b.goto(url, timeout=TIMEOUT_MS)
+                run_all(b)                                     # re-run on the same kernel from session B
+                check(b, "session B re-run")
+                check(a, "session A after B's re-run")
+                a.reload()
+                run_all(a)
+                check(a, "session A after a reload")
+            finally:
+                browser.close()
+    finally:
+        _stop(proc)
+        log.close()

@@ -117,3 +117,10 @@ def test_phase_reading_finds_the_drift_in_the_blogs_simulation():
     ps = mcsim.simulate().phase_summary
     text = R.read_phase_summary(ps)
     assert f"MC variance is highest in {ps.mean_mcvar.idxmax()}" in text and ps.mean_mcvar.idxmax() == "drift"
+
+
+def test_markdown_tables_print_no_negative_zero():
+    from kvlab.experiment import to_markdown
+
+    md = to_markdown(pd.DataFrame({"d": [-0.0001, -1.5, 10.0]}))
+    assert "-0.000" not in md and "| 0.000 |" in md and "| -1.500 |" in md and "| 10.000 |" in md
