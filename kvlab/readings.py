@@ -118,9 +118,10 @@ def read_baselines(table: pd.DataFrame) -> str:
                 f"{b['overfill']['teacher_ppl']} < Student {b['student']['teacher_ppl']}. {agree}")
     rep = {p: float(r[p].repeat3) for p in r}
     worst = max(rep, key=rep.get)
-    text.append(f"PPL rewards repetition loops, so read it with repeat@3: the most repetitive text here is "
-                f"{worst}'s ({fmt(rep[worst], 3)}; the blog: OverFill {b['overfill']['repeat3']}, teacher "
-                f"{b['teacher']['repeat3']}, student {b['student']['repeat3']}).")
+    here = (f"the most repetitive text here is {worst}'s ({fmt(rep[worst], 3)})" if rep[worst] > 0
+            else "no decoder repeats a 3-gram here")
+    text.append(f"PPL rewards repetition loops, so read it with repeat@3: {here} (the blog: OverFill "
+                f"{b['overfill']['repeat3']}, teacher {b['teacher']['repeat3']}, student {b['student']['repeat3']}).")
     return _join(text)
 
 
@@ -241,7 +242,7 @@ def read_trace(records, tau: float) -> str:
     fired = [r.step for r in recs if r.refreshed]
     return (HOW + f"Each point is one generated token's student entropy (bits; high = unsure). Of {plural(len(recs), 'step')}, "
             f"{len(over)} reached τ = {fmt(tau, 2)} bits and the run refreshed {plural(len(fired), 'time')}"
-            f"{' (steps ' + ', '.join(map(str, fired[:12])) + ('…' if len(fired) > 12 else '') + ')' if fired else ''}. "
+            f"{' (' + plural(len(fired), 'step').split(' ')[1] + ' ' + ', '.join(map(str, fired[:12])) + ('…' if len(fired) > 12 else '') + ')' if fired else ''}. "
             "Teacher-PPL depends only on the emitted tokens: a τ that changes the refreshes but not the tokens leaves it "
             "unchanged.")
 
@@ -315,11 +316,12 @@ def read_needle(table: pd.DataFrame) -> str:
         parts.append("The full cache retrieves every key, so each miss below is the eviction policy's.")
     rest = acc.drop("full", errors="ignore").sort_values(ascending=False)
     parts.append("Mean accuracy: " + ", ".join(f"{p} {fmt(v, 2)}" for p, v in rest.items()) + ".")
-    deep = table[table.depth == table.depth.min()].groupby("policy", sort=False)["accuracy"].mean().drop("full", errors="ignore")
-    lost = [p for p, v in deep.items() if v == 0]
-    if lost:
-        parts.append(f"At depth {fmt(float(table.depth.min()), 2)} (the oldest entries) {', '.join(lost)} never "
-                     "retrieve the key: they evicted it.")
+    d0 = table[table.depth == table.depth.min()]
+    deep = d0.groupby("policy", sort=False)["accuracy"].mean()
+    lost = [p for p, v in deep.drop("full", errors="ignore").items() if v == 0]
+    if lost and deep.get("full", 0) == 1:
+        parts.append(f"At depth {fmt(float(table.depth.min()), 2)} (the oldest entries), where the full cache always "
+                     f"retrieves the key, {', '.join(lost)} never do: they evicted it.")
     parts.append(f"{cap(CONFKV)} reports that Conf-KV preserves needle-in-a-haystack retrieval at matched memory; "
                  f"{OPENVINO} keeps a never-evicted start area and evicts whole blocks by accumulated attention.")
     return _join(parts)
@@ -342,7 +344,8 @@ def read_survivors(frame: pd.DataFrame, live: list[int], prompt_len: int) -> str
 def read_pareto(summary: pd.DataFrame, x: str, y: str, mask) -> str:
     """Which configs are Pareto-optimal in (x cost, y quality), both lower-is-better."""
     front = summary[list(mask)].sort_values(x)
-    return (HOW + f"Down and left is better (lower `{y}` for less `{x}`). Circled: the Pareto front, configs no other "
+    return (HOW + f"Left panel: down and left is better (lower `{y}` for less `{x}`); the right panel reads the same "
+            f"way for teacher-PPL against in-run teacher time. Circled in the left panel: the Pareto front, configs no other "
             f"config beats on both: {', '.join(front.policy)}. Every other point is dominated. "
             + spread_sentence(summary.assign(n_prompts=summary.get("n_runs", 1))))
 
@@ -360,11 +363,14 @@ def read_ledger(ledger: pd.DataFrame, prompt_len: int, mode: str = "overfill") -
     parts = [HOW + f"One row per cache entry: token, RoPE position, the model that computed its K/V (`writer`) and "
              f"the decode step that wrote it. The first {prompt_len} rows are the prompt, written in one prefill "
              f"before any token is generated, hence `step = -1` ({writers})."]
-    if len(prompt) and "text" in ledger:
+    special = [t for t in prompt.get("text", pd.Series(dtype=str)) if t.startswith("<|") and t.endswith("|>")]
+    if special:
         head = "".join(prompt.text.head(3)).replace("\n", "⏎")
         tail = "".join(prompt.text.tail(3)).replace("\n", "⏎")
+        system = " (with a default system message first)" if "system" in "".join(prompt.text.head(4)) else ""
         parts.append(f"The prompt starts with `{head}` and ends with `{tail}`: the tokenizer's chat template wraps your "
-                     "text in role markers, so the model answers as the assistant; they are real tokens in the cache.")
+                     f"text in role markers{system} — {plural(len(special), 'special token')} such as `{special[0]}` — so "
+                     "the model answers as the assistant. They are real tokens in the cache, written like any other.")
     if len(gen):
         y1 = gen.iloc[0]
         if mode == "overfill":
@@ -420,8 +426,7 @@ def read_sawtooth(saw: pd.DataFrame) -> str:
     downs = int((ck.cache_len.diff() < 0).sum()) if len(ck) else 0
     return (HOW + f"Cache length per step on one prompt (lower = less memory; quality is in the table below). "
             f"Range per policy: {stats}. Conf-KV's cache grew at {plural(ups, 'step')} and was cut at "
-            f"{plural(downs, 'step')}: {'a sawtooth' if ups and downs else 'no sawtooth on this run'}; the fixed "
-            "budgets stay flat once full.")
+            f"{plural(downs, 'step')}: {'a sawtooth' if ups and downs else 'no sawtooth on this run'}.")
 
 
 def read_phase_summary(ps: pd.DataFrame) -> str:

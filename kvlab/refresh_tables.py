@@ -193,10 +193,12 @@ def overhead_table(timing: pd.DataFrame) -> pd.DataFrame:
 
 def timing_note(table: pd.DataFrame, base: str = "none") -> str:
     """How the overhead in a timing table was measured (the Markdown file's first lines)."""
+    from .tableview import plural
+
     r = table.iloc[0]
     return (f"Overhead % = median over (reference, policy) pairs of 100·(t_policy / t_{base} − 1), each pair timed "
             f"back to back in one process (same prompt and seed, N = {int(r.tokens)} tokens, order alternating), "
-            f"{int(r.timing_prompts)} prompt(s) × {int(r.repeats)} repeat(s) = {int(r.pairs)} pairs per policy after "
+            f"{plural(r.timing_prompts, 'prompt')} × {plural(r.repeats, 'repeat')} = {plural(r.pairs, 'pair')} per policy after "
             f"one warm-up; q25/q75/min/max: spread of the per-pair overheads. The `{base}` row times {base} against "
             f"itself (noise floor). Machine-dependent: not reused from the run store.\n\n")
 
@@ -209,7 +211,7 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
     cal = calibrate(teacher, student, calib, store, progress=progress)
     cfgs, info = refresh_policies(spec.tokens, cal)
     if progress:
-        print(f"runs: {len(cfgs)} configurations × {len(spec.prompts)} prompts (stored runs are reused)", flush=True)
+        print(f"runs: {len(cfgs)} configurations × {len(spec.prompts)} prompt{'' if len(spec.prompts) == 1 else 's'} (stored runs are reused)", flush=True)
     per_run = run_policies(teacher, student, spec, cfgs, store, progress)
     per_run["max_delta"] = [_max_delta(teacher, student, spec, cfgs[r.policy], r.prompt_idx, store)
                             for r in per_run.itertuples()]

@@ -70,6 +70,14 @@ def _num(v):
     return int(v) if isinstance(v, numbers.Integral) else float(v)
 
 
+def _whole(col: pd.Series) -> bool:
+    """A numeric column of whole numbers (counts), not all zero (a metric that happens to be 0)."""
+    v = pd.to_numeric(col, errors="coerce")
+    if col.dtype == bool or v.isna().all() or not (v.dropna() % 1 == 0).all():
+        return False
+    return bool((v.dropna() != 0).any()) and col.dtype.kind in "iuf"
+
+
 @dataclass(frozen=True)
 class View:
     """The shown columns (``frame``, strings) and the whole table (``full``)."""
@@ -103,7 +111,9 @@ def show(table: pd.DataFrame, columns: Mapping[str, Cell] | Sequence[str], digit
             if all(c in table.columns for c in ((s,) if isinstance(s, str) else s[:1]))}
     if one:    # n = 1: a std column alone says nothing
         keep = {h: s for h, s in keep.items() if not (isinstance(s, str) and s.endswith("_std"))}
-    rows = [{h: _cell(r, s, digits, one) for h, s in keep.items()} for _, r in table.iterrows()]
+    counts = {s for s in keep.values() if isinstance(s, str) and _whole(table[s])}   # e.g. tokens, prompts: "8"
+    rows = [{h: (fmt(int(r[s])) if s in counts and pd.notna(r[s]) else _cell(r, s, digits, one)) for h, s in keep.items()}
+            for _, r in table.iterrows()]
     return View(pd.DataFrame(rows, columns=list(keep)), table, caption)
 
 

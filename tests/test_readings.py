@@ -81,7 +81,9 @@ def test_needle_reading_blames_the_model_when_the_full_cache_misses():
     t = pd.DataFrame([{"policy": p, "length": 128, "depth": d, "accuracy": a, "n": 1}
                       for p, d, a in [("full", 0.0, 1.0), ("full", 1.0, 0.0), ("h2o", 0.0, 0.0), ("h2o", 1.0, 1.0)]])
     text = R.read_needle(t)
-    assert "retrieves only 0.50" in text and "h2o never retrieve" in text and "2 cases" in text
+    assert "retrieves only 0.50" in text and "h2o never do: they evicted it" in text and "2 cases" in text
+    full_misses_old = t.assign(accuracy=[0.0, 1.0, 0.0, 1.0])
+    assert "evicted it" not in R.read_needle(full_misses_old)      # the full cache misses there too: not blamed
 
 
 def test_baselines_reading_matches_a_real_table(tiny_teacher, tiny_student, tmp_path):
