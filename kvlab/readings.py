@@ -58,8 +58,10 @@ def _join(parts) -> str:
 
 def interval_verdict(d: float, lo: float, hi: float, one: bool, lower_is_better: bool = True) -> str:
     """What a paired difference and its bootstrap 95 % interval say, in words."""
-    if one or lo is None or (isinstance(lo, float) and math.isnan(lo)):
+    if one:
         return f"{fmt(d, 3, signed=True)} (one prompt: no interval, not evidence either way)"
+    if lo is None or (isinstance(lo, float) and math.isnan(lo)):
+        return f"{fmt(d, 3, signed=True)} (too few prompts for an interval: not evidence either way)"
     span = f"{fmt(d, 3, signed=True)} [{fmt(lo, 3, signed=True)}, {fmt(hi, 3, signed=True)}]"
     if lo > 0 or hi < 0:
         good = (hi < 0) == lower_is_better
@@ -71,7 +73,7 @@ def spread_sentence(table: pd.DataFrame) -> str:
     n = _n(table)
     if single_prompt(table):
         return "One prompt: there is no spread, and a single prompt can rank these rows either way. "
-    rough = f" With only {plural(n, 'prompt')}, treat the intervals as rough." if n < 5 else ""
+    rough = f" With only {plural(n, 'prompt')}, intervals are rough or not given." if n < 5 else ""
     return (f"`±` is the standard deviation across the {plural(n, 'prompt')} (how much one prompt differs from "
             f"another, not the uncertainty of the mean); paired differences carry a bootstrap 95 % interval.{rough} ")
 

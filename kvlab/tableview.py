@@ -59,8 +59,8 @@ def _cell(row: pd.Series, spec: Cell, digits: int, one: bool) -> str:
             return fmt(mean, digits)
         return f"{fmt(mean, digits)} ± {fmt(std, digits)}"
     d, lo, hi = (_num(row.get(c)) for c in spec)   # paired difference [95 % interval]
-    if one or lo is None:
-        return fmt(d, digits, signed=True)
+    if one or lo is None or (isinstance(lo, float) and math.isnan(lo)):
+        return fmt(d, digits, signed=True)         # one prompt, or too few pairs: no interval
     return f"{fmt(d, digits, signed=True)} [{fmt(lo, digits, signed=True)}, {fmt(hi, digits, signed=True)}]"
 
 

@@ -74,7 +74,7 @@ def test_evict_reading_computes_the_gap_closed_and_the_ablation_order():
     assert "closes 75 % of the sliding-window" in text          # (4.0 - 2.5) / (4.0 - 2.0)
     assert "beats 1 of 2 (sliding)" in text and "keeps 25 %" in text
     assert "random_rate 5.00 > confkv_recency 3.00 > confkv 2.50" in text and "the same order" in text
-    assert "confkv_recency (×1.30)" in text and "treat the intervals as rough" in text
+    assert "confkv_recency (×1.30)" in text and "intervals are rough or not given" in text
 
 
 def test_needle_reading_blames_the_model_when_the_full_cache_misses():
@@ -126,3 +126,9 @@ def test_markdown_tables_print_no_negative_zero():
 
     md = to_markdown(pd.DataFrame({"d": [-0.0001, -1.5, 10.0]}))
     assert "-0.000" not in md and "| 0.000 |" in md and "| -1.500 |" in md and "| 10.000 |" in md
+
+
+def test_a_refused_interval_reads_as_too_few_prompts():
+    assert "too few prompts for an interval" in R.interval_verdict(0.1, float("nan"), float("nan"), False)
+    t = pd.DataFrame([{"policy": "a", "d": 0.1, "d_lo": float("nan"), "d_hi": float("nan"), "n_prompts": 3}])
+    assert show(t, {"Δ": ("d", "d_lo", "d_hi")}).frame.iloc[0, 0] == "+0.100"
