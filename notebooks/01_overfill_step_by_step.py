@@ -24,7 +24,8 @@
 # $C_0 = \mathrm{Prefill}_T(x)$, and a pruned **student** with the same KV geometry decodes token by token
 # on that cache. A cheaper decoder, bought with (some of) the teacher's quality: the question is how much
 # of it survives. Here the teacher is SmolLM2-135M-Instruct and the student a width-pruned copy of it
-# (MLP channels removed, attention untouched), both embedded in kvlab.
+# (hidden and MLP channels removed, the KV geometry kept so it can read the teacher's cache), distilled from
+# the teacher unless `STUDENT = "pruned"` (the untrained copy smoke runs use); both are built inside kvlab.
 #
 # We step the decode loop by hand, look at every token's entropy and at who wrote each cache entry, then
 # build the *Baselines* table of the blog *KV-Cache Refresh Methods for Long Generation* (Emara, Kim &
