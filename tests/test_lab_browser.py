@@ -18,7 +18,37 @@ from pathlib import Path
 
 import pytest
 
-from test_playground_browser import _chromium, _free_port, _stop
+import signal
+import socket
+
+
+def _chromium() -> str:
+    for path in (os.environ.get("KVLAB_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                 shutil.which("chromium-browser")):
+        if path and Path(path).is_file():
+            return path
+    pytest.fail("no chromium: run `make test` (it installs Debian's chromium) or `apt-get install -y chromium`")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server (make, JupyterLab and its kernels) through its process group (started as its own session)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = "notebooks/01_overfill_step_by_step.py"
@@ -26,8 +56,6 @@ TIMEOUT_MS = 180_000
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    import socket
-
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
