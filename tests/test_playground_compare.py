@@ -208,7 +208,7 @@ def test_view_plot_details(pg):
     assert v.controls["mode"].description == "mode" and v.controls["sampling"].description == "sampling"
     assert v.fig.layout.yaxis2.rangemode == "tozero"
     shape = v.fig.layout.shapes[0]
-    assert shape.x0 == pg.shown.prompt_len - 0.5 and "prompt ends" in shape.label.text
+    assert shape.x0 == pg.shown.prompt_len - 0.5 and "prompt | generated" in shape.label.text
     names = {t.name for t in v.fig.data if t.showlegend is not False}
     assert {"teacher-written entry", "student-written entry"} <= names
     assert v.fig.layout.legend.x >= 0.5                       # the legend sits on the plot, not above it

@@ -524,10 +524,10 @@ class PlaygroundView:
                 e.x, e.y, e.visible, c.x, c.y, c.visible = [], [], False, [], [], False
         # where the prompt ends on the provenance strip
         x0 = sh.prompt_len - 0.5
-        fig.layout.shapes = [dict(type="line", xref="x3", yref="y3 domain", x0=x0, x1=x0, y0=-0.15, y1=1.15,
+        fig.layout.shapes = [dict(type="line", xref="x3", yref="y3 domain", x0=x0, x1=x0, y0=0, y1=1,
                                   line=dict(color="#000", width=2),
-                                  label=dict(text="prompt ends ▸ generated", textposition="end", yanchor="bottom",
-                                             xanchor="left", font=dict(size=10)))]
+                                  label=dict(text="◂ prompt | generated ▸", textangle=0, textposition="middle",
+                                             font=dict(size=10, color="#fff")))]
 
     def _table_html(self, sh: Shown) -> str:
         pins = [p for p in self.pg.pinned if p.key != sh.key]
