@@ -509,3 +509,107 @@ def test_eviction_families_come_from_the_registry_and_are_summarised(tmp_path):
     assert s.loc["periodic_T4+sliding_window6_sinks2", "family"] == "periodic+sliding"
     assert s.loc["sliding_window6_sinks2", "family"] == "sliding" and s.loc["sliding_window6_sinks2", "evicted"] > 0
     assert s.loc["sliding_window6_sinks2", "cache_len_max"] < s.loc["overfill", "cache_len_max"]
+
+
+# --------------------------------------------------------------------------- a real (local) Ray cluster
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pids_with(needles) -> set[int]:
+    """Processes whose command line mentions any of ``needles`` (this cluster's temp dir / GCS port)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(n in cmd for n in needles):
+            out.add(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"     # zombies are gone
+    except OSError:
+        return False
+
+
+def _stop(pids: set[int], timeout: float = 30.0) -> set[int]:
+    """SIGTERM, then SIGKILL what is left; returns the pids still alive."""
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        t0 = time.time()
+        while time.time() - t0 < timeout and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+    return {p for p in pids if _alive(p)}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the cluster's processes in /proc")
+def test_ray_cluster_with_a_separate_driver(tmp_path):
+    """``ray start --head`` on 127.0.0.1 (2 CPUs, free ports), a separate driver process joining it with
+    ``--address``: the tiny grid's rows match the in-process engine's; the cluster is stopped by pid."""
+    import tempfile
+
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.is_file():
+        pytest.skip("no `ray` executable beside this Python")
+    temp = tempfile.mkdtemp(prefix="kvray", dir="/tmp")          # short: Ray's unix sockets live under it
+    gcs, node, obj, client, agent_l, agent_g, metrics, renv = _free_ports(8)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    needles = [temp, f"127.0.0.1:{gcs}"]
+    started: set[int] = set()
+    try:
+        r = subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                            "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temp}", "--include-dashboard=false",
+                            "--disable-usage-stats", f"--node-manager-port={node}", f"--object-manager-port={obj}",
+                            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_l}",
+                            f"--dashboard-agent-grpc-port={agent_g}", f"--metrics-export-port={metrics}",
+                            f"--runtime-env-agent-port={renv}", "--object-store-memory=100000000"],
+                           capture_output=True, text=True, timeout=240, env=env)
+        started |= _pids_with(needles)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        # the driver: another process, the CLI, joining the cluster by address
+        drv_env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        d = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "--engine", "ray", "--address", f"127.0.0.1:{gcs}",
+                            "--models", "tiny", "--modes", "teacher", "student", "overfill", "--tokens", "6",
+                            "--prompts", "2", "--refresh", "periodic T=2,4", "--name", "t", "--runs", str(tmp_path / "ray"),
+                            "--no-progress"], capture_output=True, text=True, timeout=400, env=drv_env)
+        started |= _pids_with(needles)
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
+        assert "[ray]: 10 tasks, 0 already stored, 10 run (0 errors)" in d.stdout
+    finally:
+        started |= _pids_with(needles)
+        left = _stop(started)
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+    assert started and not left and not _pids_with(needles)                # every process we started is gone
+    spec = parse_spec(grid())
+    run_sweep(spec, store=tmp_path / "local", progress=False)
+    a, b = load(tmp_path / "local"), load(tmp_path / "ray")
+    assert len(b) == len(spec.tasks()) and set(b.engine) == {"ray"} and b.run_key.is_unique
+    assert set(a.run_key) == set(b.run_key)                               # same keys: same runs
+    assert_same_rows(a, b)
