@@ -460,7 +460,8 @@ def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
     assert len(b) == len(spec.tasks()) and b.run_key.is_unique and set(b.engine) == {"ray"}
     assert b.worker.nunique() >= 2
     assert_same_rows(a, b)
-    assert "runtime_resources" in engine.probes[0]["kvlab_path"]     # the workers ran the shipped package
+    # the job carries the shipped kvlab package (a local instance's workers also see the driver's cwd)
+    assert any(str(u).startswith("gcs://") for u in engine.probes[0]["py_modules"])
 
 
 def test_pareto_summary(tmp_path):
@@ -576,20 +577,24 @@ def test_ray_cluster_with_a_separate_driver(tmp_path):
     if not ray_bin.is_file():
         pytest.skip("no `ray` executable beside this Python")
     temp = tempfile.mkdtemp(prefix="kvray", dir="/tmp")          # short: Ray's unix sockets live under it
-    gcs, node, obj, client, agent_l, agent_g, metrics, renv = _free_ports(8)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    gcs, node, obj, agent_l, agent_g, metrics, renv = _free_ports(7)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}  # loopback only
     env.pop("RAY_ADDRESS", None)
     needles = [temp, f"127.0.0.1:{gcs}"]
     started: set[int] = set()
     try:
-        r = subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-                            "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temp}", "--include-dashboard=false",
-                            "--disable-usage-stats", f"--node-manager-port={node}", f"--object-manager-port={obj}",
-                            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_l}",
-                            f"--dashboard-agent-grpc-port={agent_g}", f"--metrics-export-port={metrics}",
-                            f"--runtime-env-agent-port={renv}", "--object-store-memory=100000000"],
-                           capture_output=True, text=True, timeout=240, env=env)
-        started |= _pids_with(needles)
+        for attempt in range(3):       # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it
+            r = subprocess.run([str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                                "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temp}", "--include-dashboard=false",
+                                "--disable-usage-stats", f"--node-manager-port={node}", f"--object-manager-port={obj}",
+                                f"--dashboard-agent-listen-port={agent_l}",
+                                f"--dashboard-agent-grpc-port={agent_g}", f"--metrics-export-port={metrics}",
+                                f"--runtime-env-agent-port={renv}", "--object-store-memory=100000000"],
+                               capture_output=True, text=True, timeout=240, env=env)
+            started |= _pids_with(needles)
+            if r.returncode == 0 or "timed out during startup" not in r.stdout + r.stderr or attempt == 2:
+                break
+            assert not _stop(started)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         # the driver: another process, the CLI, joining the cluster by address
         drv_env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

@@ -212,8 +212,11 @@ def runtime_env() -> dict:
 
 def _probe_remote(models, ratio):
     import kvlab
+    import ray
 
-    return {**probe(models, ratio, PairCache()), "kvlab_path": os.path.dirname(kvlab.__file__)}
+    shipped = (ray.get_runtime_context().runtime_env or {}).get("py_modules") or []
+    return {**probe(models, ratio, PairCache()), "kvlab_path": os.path.dirname(kvlab.__file__),
+            "py_modules": list(shipped)}
 
 
 class _Actor:
