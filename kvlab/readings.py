@@ -405,10 +405,10 @@ def read_steps(records) -> str:
 
 def read_confidence(records, gamma: float) -> str:
     """A Conf-KV run's records: how often it was confident (tight budget) and what the cache did."""
-    recs = [r for r in records if "confidence" in r.signals]
+    recs = [r for r in records if r.signals.get("confidence") is not None]   # signals: a read-only mapping
     if not recs:
         return HOW + "No step carried a Conf-KV confidence (no eviction policy ran)."
-    conf = [r for r in recs if r.signals["confidence"] >= gamma]
+    conf = [r for r in recs if r.signals.get("confidence") >= gamma]
     cut = [r for r in recs if r.evicted]
     lens = [r.cache_len for r in records]
     return (HOW + f"The upper line is Conf-KV's confidence per step (higher = surer), γ = {fmt(gamma, 2)} the dashed "

@@ -132,3 +132,13 @@ def test_a_refused_interval_reads_as_too_few_prompts():
     assert "too few prompts for an interval" in R.interval_verdict(0.1, float("nan"), float("nan"), False)
     t = pd.DataFrame([{"policy": "a", "d": 0.1, "d_lo": float("nan"), "d_hi": float("nan"), "n_prompts": 3}])
     assert show(t, {"Δ": ("d", "d_lo", "d_hi")}).frame.iloc[0, 0] == "+0.100"
+
+
+def test_confidence_reading_sees_conf_kv_signals(tiny_teacher):
+    from kvlab.decode import DecodeConfig, Decoding
+    from kvlab.eviction import ConfKV
+
+    d = Decoding(tiny_teacher, None, "a prompt long enough to evict from", DecodeConfig(
+        mode="teacher", max_new_tokens=6, evict=ConfKV(gamma=0.0, tight=20, loose=30, protect=4)))
+    text = R.read_confidence(list(d), 0.0)
+    assert "6 of 6 steps were confident" in text and "cut at 6 steps" in text
