@@ -37,9 +37,8 @@ def _free_port() -> int:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server (make, JupyterLab and its kernels) through its process group (started as its own session)."""
-    if proc.poll() is not None:
-        return
+    """Stop the server (make, JupyterLab and its kernels) through its process group (started as its own session):
+    the whole group, even when make itself has already exited (its children would be left running)."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
