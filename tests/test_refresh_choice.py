@@ -83,6 +83,8 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
         raise ValueError("stop here")
 
     monkeypatch.setattr(cli, "_pair", lambda a: (None, None))
+    # the Student row's model is the OverFill student here: no trained standalone student is loaded (or trained)
+    monkeypatch.setattr(cli, "_alone_student", lambda a, student: student)
     monkeypatch.setattr(b, "run_policies", fake_run_policies)
     assert cli.main(["baselines", "--prompts", "1", "--tokens", "4", "--rebuild-student-cache",
                      "--out", str(tmp_path / "o"), "--runs", str(tmp_path / "r")]) == 2
