@@ -33,6 +33,9 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
+# the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
+# trained once first (`python -m kvlab train-student`); smoke runs use the untrained one
+STUDENT = "pruned" if SMOKE else "overfill"
 PROMPTS = 1 if SMOKE else 8           # prompts for the tables
 TOKENS = 16 if SMOKE else 128         # new tokens per run (N)
 CALIB_PROMPTS = 1 if SMOKE else 4     # calibration prompts for τ / κ
@@ -56,7 +59,7 @@ from kvlab.store import RunStore
 from kvlab.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
-teacher, student = load_pair()  # CUDA (bf16) when present, else CPU
+teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 store = RunStore()
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=PROMPTS)), tokens=TOKENS, sampling=sampling)

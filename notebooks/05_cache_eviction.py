@@ -39,7 +39,10 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
-PROMPTS = 1 if SMOKE else 2            # prompts of the matched-memory table
+# the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
+# trained once first (`python -m kvlab train-student`); smoke runs use the untrained one
+STUDENT = "pruned" if SMOKE else "overfill"
+PROMPTS = 1 if SMOKE else 8            # prompts of the matched-memory table (< 5: no interval)
 TOKENS = 24 if SMOKE else 128          # new tokens per run
 STEP_TOKENS = 24 if SMOKE else 96      # the single run stepped through
 GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see README)
@@ -69,7 +72,7 @@ from kvlab.store import RunStore
 from kvlab.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
-teacher, student = load_pair()  # CUDA (bf16) when present, else CPU
+teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 prompt = load_prompts(n=1)[0]["prompt"]
 policy = ConfKV(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT)

@@ -35,7 +35,8 @@ def test_baselines_cli_end_to_end(tmp_path):
 
     out, runs = tmp_path / "fig", tmp_path / "runs"
     cmd = [sys.executable, "-m", "kvlab", "baselines", "--prompts", "1", "--tokens", "8", "--out", str(out),
-           "--runs", str(runs), "--no-progress", "--device", "cpu"]
+           "--runs", str(runs), "--no-progress", "--device", "cpu",
+           "--student", "pruned"]   # the untrained student: a test never trains one (CI may start with no model cache)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     import pandas as pd
