@@ -271,15 +271,6 @@ def cmd_evict(args) -> list[Path]:
     return paths
 
 
-# The main job: every table/figure, in order. Each entry: (name, handler).
-JOBS = [("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim), ("mc-real", _mc_real_small), ("refresh", cmd_refresh),
-        ("evict", cmd_evict)]
-
-
-# Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
-NEEDS_SAME_GEOMETRY = ("refresh", "evict")   # evict: its OverFill + refresh row
-
-
 def cmd_train_missing(args) -> list[Path]:
     """Train (or find cached) every trained variant of the embedded student's shape."""
     from .train.command import student_choice
@@ -301,9 +292,21 @@ def cmd_train_study(args) -> list[Path]:
     return train_study(args)
 
 
+# The main job: every table/figure, in order. Each entry: (name, handler). First the trained students that
+# are missing, last the training study that compares them.
+JOBS = [("train", cmd_train_missing), ("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim),
+        ("mc-real", _mc_real_small), ("refresh", cmd_refresh), ("evict", cmd_evict),
+        ("train-study", cmd_train_study)]
+
+
+# Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
+# evict: its OverFill + refresh row; train-study: OverFill (+ refresh) with each trained student.
+NEEDS_SAME_GEOMETRY = ("refresh", "evict", "train-study")
+
+
 def cmd_all(args) -> list[Path]:
     paths = []
-    for name, fn in [("train", cmd_train_missing)] + JOBS + [("train-study", cmd_train_study)]:
+    for name, fn in JOBS:
         if getattr(args, "rebuild_student_cache", False) and name in NEEDS_SAME_GEOMETRY:
             print(f"== {name}: skipped (--rebuild-student-cache: the pair's KV geometry differs, and a refresh "
                   "splices teacher K/V into the student cache)", flush=True)

@@ -137,3 +137,4 @@ def test_all_with_rebuild_flag_skips_the_jobs_that_splice(monkeypatch, capsys):
     ran.clear()
     cli.cmd_all(cli.build_parser().parse_args(["all"]))
     assert ran == [n for n, _ in jobs]
+    assert ran[0] == "train" and ran[-1] == "train-study"     # the main job trains what is missing, then compares
