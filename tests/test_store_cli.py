@@ -140,6 +140,7 @@ def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tin
     from kvlab import cli
 
     monkeypatch.setattr(cli, "_pair", lambda args: (tiny_teacher, tiny_student))
+    monkeypatch.setattr(cli, "_alone_student", lambda args, student: student)   # the Student row: the tiny student too
     argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
             "--runs", str(tmp_path / "runs"), "--no-progress"]
     assert cli.main(argv) == 0
