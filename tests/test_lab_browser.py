@@ -18,52 +18,11 @@ from pathlib import Path
 
 import pytest
 
-import signal
-import socket
-
-
-def _chromium() -> str:
-    for path in (os.environ.get("KVLAB_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                 shutil.which("chromium-browser")):
-        if path and Path(path).is_file():
-            return path
-    pytest.fail("no chromium: run `make test` (it installs Debian's chromium) or `apt-get install -y chromium`")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server (make, JupyterLab and its kernels) through its process group (started as its own session):
-    the whole group, even when make itself has already exited (its children would be left running)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+from kvlab.playground.browser import chromium, free_port, stop, wait_listening
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = "notebooks/01_overfill_step_by_step.py"
 TIMEOUT_MS = 180_000
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"make lab exited with {proc.returncode} before listening:\n{log.read_text()[-3000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.25)
-    raise AssertionError(f"make lab did not listen on 127.0.0.1:{port} within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 def _wait_kernel_idle(port: int, token: str, name: str, timeout: float) -> None:
@@ -98,12 +57,12 @@ def test_make_lab_opens_a_py_as_a_notebook_and_saving_changes_nothing(tmp_path):
     overrides = venv / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
     assert overrides.is_file() and overrides.read_text() == (REPO / "jupyter" / "overrides.json").read_text(), (
         f"{overrides} is missing or stale: `make install` copies jupyter/overrides.json there")
-    chromium = _chromium()
+    chromium_path = chromium()
     path = REPO / NOTEBOOK
     before, status_before = path.read_bytes(), _git_status(NOTEBOOK)
     mtime0 = path.stat().st_mtime_ns
 
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_TOKEN": token, "KVLAB_RUNS": str(tmp_path / "runs"),
            # a fresh user: no personal JupyterLab settings or saved layout may decide the viewer
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"),
@@ -115,9 +74,9 @@ def test_make_lab_opens_a_py_as_a_notebook_and_saving_changes_nothing(tmp_path):
     proc = subprocess.Popen(["make", "--no-print-directory", "-o", "install", "lab", f"PORT={port}", f"VENV={venv}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_listening(port, proc, log_path, 120)
+        wait_listening(port, proc, 120, what="make lab", log=log_path)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            browser = pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
                 page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK}?token={token}", timeout=TIMEOUT_MS)
@@ -148,7 +107,7 @@ def test_make_lab_opens_a_py_as_a_notebook_and_saving_changes_nothing(tmp_path):
             finally:
                 browser.close()
     finally:
-        _stop(proc)
+        stop(proc)
         log.close()
         if path.read_bytes() != before:     # never leave the checkout modified by the test
             path.write_bytes(before)
@@ -193,7 +152,7 @@ def test_widgets_in_a_second_session_and_after_a_reload(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     (root / "w.py").write_text(WIDGET_NOTEBOOK)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "s"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "w"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     log_path = tmp_path / "lab.log"
@@ -220,9 +179,9 @@ def test_widgets_in_a_second_session_and_after_a_reload(tmp_path):
         assert "model not found" not in text and "Error displaying widget" not in text, f"{when}: {text[-500:]}"
 
     try:
-        _wait_listening(port, proc, log_path, 120)
+        wait_listening(port, proc, 120, what="make lab", log=log_path)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            browser = pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
             try:
                 a = browser.new_context().new_page()          # two sessions: separate cookies and storage
                 a.goto(url, timeout=TIMEOUT_MS)
@@ -239,5 +198,5 @@ def test_widgets_in_a_second_session_and_after_a_reload(tmp_path):
             finally:
                 browser.close()
     finally:
-        _stop(proc)
+        stop(proc)
         log.close()

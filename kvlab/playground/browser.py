@@ -35,22 +35,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> None:
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float, what: str = "voila",
+                   log: Path | None = None) -> None:
+    """Wait until ``proc`` (``what``) accepts connections on 127.0.0.1:``port``; raise if it exits first or
+    the time runs out (with the tail of its ``log`` file, when given)."""
+    def fail(msg: str):
+        tail = f":\n{log.read_text()[-3000:]}" if log is not None and log.is_file() else ""
+        raise RuntimeError(msg + tail)
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"voila exited with {proc.returncode} before listening")
+            fail(f"{what} exited with {proc.returncode} before listening")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.25)
-    raise RuntimeError(f"voila did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+    fail(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop the server (and its kernel) through its own process group (started as its own session)."""
-    if proc.poll() is not None:
-        return
+    """Stop the server (and its kernels) through its process group (started as its own session): the whole
+    group, even when the group leader (e.g. ``make``) has already exited, since its children would be left."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -83,7 +89,7 @@ def serve(workdir: Path, runs: Path, smoke: bool = True, extra_env: dict | None 
                              "--Voila.ip=127.0.0.1", "--VoilaExecutor.timeout=600"],
                             cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_listening(port, proc, 120)
+        wait_listening(port, proc, 120)
         yield f"http://127.0.0.1:{port}/", proc
     finally:
         stop(proc)
