@@ -250,6 +250,7 @@ def no_model_loads(monkeypatch):
     (["train-student", "--prune", "h1.2,i0.3"], "--prune"),
     (["train-student", "--ce-weight", "1.5"], "--ce-weight"),
     (["train-student", "--lr", "0"], "--lr"),
+    (["train-student", "--lora-rank", "-2"], "--lora-rank"),
     (["baselines", "--student", "overfil"], "--student"),
     (["baselines", "--prune", "i1.0"], "--prune"),
     (["refresh", "--student", "standalone", "--student-ratio", "0.3"], "--student-ratio"),
@@ -282,3 +283,38 @@ def test_training_key_separates_what_changes_the_weights():
               base.key("overfill", "i0.30", "d2"), base.replace(steps=7).key("overfill", "i0.30", "d1"),
               base.replace(seed=1).key("overfill", "i0.30", "d1")}
     assert k not in others and len(others) == 5
+
+
+def test_full_weight_keys_did_not_move_when_lora_arrived():
+    """Adding ``lora_rank`` must not invalidate trained students in users' caches (full weights: same key)."""
+    from kvlab.train.config import TrainConfig
+
+    assert TrainConfig().key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
+    assert TrainConfig(lora_rank=8).key("overfill", "h0.20-i0.50", "d464f6799ef6") != "9968c83ee2"
+    with pytest.raises(ValueError, match="--lora-rank"):
+        TrainConfig(lora_rank=-1)
+
+
+def test_lora_trains_only_adapters_and_merges_into_a_plain_model(pair, examples, tmp_path):
+    from kvlab.train.lora import merged, with_lora
+
+    teacher = pair[0]
+    base = make_tiny_lm(seed=1, intermediate_size=48)
+    names = sorted(n for n, _ in base.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+    student = with_lora(base, 4)
+    trainable = [n for n, p in student.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    held0 = heldout_kl(student, teacher, examples[-2:], "overfill")["heldout_kl"]
+    res = train(student, teacher, examples[:-2], examples[-2:], "overfill", _cfg(steps=8, lora_rank=4), tmp_path,
+                progress=False)
+    assert res.finished and res.log[-1]["heldout_kl"] < held0
+    x = torch.tensor([[5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        want = student.model(x).logits
+        plain = merged(student)
+        got = plain.model(x).logits
+    assert sorted(n for n, _ in plain.model.named_parameters()) == names      # saved/loaded like full weights
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    changed = [n for n, p in plain.model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed and all("proj" in n for n in changed)                      # embeddings/norms untouched

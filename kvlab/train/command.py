@@ -62,6 +62,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-prompts", type=int, default=D.train_prompts, help="training prompts used (incl. held-out)")
     p.add_argument("--heldout", type=int, default=D.heldout, help="prompts held out for the KL curve")
     p.add_argument("--eval-every", type=int, default=D.eval_every, help="held-out KL every this many steps")
+    p.add_argument("--lora-rank", type=int, default=D.lora_rank,
+                   help="0 = train full weights (default, measured better); r > 0 = LoRA adapters of rank r (peft)")
     p.add_argument("--threads", type=int, default=D.threads, help="torch threads (0 = torch's default)")
     p.add_argument("--checkpoint-s", type=positive_int("--checkpoint-s"), default=180,
                    help="seconds between checkpoints (an interrupted run resumes from the last one)")
@@ -74,7 +76,8 @@ def train_config(args):
 
     return DEFAULT_TRAIN.replace(steps=args.steps, batch=args.batch, lr=args.lr, ce_weight=args.ce_weight,
                                  seed=args.seed, train_prompts=args.train_prompts, heldout=args.heldout,
-                                 eval_every=args.eval_every, threads=args.threads)
+                                 eval_every=args.eval_every, threads=args.threads,
+                                 lora_rank=args.lora_rank)
 
 
 def cmd_train_student(args) -> list:

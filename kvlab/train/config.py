@@ -50,13 +50,14 @@ class TrainConfig:
     refresh_gap: tuple = (16, 64)   # refresh-aware: steps between refresh points, uniform
     refresh_none: float = 0.5       # refresh-aware: share of examples without any refresh
     threads: int = 0                # torch threads (0 = leave torch's setting)
+    lora_rank: int = 0              # 0 = full weights (measured better, README); r > 0 = LoRA rank r (peft)
 
     def __post_init__(self):
         for name in ("steps", "batch", "train_prompts", "tokens", "topk", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
-        for name in ("heldout", "warmup", "threads"):
+        for name in ("heldout", "warmup", "threads", "lora_rank"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"--{name.replace('_', '-')}={v!r} must be an integer ≥ 0")
@@ -81,6 +82,8 @@ class TrainConfig:
         d = {k: v for k, v in asdict(self).items() if k not in ("threads", "eval_every")}
         if variant != "refresh-aware":
             d.pop("refresh_gap"), d.pop("refresh_none")
+        if not d["lora_rank"]:
+            d.pop("lora_rank")       # full-weight keys are the ones from before LoRA existed
         blob = json.dumps({"v": TRAIN_VERSION, "variant": variant, "shape": shape_label, "data": data_key, **d},
                           sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]

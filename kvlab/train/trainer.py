@@ -85,7 +85,7 @@ def train(student, teacher, examples: list, heldout: list, variant: str, cfg: Tr
         p.requires_grad_(False)
     model = student.model
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     start, log = 0, []
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)

@@ -44,6 +44,8 @@ def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
 
 def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
     extra = "" if cfg == DEFAULT_TRAIN else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
+    if cfg.lora_rank:
+        extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"
 
 
@@ -101,6 +103,10 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
     train_ex, held = training_data(cfg, teacher, progress)
     data_s = time.perf_counter() - t0
     student = load_model(pruned_student_path(shape), device=dev, dtype=torch.float32, local_files_only=True)
+    if cfg.lora_rank:
+        from .lora import with_lora
+
+        student = with_lora(student, cfg.lora_rank)
     run_dir = cache_dir() / "train" / "runs" / target.name
     key = target.name
     t1 = time.perf_counter()
@@ -113,6 +119,10 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
                     checkpoint_s=checkpoint_s, stop_after=stop_after)
     if not res.finished:
         return run_dir
+    if cfg.lora_rank:
+        from .lora import merged
+
+        student = merged(student)
     meta = {"variant": variant, "shape": shape.label, "config": cfg.__dict__, "data_key": train_data_key(cfg),
             "train_examples": len(train_ex), "heldout_examples": len(held),
             "response_tokens": sum(len(e.response_ids) for e in train_ex), "train_s_last_session": round(res.seconds, 1),
