@@ -58,6 +58,9 @@ def _check_model_args(args) -> None:
     from .train.command import student_choice
 
     variant, _ = student_choice(args)   # --student variant / --prune shape (ValueError naming the flag)
+    from .train.command import train_choice
+
+    train_choice(args)                  # --train-steps
     for flag, ref in (("--teacher", args.teacher), ("--student", None if variant else args.student)):
         if ref is not None:
             try:
@@ -84,25 +87,26 @@ def _spec(args):
 def _pair(args):
     """(teacher, student): ``--student`` variant at ``--prune`` (trained and cached first if missing)."""
     from .models import load_pair
-    from .train.command import student_choice
+    from .train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
     if variant is None:
         return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
     return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,
-                     train_if_missing=True)
+                     train_if_missing=True, train=train_choice(args))
 
 
 def _alone_student(args, student):
     """The Student row's model: ``standalone`` at the same shape when the OverFill student is a trained
     embedded variant (OverFill's own baseline), else the same student."""
     from .models import load_student
-    from .train.command import student_choice
+    from .train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
     if variant in (None, "pruned", "standalone"):
         return student
-    return load_student("standalone", shape, device=args.device, dtype=args.dtype, train_if_missing=True)
+    return load_student("standalone", shape, device=args.device, dtype=args.dtype, train_if_missing=True,
+                        train=train_choice(args))
 
 
 def cmd_baselines(args) -> list[Path]:
@@ -273,15 +277,15 @@ def cmd_evict(args) -> list[Path]:
 
 def cmd_train_missing(args) -> list[Path]:
     """Train (or find cached) every trained variant of the embedded student's shape."""
-    from .train.command import student_choice
-    from .train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
+    from .train.command import student_choice, train_choice
+    from .train.config import TRAINED_VARIANTS
     from .train.weights import train_student
 
     variant, shape = student_choice(args)
     if variant is None:
         print("train: skipped (--student is a model folder/hub id)", flush=True)
         return []
-    return [train_student(v, shape, DEFAULT_TRAIN, device=args.device, progress=not args.no_progress)
+    return [train_student(v, shape, train_choice(args), device=args.device, progress=not args.no_progress)
             for v in TRAINED_VARIANTS]
 
 

@@ -253,6 +253,8 @@ def no_model_loads(monkeypatch):
     (["train-student", "--lora-rank", "-2"], "--lora-rank"),
     (["baselines", "--student", "overfil"], "--student"),
     (["baselines", "--prune", "i1.0"], "--prune"),
+    (["baselines", "--train-steps", "0"], "--train-steps"),
+    (["train-study", "--train-steps", "-3"], "--train-steps"),
     (["refresh", "--student", "standalone", "--student-ratio", "0.3"], "--student-ratio"),
     (["all", "--student", "overfill", "--prune", "h0.45,i7"], "--prune"),
 ])
@@ -271,6 +273,10 @@ def test_missing_trained_student_raises_naming_the_command(tmp_path, monkeypatch
         load_student("overfill", "h0.45,i0.45")
     with pytest.raises(ValueError, match="--student"):
         load_pair(variant="distilled")
+    from kvlab.train.config import DEFAULT_TRAIN
+
+    with pytest.raises(FileNotFoundError, match="--steps 240"):    # a non-default recipe names its own command
+        load_student("overfill", "h0.45,i0.45", train=DEFAULT_TRAIN.replace(steps=240))
 
 
 def test_training_key_separates_what_changes_the_weights():

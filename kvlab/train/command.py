@@ -16,6 +16,9 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
                         "trained and cached on first use), or a hub id / model folder")
     p.add_argument("--prune", default=None,
                    help=f"prune shape of the embedded student, e.g. h0.45,i0.45 (default {DEFAULT_SHAPE})")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="trained students: the one trained for this many optimiser steps (default: "
+                        "kvlab.train.config.DEFAULT_TRAIN.steps; trained and cached on first use)")
 
 
 def student_choice(args):
@@ -45,6 +48,19 @@ def student_choice(args):
                              "use --prune iR instead")
         return check_student("pruned", ratio)
     return check_student(ref or DEFAULT_VARIANT, prune if prune is not None else DEFAULT_SHAPE)
+
+
+def train_choice(args):
+    """The ``TrainConfig`` the embedded trained students come from: ``DEFAULT_TRAIN``, or with
+    ``--train-steps N`` the same recipe run for N steps (ValueError naming the flag)."""
+    from .config import DEFAULT_TRAIN
+
+    n = getattr(args, "train_steps", None)
+    if n is None:
+        return DEFAULT_TRAIN
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"--train-steps={n!r} must be a positive integer (optimiser steps of the trained students)")
+    return DEFAULT_TRAIN.replace(steps=n)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

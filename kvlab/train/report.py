@@ -13,8 +13,7 @@ def train_study(args, T: int = 27) -> list[Path]:
     from ..figures import render
     from ..models import load_student, load_teacher
     from ..store import RunStore
-    from .command import student_choice
-    from .config import DEFAULT_TRAIN
+    from .command import student_choice, train_choice
     from .study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
     from .weights import trained_dir
 
@@ -25,7 +24,8 @@ def train_study(args, T: int = 27) -> list[Path]:
         return []
     progress = not args.no_progress
     teacher = load_teacher(args.device, args.dtype)
-    students = {v: load_student(v, shape, args.device, args.dtype, train_if_missing=True) for v in VARIANTS}
+    cfg = train_choice(args)
+    students = {v: load_student(v, shape, args.device, args.dtype, train_if_missing=True, train=cfg) for v in VARIANTS}
     per_run = study_runs(teacher, students, spec, RunStore(args.runs), T, progress)
     table = study_table(per_run, students, T)
     out = Path(args.out)
@@ -38,7 +38,7 @@ def train_study(args, T: int = 27) -> list[Path]:
     paths += write_table(speed_df, out, "train_speed_timing",
                          notes=["Decode ms per cached step (batch 1), teacher and student timed alternately in one "
                                 "process after a warm-up; median over repeats. Machine-dependent (untracked)."])
-    curves = curves_frame({v: trained_dir(v, shape, DEFAULT_TRAIN) for v in VARIANTS[1:]})
+    curves = curves_frame({v: trained_dir(v, shape, cfg) for v in VARIANTS[1:]})
     if len(curves):
         paths += write_table(curves.round(5), out, "train_curves", notes=["Training logs of the cached students."])
         if (p := render("train_curves", out)) is not None:
