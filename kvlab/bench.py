@@ -212,8 +212,12 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     decision), ``KVCache.evict`` (compaction, incl. re-rotation), ``quantize_older`` (INT8).
     The first step's eviction (cache_len → budget, a bulk compaction) is reported on its own
     (``first_evict_ms``); the per-step medians are over the later steps, pooled over ``repeats``
-    (policies interleaved per repeat, after one warm-up pass). Also measured side by side in the
-    same run: the attention-mass cost, full-cache forward with ``attention=True`` vs without
+    (policies interleaved per repeat, after one warm-up pass). Side by side with every policy, in
+    the same repeat: ``plain_ms``, a plain decode step (forward only, the same attention
+    measurement, no policy, no eviction) on a cache holding the policy's live length after its
+    first eviction (cropped back to it before every step, untimed), and ``evict_vs_plain`` =
+    ``step_ms / plain_ms`` (1.0: an evicting step costs what a plain step at that length costs).
+    Also the attention-mass cost, full-cache forward with ``attention=True`` vs without
     (``attn_forward_ratio``). Ratios print; nothing is asserted. The Conf-KV paper reports 0.22 ms
     compaction + 0.11 ms metadata per step on GPT-2 (GPU).
     """
@@ -255,11 +259,14 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
             _, ent, top1, margin = token_stats(logits)
             rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
             d = pol.keep(EvictView(step=step, length=len(c), positions=tuple(c.positions), record=rec,
-                                   vocab_size=vocab, num_layers=c.num_layers, attn=c.attn))
+                                   vocab_size=vocab, num_layers=c.num_layers, attn=c.layer_attn(),
+                                   layer_positions=c.layer_positions()))
             drop = d.dropped(len(c))
+            per_layer = d.dropped_layers(c.layer_lengths())
             sync()
             t2 = time.perf_counter()
-            r = c.evict(drop, model=model, rerotate=d.rerotate) if drop else None
+            r = (c.evict(drop, model=model, rerotate=d.rerotate, layers=per_layer)
+                 if drop or (per_layer is not None and any(per_layer)) else None)
             sync()
             t3 = time.perf_counter()
             if d.int8_window is not None:
@@ -271,13 +278,33 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
                          "rotate": r.rotate_s if r is not None else 0.0})
         return {"rows": rows}
 
-    for pol in policies.values():   # warm-up
-        one(pol)
+    def plain(c: KVCache, need: bool) -> dict:
+        """Plain steps, each on a cache of the length this copy starts with (cropped back, untimed)."""
+        n0, rows = len(c), []
+        for step, tok in enumerate(new, start=1):
+            c.crop(n0)
+            t0 = time.perf_counter()
+            c.forward(model, [tok], writer="teacher", step=step, attention=need)
+            sync()
+            rows.append({"step": time.perf_counter() - t0})
+        return {"rows": rows}
+
+    live = {}
+    for n, pol in policies.items():   # warm-up; the live length each policy holds after its first eviction
+        live[n] = one(pol)["rows"][0]["len"]
+    plain_base = {}
+    for n, pol in policies.items():
+        c = base.copy()
+        c.crop(min(live[n], cache_len))  # the evicting run's length when its next forward starts
+        plain_base[n] = c
+        plain(c.copy(), bool(getattr(pol, "needs_attention", False)))
     runs = {n: [] for n in policies}
+    plains = {n: [] for n in policies}
     attn = {True: [], False: []}
     for _ in range(repeats):
         for n, pol in policies.items():
             runs[n].append(one(pol))
+            plains[n].append(plain(plain_base[n].copy(), bool(getattr(pol, "needs_attention", False))))
         for flag in (False, True):
             c = base.copy()
             attn[flag].append(_timed(lambda: c.forward(model, [new[0]], writer="teacher", attention=flag)))
@@ -292,6 +319,9 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
         med = {k: 1000 * statistics.median(row[k] for row in later)
                for k in ("step", "forward", "metadata", "compact", "int8", "rotate")}
         res = {f"{k}_ms": round(v, 3) for k, v in med.items()}
+        plain_ms = 1000 * statistics.median(row["step"] for r in plains[n] for row in r["rows"][1:])
+        res["plain_ms"] = round(plain_ms, 3)
+        res["evict_vs_plain"] = round(med["step"] / plain_ms, 3)
         res["first_evict_ms"] = round(1000 * statistics.median(row["compact"] for row in first), 3)
         res["mean_len"] = round(statistics.mean(row["len"] for row in later), 1)
         res["mean_kib"] = round(statistics.mean(row["bytes"] for row in later) / 1024, 1)

@@ -476,13 +476,14 @@ class Decoding:
         if policy is not None and len(cache):
             sp = self.config.sampling
             view = EvictView(step=rec.step, length=len(cache), positions=tuple(cache.positions), record=rec,
-                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.attn,
+                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
                              logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
-                             first=rec.step == self.first_step)
+                             first=rec.step == self.first_step, layer_positions=cache.layer_positions())
             decision = policy.keep(view)
             drop = decision.dropped(len(cache))
-            if drop:
-                rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate)
+            per_layer = decision.dropped_layers(cache.layer_lengths())
+            if drop or (per_layer is not None and any(per_layer)):
+                rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate, layers=per_layer)
                 evicted = rep.evicted
             if decision.int8_window is not None:
                 cache.quantize_older(decision.int8_window, decision.int8_group)

@@ -32,10 +32,10 @@ def _set_impl(model, impl):
 
 
 def test_ragged_layers_break_transformers_masks():
-    """Why kvlab keeps ONE live set for all layers: with layers of different lengths a
-    multi-token forward fails under sdpa and even a one-token forward fails under eager
-    (transformers 5.x sizes one mask by layer 0 for all layers). If this ever passes, per-layer
-    (pyramidal) lengths become possible and the design note in kvcache.py should be revisited."""
+    """Why a ragged KVCache runs the "kvlab" attention function (kvlab.cache.attn_fn): with layers
+    of different lengths transformers' own implementations fail — a multi-token forward under sdpa,
+    even a one-token forward under eager — because transformers 5.x sizes one mask by layer 0 for
+    all layers. (tests/test_cache_layers.py checks the kvlab function against a reference.)"""
     lm = make_tiny_lm(seed=5, layers=2)
     m = lm.model
     ids = torch.tensor([IDS[:12]])

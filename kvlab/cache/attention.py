@@ -65,13 +65,14 @@ class QueryCapture:
         return hook
 
     @torch.no_grad()
-    def mass(self, keys_of, n: int, window: int | None = None, below: bool = False) -> torch.Tensor:
-        """``(L, T)`` float32 attention mass of the captured ``n`` queries over each layer's keys.
+    def mass(self, keys_of, n: int, window: int | None = None, below: bool = False) -> list[torch.Tensor]:
+        """Per layer, the ``(T_i,)`` float32 attention mass of the captured ``n`` queries over that
+        layer's keys (layers may hold different numbers of entries).
 
-        ``keys_of(i)`` returns layer ``i``'s cached keys ``(1, H_kv, T, D)`` after the forward
+        ``keys_of(i)`` returns layer ``i``'s cached keys ``(1, H_kv, T_i, D)`` after the forward
         (the ``n`` new entries last). ``window``: only the last ``window`` queries count (SnapKV's
-        observation window); ``None`` = all ``n``. ``below=True`` also sets :attr:`low` ``(L, T)``:
-        per entry, how many of those queries gave it less than the uniform share ``1/T_i`` of
+        observation window); ``None`` = all ``n``. ``below=True`` also sets :attr:`low`, per layer
+        ``(T_i,)``: per entry, how many of those queries gave it less than the uniform share ``1/T_i`` of
         their head-mean attention (``T_i`` = entries query ``i`` sees; Scissorhands)."""
         w = n if window is None else min(int(window), n)
         out, lows = [], []
@@ -104,5 +105,5 @@ class QueryCapture:
                 seen = torch.arange(w, device=a.device).view(w, 1) + (t - w) + 1   # (w, 1) entries query i sees
                 vis = torch.arange(t, device=a.device).view(1, t) < seen           # (w, T)
                 lows.append(((a < 1.0 / seen) & vis).sum(0).float())              # (T,)
-        self.low = torch.stack(lows) if below else None                            # (L, T)
-        return torch.stack(out)                                                    # (L, T)
+        self.low = lows if below else None                                         # per layer (T_i,)
+        return out

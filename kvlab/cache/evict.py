@@ -18,66 +18,85 @@ from .rope import rope_of
 
 @dataclass(frozen=True)
 class EvictReport:
-    """What one :meth:`KVCache.evict` did: entries removed, entries re-rotated, length after,
-    seconds spent compacting (gather of every layer + mirror) and re-rotating."""
+    """What one :meth:`KVCache.evict` did: entries removed from layer 0 (``evicted_layers``: per
+    layer), entries re-rotated, layer 0's length after, seconds spent compacting (every layer +
+    mirror) and re-rotating."""
 
     evicted: int
     moved: int
     length: int
     compact_s: float
     rotate_s: float
+    evicted_layers: tuple[int, ...] = ()
+
+
+def _check_slots(slots, n: int, what: str) -> list[int]:
+    slots = list(slots)
+    for s in slots:
+        if isinstance(s, bool) or not hasattr(s, "__index__"):
+            raise ValueError(f"{what} holds {s!r}; slots must be ints")
+    slots = sorted(int(s) for s in slots)
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"{what}: slots must be distinct")
+    if slots and (slots[0] < 0 or slots[-1] >= n):
+        raise ValueError(f"{what}: slots must lie in [0, {n}); got {slots[0]}..{slots[-1]}")
+    return slots
 
 
 @torch.inference_mode()
 def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
           layers: Sequence[Sequence[int]] | None = None) -> EvictReport:
     """See :meth:`kvlab.cache.KVCache.evict`."""
-    n = len(cache)
-    if layers is not None:
-        layers = [list(x) for x in layers]
-        if len(layers) != cache.num_layers:
-            raise ValueError(f"layers has {len(layers)} slot lists for a cache of {cache.num_layers} layers")
-        if any(sorted(x) != sorted(layers[0]) for x in layers):
-            raise ValueError("layers drops different slots on different layers; this cache keeps one live set "
-                             "for all layers")
-        slots = layers[0]
-    slots = list(slots)
-    for s in slots:
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise ValueError(f"slots holds {s!r}; slots must be ints")
-    slots = sorted(int(s) for s in slots)
-    if len(set(slots)) != len(slots):
-        raise ValueError("slots must be distinct")
-    if slots and (slots[0] < 0 or slots[-1] >= n):
-        raise ValueError(f"slots must lie in [0, {n}); got {slots[0]}..{slots[-1]}")
+    mirror, store = cache._mirror, cache._store
+    lives = mirror.lives
+    if layers is None:
+        drops = [_check_slots(slots, len(live), "slots") for live in lives]
+    else:
+        layers = list(layers)
+        if len(layers) != len(lives):
+            raise ValueError(f"layers has {len(layers)} slot lists for a cache of {len(lives)} layers")
+        drops = [_check_slots(x, len(live), f"layers[{i}]") for i, (x, live) in enumerate(zip(layers, lives))]
     if rerotate and model is None:
         raise ValueError("rerotate=True needs model= (its rotary embedding gives the rotation)")
+    uniform_drop = all(d == drops[0] for d in drops) and mirror.uniform
+    if rerotate and not uniform_drop:
+        raise ValueError("rerotate=True moves survivors to consecutive positions, which needs one live set for all "
+                         "layers (the next query has one position); drop the same slots on every layer")
     rope = rope_of(model) if rerotate else None
     t0 = time.perf_counter()
-    if not slots:
-        return EvictReport(0, 0, n, 0.0, 0.0)
-    store, mirror = cache._store, cache._mirror
-    if rerotate and store.n_int8:
+    if not any(drops):
+        return EvictReport(0, 0, len(cache), 0.0, 0.0)
+    if rerotate and store.int8 is not None:
         store.dequantize()
-    mask = torch.ones(n, dtype=torch.bool)
-    mask[torch.tensor(slots, dtype=torch.long)] = False
-    keep_t = mask.nonzero().squeeze(1)                                              # (T',) kept slots
-    store.keep(keep_t)
+    keeps = []
+    for d, live in zip(drops, lives):
+        if not d:
+            keeps.append(None)
+            continue
+        mask = torch.ones(len(live), dtype=torch.bool)
+        mask[torch.tensor(d, dtype=torch.long)] = False
+        keeps.append(mask.nonzero().squeeze(1))                                   # (T_l',) kept slots
+    store.keep(keeps)
     # no failure point below but the mirror's pure-Python bookkeeping
-    removed = [mirror.live[s] for s in slots]
-    mirror.live = [r for r, k in zip(mirror.live, mask.tolist()) if k]
-    if cache._stats is not None:
-        cache._stats.keep(keep_t)
     tick = mirror.next_tick()
-    for r in removed:
-        mirror.events.append(tick, r, "evicted")
+    for i, d in enumerate(drops):
+        if not d:
+            continue
+        if not uniform_drop or i == 0:
+            for s in d:
+                mirror.events.append(tick, lives[i][s], "evicted", -1 if uniform_drop else i)
+        gone = set(d)
+        lives[i] = [r for s, r in enumerate(lives[i]) if s not in gone]
+    if cache._stats is not None:
+        cache._stats.keep(keeps)
     t1 = time.perf_counter()
     moved = 0
     if rerotate and mirror.live:
         p0 = mirror.ledger.position[mirror.live[0]]
         moved = move_to(cache, rope, list(range(p0, p0 + len(mirror.live))), tick)
     cache.check()
-    return EvictReport(len(slots), moved, len(cache), t1 - t0, time.perf_counter() - t1)
+    return EvictReport(len(drops[0]), moved, len(cache), t1 - t0, time.perf_counter() - t1,
+                       tuple(len(d) for d in drops))
 
 
 @torch.inference_mode()
@@ -88,8 +107,10 @@ def reposition(cache, model, positions: Sequence[int]) -> int:
         raise ValueError(f"positions has {len(positions)} entries for {len(cache)} slots")
     if len(set(positions)) != len(positions) or (positions and min(positions) < 0):
         raise ValueError("positions must be distinct non-negative ints")
+    if not cache._mirror.uniform:
+        raise ValueError("reposition needs one live set for all layers (the next query has one position)")
     rope = rope_of(model)
-    if cache.n_int8:
+    if cache._store.int8 is not None:
         cache._store.dequantize()
     tick = cache._mirror.next_tick()
     moved = move_to(cache, rope, positions, tick)
@@ -98,20 +119,24 @@ def reposition(cache, model, positions: Sequence[int]) -> int:
 
 
 def move_to(cache, rope, positions: list[int], tick: int) -> int:
-    """Rotate every live entry whose position differs from ``positions[slot]`` there (FP storage);
-    new ledger rows for the moved entries; ``next_position = max(positions) + 1``."""
+    """Rotate every live entry whose position differs from ``positions[slot]`` there, on every layer
+    (a uniform cache in FP storage); new ledger rows for the moved entries; ``next_position =
+    max(positions) + 1``."""
     mirror = cache._mirror
     led = mirror.ledger
     old = [led.position[r] for r in mirror.live]
     slots = [s for s, (a, b) in enumerate(zip(old, positions)) if a != b]
     if slots:
-        cache._store.rotate(rope, slots, [positions[s] - old[s] for s in slots])
+        delta = [positions[s] - old[s] for s in slots]
+        for i in range(cache._store.num_layers):
+            cache._store.rotate(i, rope, slots, delta)
         for s in slots:
             r = mirror.live[s]
             new = led.append([led.token_id[r]], [positions[s]], led.writer[r], led.step[r])[0]
             mirror.events.append(tick, r, "moved")
             mirror.events.append(tick, new, "moved_to")
-            mirror.live[s] = new
+            for live in mirror.lives:
+                live[s] = new
     if positions:
         cache.next_position = max(positions) + 1
     return len(slots)
@@ -119,14 +144,17 @@ def move_to(cache, rope, positions: list[int], tick: int) -> int:
 
 @torch.inference_mode()
 def quantize_older(cache, window: int, group: int = 64) -> int:
-    """See :meth:`kvlab.cache.KVCache.quantize_older`."""
+    """See :meth:`kvlab.cache.KVCache.quantize_older` (each layer by its own length; returns layer 0's count)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} must be an int >= 1 (newest entries kept in FP)")
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"group={group!r} must be an int >= 1 (entries per scale group)")
-    m = len(cache) - cache.n_int8 - window
-    if m < group:
-        return 0
-    cache._store.quantize_prefix(m)
+    store = cache._store
+    done = []
+    for i in range(store.num_layers):
+        m = store.layer_len(i) - store.int8_len(i) - window
+        if m >= group:
+            store.quantize_prefix(i, m)
+        done.append(m if m >= group else 0)
     cache.check()
-    return m
+    return done[0] if done else 0

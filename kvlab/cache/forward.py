@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from . import attn_fn
 from .attention import QueryCapture
 
 
@@ -17,7 +18,7 @@ from .attention import QueryCapture
 def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: str, step: int = -1,
             positions: Sequence[int] | None = None, logits: str = "last", attention: bool = False) -> torch.Tensor:
     """See :meth:`kvlab.cache.KVCache.forward`."""
-    if attention and cache.attn is None:
+    if attention and cache._stats is None:
         raise ValueError("attention=True needs cache.track_attention(ema_decay) first")
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     n = ids.numel()
@@ -32,10 +33,11 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
         raise ValueError(f"positions has {len(positions)} entries for {n} tokens")
     device = next(model.parameters()).device
     store, mirror = cache._store, cache._mirror
-    before = len(mirror.live)
+    before = [len(x) for x in mirror.lives]
     n_rows = len(mirror.ledger)
-    nq = store.n_int8
     try:
+        if ragged(store):
+            attn_fn.use(model)          # each layer attends over its own length
         store.materialize()
         kwargs = dict(input_ids=ids.to(device).view(1, n),                                  # (1, n)
                       position_ids=torch.tensor([positions], device=device),               # (1, n)
@@ -44,19 +46,21 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
             mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window,
-                            below=cache._stats.below)                                      # (L, T)
+                            below=cache._stats.below)                                      # L x (T_l,)
             low = cap.low
         else:
             out = model(**kwargs)
             mass = low = None
-        store.dematerialize(nq)
+        store.dematerialize()
         rows = mirror.ledger.append(ids.tolist(), positions, writer, step)
-        mirror.live.extend(rows)
+        mirror.set_layers(store.num_layers)
+        mirror.extend(rows)
         if cache._stats is not None:
-            cache._stats.append(n, store.num_layers, mass, low)
+            cache._stats.set_layers(store.num_layers, before[0])
+            cache._stats.append(n, mass, low)
         cache.check()
     except BaseException:
-        store.dematerialize(nq)
+        store.dematerialize()
         rollback_append(cache, before, n_rows)
         raise
     cache.next_position = max(cache.next_position, max(positions) + 1)
@@ -64,13 +68,22 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
     return out_logits if logits == "all" else out_logits[-1]
 
 
-def rollback_append(cache, length: int, n_rows: int) -> None:
-    """Undo a failed append: back to ``length`` entries and ``n_rows`` ledger rows (rows no one saw)."""
-    cache._store.truncate(length)
+def ragged(store) -> bool:
+    """Layers hold different numbers of entries (then the model needs the ``"kvlab"`` attention function)."""
+    lengths = store.layer_lengths()
+    return bool(lengths) and min(lengths) != max(lengths)
+
+
+def rollback_append(cache, lengths: list[int], n_rows: int) -> None:
+    """Undo a failed append: layer ``i`` back to ``lengths[i]`` entries (one length: every layer) and
+    the ledger to ``n_rows`` rows (rows no one saw)."""
+    layers = max(cache._store.num_layers, len(lengths))
+    lengths = lengths * layers if len(lengths) == 1 else lengths
+    cache._store.truncate(lengths)
     cache._mirror.ledger.truncate(n_rows)
-    del cache._mirror.live[length:]
-    if cache._stats is not None:
-        cache._stats.truncate(length)
+    cache._mirror.truncate_layers(lengths)
+    if cache._stats is not None and len(cache._stats.data["acc"]) == len(lengths):
+        cache._stats.truncate(lengths)
 
 
 @torch.inference_mode()
@@ -82,8 +95,13 @@ def probe_last(cache, model, n_copies: int) -> torch.Tensor:
         raise ValueError("probe_last needs a non-empty cache (prefill first)")
     led = cache.ledger
     row = cache.live[-1]
+    if any(not live or live[-1] != row for live in cache._mirror.lives):
+        raise ValueError("probe_last needs the newest entry live on every layer")
     token, position = led.token_id[row], led.position[row]
-    tmp = cache._store.prefix_view(len(cache) - 1, n_copies)
+    store = cache._store
+    tmp = store.prefix_view([n - 1 for n in store.layer_lengths()], n_copies)
+    if ragged(store):
+        attn_fn.use(model)
     device = next(model.parameters()).device
     out = model(input_ids=torch.full((n_copies, 1), token, dtype=torch.long, device=device),  # (n, 1)
                 position_ids=torch.full((n_copies, 1), position, dtype=torch.long, device=device),

@@ -17,12 +17,13 @@ statistics in the same call, and restores them if it fails, so ``len(live) == ca
 every layer at all times (:meth:`KVCache.check`). Nothing outside :mod:`kvlab.cache` reads the
 tensors: a transformers cache-API change breaks one file (:mod:`.storage`).
 
-One live set for all layers. Per-layer (pyramidal) lengths were tried against transformers
-5.x: with ragged layers a one-token decode step works only under ``sdpa`` (its causal mask is
-skipped); ``eager`` fails (the mask is sized from layer 0), and every multi-token forward
-(surgery inserts, rebuilds, prefills over a cache) fails under both, because one mask sized
-by layer 0's length is shared by all layers. So every layer keeps the same entries; see
-``tests/test_eviction_cache.py::test_ragged_layers_break_transformers_masks``.
+Per-layer live sets. Every layer has its own live map (``lives[i]``); :attr:`KVCache.live`,
+``positions``, ``len()`` are layer 0's. Eviction may drop different entries on different layers
+(``evict(layers=...)``); refresh splices and copies then work layer by layer over what each layer
+still holds. transformers sizes one attention mask from layer 0, so once layers differ in length
+the cache switches the model to the ``"kvlab"`` attention function (:mod:`.attn_fn`, registered
+through ``AttentionInterface``), which builds each layer's own causal mask. Surgery, ``crop`` and
+re-rotation address slots shared by all layers and refuse a cache whose layers differ.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from .ledger import EventLog, Ledger, Row
 from .mirror import Mirror
 from .plan import TickReport
 from .stats import AttnStats
-from .storage import Storage
+from .storage import BufferLayer, KVStore, Storage
 
 
 class KVCache:
@@ -52,8 +53,11 @@ class KVCache:
 
     def __init__(self, hf: DynamicCache | None = None, ledger: Ledger | None = None,
                  live: list[int] | None = None, next_position: int = 0):
+        if hf is not None and not isinstance(hf, KVStore):     # a transformers cache: copy into buffers
+            hf = KVStore([BufferLayer.of(lay.keys, lay.values) for lay in hf.layers])
         self._store = Storage(hf)
         self._mirror = Mirror(ledger, live)
+        self._mirror.set_layers(self._store.num_layers)
         self._stats: AttnStats | None = None
         self.next_position = int(next_position)
         self.check()
@@ -93,7 +97,21 @@ class KVCache:
 
     def layer_positions(self) -> tuple[tuple[int, ...], ...]:
         """Per layer, the absolute position of each live slot."""
-        return (tuple(self.positions),) * self.num_layers
+        return self._mirror.layer_positions()
+
+    @property
+    def lives(self) -> list[list[int]]:
+        """Per layer, ``slot -> ledger row`` (``lives[0]`` is :attr:`live`); read only."""
+        return self._mirror.lives
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer holds the same entries (no per-layer eviction has split them)."""
+        return self._mirror.uniform
+
+    def held(self, positions: Sequence[int]) -> list[int]:
+        """Those of ``positions`` that some layer holds (a refresh splices them, per layer)."""
+        return self._mirror.held(positions)
 
     def rows(self) -> list[Row]:
         """Ledger rows of the live entries, in slot order."""
@@ -143,13 +161,15 @@ class KVCache:
 
     def forward_nbytes(self) -> int:
         """Bytes of K/V held while a forward runs: :meth:`nbytes` plus the full-precision copy of the
-        INT8 prefix that each forward materializes (equal to :meth:`nbytes` without INT8 entries)."""
-        nq = self.n_int8
+        INT8 prefix that each forward materializes, each layer its own INT8 length (equal to
+        :meth:`nbytes` without INT8 entries)."""
+        store = self._store
+        nq = sum(store.int8_len(i) for i in range(store.num_layers))   # INT8 entries over all layers
         if not nq:
             return self.nbytes()
-        keys = self._store.hf.layers[0].keys
-        _, h, _, d = keys.shape  # (B, H_kv, T, D)
-        return self.nbytes() + nq * 2 * self._store.num_layers * h * d * keys.element_size()
+        buf = store.hf.layers[0].buf_k
+        _, h, _, d = buf.shape  # (B, H_kv, cap, D)
+        return self.nbytes() + nq * 2 * h * d * buf.element_size()
 
     def meta_nbytes(self) -> int:
         """Bytes of the per-entry attention statistics kept for eviction policies."""
@@ -166,18 +186,19 @@ class KVCache:
         return k.detach().clone(), v.detach().clone()
 
     def check(self) -> None:
-        """The invariant: every layer holds exactly ``len(live)`` entries, batch 1, live rows valid,
-        attention statistics one column per live entry."""
-        self._store.check(len(self))
+        """The invariant: layer ``i``'s storage holds exactly ``len(lives[i])`` entries, batch 1, live
+        rows valid, attention statistics one column per live entry of each layer."""
+        lengths = [len(x) for x in self._mirror.lives]
+        self._store.check(lengths)
         self._mirror.check()
-        if self._stats is not None:
-            self._stats.check(len(self))
+        if self._stats is not None and self.num_layers:
+            self._stats.check(lengths)
 
     @torch.inference_mode()
     def copy(self) -> "KVCache":
         """A deep copy: new tensors, new ledger, new live map."""
         new = KVCache.__new__(KVCache)
-        new._store = self._store.copy(written=bool(len(self)))
+        new._store = self._store.copy()
         new._mirror = self._mirror.copy()
         new._stats = self._stats.copy() if self._stats is not None else None
         new.next_position = self.next_position
@@ -194,8 +215,10 @@ class KVCache:
 
     @property
     def attn(self) -> dict[str, torch.Tensor] | None:
-        """Per-entry attention statistics (None unless :meth:`track_attention` ran)."""
-        return self._stats.data if self._stats is not None else None
+        """Per-entry attention statistics of a uniform cache as matrices (None unless
+        :meth:`track_attention` ran): ``acc`` / ``ema`` (L, T), ``count`` (T,). Per-layer live sets:
+        :meth:`layer_attn`."""
+        return self._stats.stacked() if self._stats is not None else None
 
     @property
     def ema_decay(self) -> float | None:
@@ -203,20 +226,21 @@ class KVCache:
 
     def track_attention(self, ema_decay: float = 0.9, *, window: int | None = None, pool: int = 1,
                         below: bool = False) -> None:
-        """Start keeping per-entry attention statistics (``attn``), updated by every
-        ``forward(..., attention=True)`` and carried through every edit:
+        """Start keeping per-entry attention statistics, updated by every
+        ``forward(..., attention=True)`` and carried through every edit, per layer over its own live
+        slots (:meth:`layer_attn`; :attr:`attn` stacks a uniform cache's to ``(L, T)``):
 
-        * ``attn["acc"]`` (L, T): accumulated mass ``Σ_steps mass`` (H2O),
-        * ``attn["ema"]`` (L, T): ``ema ← β·ema + (1-β)·mass`` with ``β = ema_decay`` (Conf-KV),
-        * ``attn["count"]`` (T,): the entry's lifetime in measured queries — how many measured
-          queries could attend to it (NORM_SUM's denominator, as OpenVINO GenAI counts it: a
-          prefill of L tokens registers L, L-1, …, 1; each decode step adds 1 to every entry).
+        * ``acc``: accumulated mass ``Σ_steps mass`` (H2O),
+        * ``ema``: ``ema ← β·ema + (1-β)·mass`` with ``β = ema_decay`` (Conf-KV),
+        * ``count``: the entry's lifetime in measured queries — how many measured queries could
+          attend to it (NORM_SUM's denominator, as OpenVINO GenAI counts it: a prefill of L tokens
+          registers L, L-1, …, 1; each decode step adds 1 to every entry).
 
         ``window`` (SnapKV's observation window, seed 003 ``snapkv_window_size``): only the last
         ``window`` queries of a multi-token forward contribute mass (and count); ``None`` = all.
         ``pool``: each forward's mass is max-pooled over the entry and the ``pool - 1`` entries after
         it (``mass_j ← max(mass_j … mass_{j+pool-1})``, OpenVINO's ``_max_pool``) before it is folded in.
-        ``below=True`` also keeps ``attn["low"]`` (L, T): how many measured queries gave the entry less
+        ``below=True`` also keeps ``low``: how many measured queries gave the entry less
         than the uniform share ``1/T_i`` of their head-mean attention (Scissorhands).
 
         Entries present before tracking starts, or written by a forward without
@@ -235,8 +259,8 @@ class KVCache:
                 raise ValueError(f"attention is already tracked with ema_decay={s.ema_decay}, "
                                  f"window={s.window}, pool={s.pool}, below={s.below}")
             return
-        dev = self._store.device if len(self) else torch.device("cpu")
-        self._stats = AttnStats(ema_decay, self.num_layers, len(self), dev, window, pool, below)
+        dev = self._store.device if self.num_layers else torch.device("cpu")
+        self._stats = AttnStats(ema_decay, self.layer_lengths(), dev, window, pool, below)
 
     @property
     def attn_window(self) -> int | None:
@@ -250,9 +274,7 @@ class KVCache:
         """The attention statistics per layer (None when not tracked): ``{name: (t_0, …, t_{L-1})}``,
         ``t_l`` of shape ``(T_l,)`` over layer ``l``'s live slots (views; read only), as
         :class:`~kvlab.eviction.base.EvictView` carries them."""
-        if self._stats is None:
-            return None
-        return self._stats.per_layer(self.num_layers)
+        return self._stats.per_layer() if self._stats is not None else None
 
     def attention_stats(self) -> dict[str, torch.Tensor] | None:
         """Copies of the attention statistics (None when not tracked), for policies."""
@@ -357,18 +379,19 @@ class KVCache:
 
     def evict(self, slots: Sequence[int], *, model=None, rerotate: bool = False,
               layers: Sequence[Sequence[int]] | None = None) -> EvictReport:
-        """Remove the entries at ``slots`` from every layer, the live map and the attention
-        statistics, in one call; log ``evicted`` for their ledger rows. ``layers`` (optional, one
-        slot list per layer) removes per layer instead (:class:`~kvlab.eviction.base.Keep`'s
-        ``layers``; ``slots`` is then ignored).
+        """Remove the entries at ``slots`` (of each layer's own live list) from every layer, the live
+        maps and the attention statistics, in one call; log ``evicted`` for their ledger rows.
+        ``layers`` (one slot list per layer) removes per layer instead (``slots`` is then ignored):
+        afterwards layers may hold different entries and lengths (per-layer live sets; the model
+        then runs the ``"kvlab"`` attention function, :mod:`.attn_fn`). Compaction is in place in
+        each layer's buffer (:class:`~kvlab.cache.storage.BufferLayer`).
 
         Survivors keep their absolute positions (the decode loop passes explicit
         ``position_ids``, so RoPE distances stay right) unless ``rerotate=True`` (needs
         ``model`` for its RoPE): then survivors move to consecutive positions from the first
         slot's position on (:meth:`reposition`), like seed 003's ``apply_rotation``, and
-        ``next_position`` becomes the last position + 1. Validation (ints, distinct, in range)
-        happens before any tensor is touched; the new tensors of every layer are built first and
-        swapped in together, so an error leaves the cache as it was.
+        ``next_position`` becomes the last position + 1 (needs one live set for all layers).
+        Validation (ints, distinct, in range, per layer) happens before any tensor is touched.
         """
         return _evict.evict(self, slots, model=model, rerotate=rerotate, layers=layers)
 

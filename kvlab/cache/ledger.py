@@ -62,29 +62,33 @@ class Ledger:
 
 
 class EventLog:
-    """Append-only surgery history: (tick, ledger row, event). Ledger rows themselves are never edited."""
+    """Append-only edit history: (tick, ledger row, event, layer). ``layer`` is -1 when the event
+    concerns every layer, else the one layer whose live set it changed (per-layer eviction).
+    Ledger rows themselves are never edited."""
 
-    __slots__ = ("tick", "row", "event")
+    __slots__ = ("tick", "row", "event", "layer")
 
     def __init__(self):
         self.tick: list[int] = []
         self.row: list[int] = []
         self.event: list[str] = []
+        self.layer: list[int] = []
 
     def __len__(self) -> int:
         return len(self.row)
 
-    def append(self, tick: int, row: int, event: str) -> None:
+    def append(self, tick: int, row: int, event: str, layer: int = -1) -> None:
         self.tick.append(int(tick))
         self.row.append(int(row))
         self.event.append(event)
+        self.layer.append(int(layer))
 
     def copy(self) -> "EventLog":
         new = EventLog()
-        new.tick, new.row, new.event = list(self.tick), list(self.row), list(self.event)
+        new.tick, new.row, new.event, new.layer = list(self.tick), list(self.row), list(self.event), list(self.layer)
         return new
 
     def to_frame(self):
         import pandas as pd
 
-        return pd.DataFrame({"tick": self.tick, "row": self.row, "event": self.event})
+        return pd.DataFrame({"tick": self.tick, "row": self.row, "event": self.event, "layer": self.layer})

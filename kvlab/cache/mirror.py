@@ -2,7 +2,9 @@
 
 * the **ledger** (:class:`~kvlab.cache.ledger.Ledger`) — append-only: every entry ever written
   (token id, absolute RoPE position, writer, decode step); rows are never rewritten or reordered;
-* the **live map** — ``slot -> ledger row`` for the entries the cache holds now, in slot order;
+* the **live maps** — per layer, ``slot -> ledger row`` for the entries that layer holds now, in
+  slot order. Every layer has its own (per-layer eviction); ``live`` is layer 0's. A cache whose
+  layers all hold the same rows is *uniform*;
 * the **event log** — what each edit tick did to which rows (``evicted``, ``moved``, ``inserted``…);
   a row's status is derived from it (:meth:`Mirror.ledger_status`).
 
@@ -17,22 +19,72 @@ from .plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
 
 
 class Mirror:
-    """Ledger + live map + event log + the edit-tick counter."""
+    """Ledger + per-layer live maps + event log + the edit-tick counter.
+
+    Before the first write the number of layers is unknown: ``lives`` holds one list, and
+    :meth:`set_layers` replicates it once the storage has layers."""
 
     def __init__(self, ledger: Ledger | None = None, live: list[int] | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
-        self.live: list[int] = live if live is not None else []
+        self.lives: list[list[int]] = [live if live is not None else []]
         self.events = EventLog()   # append-only edit history: surgery ticks and evictions
         self.ticks = 0             # edit ticks attempted (surgery and eviction)
 
+    @property
+    def live(self) -> list[int]:
+        """Layer 0's live map."""
+        return self.lives[0]
+
+    @live.setter
+    def live(self, rows: list[int]) -> None:
+        """Set the same live map on every layer."""
+        self.lives = [list(rows) for _ in self.lives]
+
+    def set_layers(self, layers: int) -> None:
+        """Give a uniform mirror one live map per layer (``layers`` of them)."""
+        if layers and len(self.lives) != layers:
+            if not self.uniform:
+                raise AssertionError(f"mirror has {len(self.lives)} ragged live maps, storage {layers} layers")
+            self.lives = [list(self.lives[0]) for _ in range(layers)]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer holds the same rows."""
+        first = self.lives[0]
+        return all(x == first for x in self.lives[1:])
+
+    def extend(self, rows: Sequence[int]) -> None:
+        """Append ``rows`` to every layer's live map."""
+        for x in self.lives:
+            x.extend(rows)
+
+    def truncate_layers(self, lengths: Sequence[int]) -> None:
+        for x, n in zip(self.lives, lengths):
+            del x[n:]
+
     def check(self) -> None:
-        if self.live and (min(self.live) < 0 or max(self.live) >= len(self.ledger)):
-            raise AssertionError("live map points outside the ledger")
+        n = len(self.ledger)
+        for i, live in enumerate(self.lives):
+            if live and (min(live) < 0 or max(live) >= n):
+                raise AssertionError(f"live map of layer {i} points outside the ledger")
 
     def copy(self) -> "Mirror":
-        new = Mirror(self.ledger.copy(), list(self.live))
+        new = Mirror(self.ledger.copy())
+        new.lives = [list(x) for x in self.lives]
         new.events, new.ticks = self.events.copy(), self.ticks
         return new
+
+    def layer_positions(self) -> tuple[tuple[int, ...], ...]:
+        pos = self.ledger.position
+        if self.uniform:
+            return (tuple(pos[r] for r in self.live),) * len(self.lives)
+        return tuple(tuple(pos[r] for r in live) for live in self.lives)
+
+    def held(self, positions: Sequence[int]) -> list[int]:
+        """Those of ``positions`` that some layer holds (in the order given)."""
+        pos = self.ledger.position
+        have = {pos[r] for live in self.lives for r in live}
+        return [int(p) for p in positions if int(p) in have]
 
     def next_tick(self) -> int:
         tick = self.ticks
@@ -75,12 +127,12 @@ class Mirror:
 
     # ------------------------------------------------------------------ position lookups
 
-    def slots_at(self, positions: Sequence[int]) -> dict[int, int]:
-        """``{position: slot}`` for those of ``positions`` that exactly one live slot holds."""
+    def slots_at(self, positions: Sequence[int], layer: int = 0) -> dict[int, int]:
+        """``{position: slot}`` for those of ``positions`` that exactly one live slot of ``layer`` holds."""
         pos = self.ledger.position
         where: dict[int, int] = {}
         seen: set[int] = set()
-        for s, r in enumerate(self.live):
+        for s, r in enumerate(self.lives[layer]):
             p = pos[r]
             if p in seen:
                 where.pop(p, None)
@@ -89,8 +141,8 @@ class Mirror:
                 where[p] = s
         return {int(p): where[int(p)] for p in positions if int(p) in where}
 
-    def slots_of(self, positions: Sequence[int], name: str) -> list[int]:
-        """Live slots holding each absolute position.
+    def slots_of(self, positions: Sequence[int], name: str, layer: int = 0) -> list[int]:
+        """Live slots of ``layer`` holding each absolute position.
 
         ValueError naming the first position that no live slot holds, or that several hold: an
         interior ``insert`` may give new entries positions its right neighbours already have (see
@@ -99,7 +151,7 @@ class Mirror:
         """
         pos = self.ledger.position
         where: dict[int, list[int]] = {}
-        for s, r in enumerate(self.live):
+        for s, r in enumerate(self.lives[layer]):
             where.setdefault(pos[r], []).append(s)
         out = []
         for p in positions:
@@ -116,15 +168,16 @@ class Mirror:
     # ------------------------------------------------------------------ ledger status
 
     def ledger_status(self) -> list[str]:
-        """Status of every ledger row, derived (rows are never edited): ``live`` if in the live map,
-        else its last removal event (``deleted``/``replaced``/``superseded``/``evicted``/``moved``),
-        else ``dropped``."""
+        """Status of every ledger row, derived (rows are never edited): ``live`` if some layer's live
+        map holds it, else its last removal event (``deleted``/``replaced``/``superseded``/``evicted``
+        /``moved``), else ``dropped``."""
         status = ["dropped"] * len(self.ledger)
         for r, ev in zip(self.events.row, self.events.event):
             if ev in _REMOVAL_EVENTS:
                 status[r] = _REMOVAL_EVENTS[ev]
-        for r in self.live:
-            status[r] = "live"
+        for live in self.lives:
+            for r in live:
+                status[r] = "live"
         return status
 
     def ledger_frame(self):

@@ -1,9 +1,11 @@
 """Per-entry attention statistics of a :class:`~kvlab.cache.KVCache`, for eviction policies.
 
-:class:`AttnStats` keeps, per live entry and layer, the accumulated attention mass (H2O), its EMA
-(Conf-KV) and how many measured forwards saw the entry (NORM_SUM). It is edited by the cache in the
-same call as the tensors and the live map (append, keep, remap, truncate), so its columns always
-follow the live slots. The mass itself is measured by :class:`~kvlab.cache.attention.QueryCapture`.
+:class:`AttnStats` keeps, per layer and live entry of that layer, the accumulated attention mass
+(H2O), its EMA (Conf-KV) and how many measured forwards saw the entry (NORM_SUM). Layer ``l``'s
+statistics are ``(T_l,)`` tensors over that layer's own live slots (per-layer live sets). The cache
+edits them in the same call as the tensors and the live maps (append, keep, remap, truncate), so
+they always follow the live slots. The mass itself is measured by
+:class:`~kvlab.cache.attention.QueryCapture`.
 """
 from __future__ import annotations
 
@@ -11,85 +13,103 @@ from typing import Sequence
 
 import torch
 
+NAMES = ("acc", "ema", "count")
+
 
 class AttnStats:
-    """``data["acc"]`` (L, T), ``data["ema"]`` (L, T), ``data["count"]`` (T,), on one device.
+    """``data[name][l]``: a ``(T_l,)`` float32 tensor per layer ``l``, for ``name`` in acc, ema, count
+    (and low, when ``below``: Scissorhands' count of queries that gave the entry < 1/T).
 
     ``window``: only the last ``window`` queries of a forward are measured (None: all);
     ``pool``: each forward's mass is max-pooled over this many entries (see
     :meth:`kvlab.cache.KVCache.track_attention`)."""
 
-    def __init__(self, ema_decay: float, layers: int, n: int, device, window: int | None = None, pool: int = 1,
+    def __init__(self, ema_decay: float, lengths: Sequence[int], device, window: int | None = None, pool: int = 1,
                  below: bool = False):
         self.ema_decay = float(ema_decay)
         self.window, self.pool, self.below = window, pool, below
-        self.data: dict[str, torch.Tensor] = {
-            "acc": torch.zeros(layers, n, device=device), "ema": torch.zeros(layers, n, device=device),
-            "count": torch.zeros(n, device=device)}
-        if below:                              # Scissorhands: measured queries that gave the entry < 1/T
-            self.data["low"] = torch.zeros(layers, n, device=device)
+        self.device = device
+        self.data: dict[str, list[torch.Tensor]] = {k: [torch.zeros(n, device=device) for n in lengths]
+                                                     for k in self.names}
 
-    def check(self, n: int) -> None:
-        for name, t in self.data.items():
-            if t.shape[-1] != n:
-                raise AssertionError(f"attention stat {name!r} has {t.shape[-1]} entries, live map {n}")
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The statistics kept: acc, ema, count, and ``low`` when ``below`` (Scissorhands)."""
+        return NAMES + ("low",) if self.below else NAMES
+
+    def set_layers(self, layers: int, n: int) -> None:
+        """Tracking started before the cache had layers: one row of ``n`` zeros per layer."""
+        if len(self.data["acc"]) != layers:
+            self.data = {k: [torch.zeros(n, device=self.device) for _ in range(layers)] for k in self.names}
+
+    def check(self, lengths: Sequence[int]) -> None:
+        for name, ts in self.data.items():
+            if len(ts) != len(lengths):
+                raise AssertionError(f"attention stat {name!r} has {len(ts)} layers, live maps {len(lengths)}")
+            for i, (t, n) in enumerate(zip(ts, lengths)):
+                if t.shape[-1] != n:
+                    raise AssertionError(f"attention stat {name!r} of layer {i} has {t.shape[-1]} entries, "
+                                         f"live map {n}")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.data.values())
+        return sum(t.numel() * t.element_size() for ts in self.data.values() for t in ts)
 
     def copy(self) -> "AttnStats":
         new = AttnStats.__new__(AttnStats)
-        new.ema_decay, new.window, new.pool, new.below = self.ema_decay, self.window, self.pool, self.below
-        new.data = {k: t.clone() for k, t in self.data.items()}
+        new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
+        new.below = self.below
+        new.data = {k: [t.clone() for t in ts] for k, ts in self.data.items()}
         return new
 
-    def append(self, n: int, layers: int, mass: torch.Tensor | None, low: torch.Tensor | None = None) -> None:
-        """``n`` new entries (zeros), then fold in one forward's ``mass`` (L, T) if measured (and,
-        when tracked, its ``low`` counts (L, T))."""
+    def append(self, n: int, mass: Sequence[torch.Tensor] | None, low: Sequence[torch.Tensor] | None = None) -> None:
+        """``n`` new entries (zeros) on every layer, then fold in one forward's ``mass`` (per layer
+        ``(T_l,)``, the new entries last) if measured (and, when ``below``, its ``low`` counts, per
+        layer ``(T_l,)``)."""
         a = self.data
-        dev = a["acc"].device
-        if a["acc"].shape[0] != layers:        # tracking started on an empty cache
-            for k in ("acc", "ema", "low"):
-                if k in a:
-                    a[k] = torch.zeros(layers, a[k].shape[1], device=dev)
-        acc = torch.cat([a["acc"], torch.zeros(layers, n, device=dev)], dim=1)
-        ema = torch.cat([a["ema"], torch.zeros(layers, n, device=dev)], dim=1)
-        count = torch.cat([a["count"], torch.zeros(n, device=dev)])
-        if mass is not None:
-            mass = max_pool_next(mass.to(dev), self.pool)                          # (L, T)
-            acc = acc + mass
-            ema = self.ema_decay * ema + (1.0 - self.ema_decay) * mass
-            count = count + lifetime_increment(count.shape[0], n, self.window).to(dev)
-        self.data = {"acc": acc, "ema": ema, "count": count}
-        if "low" in a:
-            lo = torch.cat([a["low"], torch.zeros(layers, n, device=dev)], dim=1)
-            self.data["low"] = lo + low.to(dev) if (mass is not None and low is not None) else lo
+        for i in range(len(a["acc"])):
+            z = torch.zeros(n, device=self.device)
+            acc, ema, count = (torch.cat([a[k][i], z]) for k in NAMES)
+            if mass is not None:
+                m = max_pool_next(mass[i].to(self.device).view(1, -1), self.pool)[0]   # (T_l,)
+                acc = acc + m
+                ema = self.ema_decay * ema + (1.0 - self.ema_decay) * m
+                count = count + lifetime_increment(count.shape[0], n, self.window).to(self.device)
+            a["acc"][i], a["ema"][i], a["count"][i] = acc, ema, count
+            if self.below:
+                lo = torch.cat([a["low"][i], z])
+                a["low"][i] = lo + low[i].to(self.device) if (mass is not None and low is not None) else lo
 
-    def keep(self, keep: Sequence[int] | torch.Tensor) -> None:
-        """Keep the columns ``keep`` (slots, in order)."""
-        dev = self.data["count"].device
-        idx = keep.to(dev) if isinstance(keep, torch.Tensor) else torch.tensor(list(keep), dtype=torch.long, device=dev)
-        self.data = {k: t.index_select(t.dim() - 1, idx) for k, t in self.data.items()}
+    def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
+        """Layer ``i`` keeps its columns ``keeps[i]`` (slots, in order; None: unchanged)."""
+        for i, keep in enumerate(keeps):
+            if keep is not None:
+                idx = keep.to(self.device)
+                for ts in self.data.values():
+                    ts[i] = ts[i].index_select(0, idx)
 
     def remap(self, idx: Sequence[int]) -> None:
-        """Stats for a new slot order: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
-        dev = self.data["count"].device
-        src = torch.tensor([max(i, 0) for i in idx], dtype=torch.long, device=dev)
-        new = torch.tensor([i < 0 for i in idx], dtype=torch.bool, device=dev)
-        self.data = {k: t[..., src].masked_fill(new, 0.0) for k, t in self.data.items()}
+        """Stats for a new slot order on every layer: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
+        src = torch.tensor([max(i, 0) for i in idx], dtype=torch.long, device=self.device)
+        new = torch.tensor([i < 0 for i in idx], dtype=torch.bool, device=self.device)
+        self.data = {k: [t[src].masked_fill(new, 0.0) for t in ts] for k, ts in self.data.items()}
 
-    def per_layer(self, layers: int) -> dict[str, tuple[torch.Tensor, ...]]:
-        """``{name: (t_0, …, t_{L-1})}``, ``t_l`` (T,) (views)."""
-        a = self.data
-        if a["acc"].shape[0] != layers:        # tracked on an empty cache, nothing written yet
-            return {k: (a["count"],) * layers for k in a}
-        out = {"acc": tuple(a["acc"].unbind(0)), "ema": tuple(a["ema"].unbind(0)), "count": (a["count"],) * layers}
-        if "low" in a:
-            out["low"] = tuple(a["low"].unbind(0))
-        return out
+    def truncate(self, lengths: Sequence[int]) -> None:
+        self.data = {k: [t[:n] for t, n in zip(ts, lengths)] for k, ts in self.data.items()}
 
-    def truncate(self, n: int) -> None:
-        self.data = {k: t[..., :n] for k, t in self.data.items()}
+    def per_layer(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """``{name: (t_0, …, t_{L-1})}`` (the tensors themselves; read only)."""
+        return {k: tuple(ts) for k, ts in self.data.items()}
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """``{"acc": (L, T), "ema": (L, T), "count": (T,)}`` (and ``"low": (L, T)`` when ``below``) — a
+        uniform cache's statistics as matrices (ValueError if the layers hold different numbers of entries)."""
+        lengths = {t.shape[0] for t in self.data["acc"]}
+        if len(lengths) > 1:
+            raise ValueError("attention statistics differ in length per layer (per-layer live sets); read them "
+                             "per layer (KVCache.layer_attn)")
+        if not self.data["acc"]:
+            return {k: torch.zeros(0) if k == "count" else torch.zeros(0, 0) for k in self.names}
+        return {k: self.data[k][0] if k == "count" else torch.stack(self.data[k]) for k in self.names}
 
 
 def lifetime_increment(t: int, n: int, window: int | None) -> torch.Tensor:

@@ -1,102 +1,232 @@
-"""K/V storage of a :class:`~kvlab.cache.KVCache`: per layer, full-precision tensors plus INT8 entries.
+"""K/V storage of a :class:`~kvlab.cache.KVCache`: per layer, a preallocated full-precision buffer
+plus INT8 entries.
 
-Each layer holds its entries in slot order: the oldest ``n_int8`` of them in an :class:`Int8Layer`
-(:mod:`.int8`), the rest as full-precision ``(1, H_kv, T, D)`` tensors (keys post-RoPE) in a
-transformers ``DynamicCache`` that the model appends to during a forward. :class:`Storage` is the
-only object that reads or writes those tensors; it knows nothing about tokens or positions (that
-is the mirror's job, :mod:`.mirror`): every method addresses entries by slot.
+Each layer holds its own entries in slot order (layers may hold different numbers: per-layer live
+sets): the oldest ``int8_len(i)`` of them in an :class:`~kvlab.cache.int8.Int8Layer`, the rest in a
+:class:`BufferLayer` — a preallocated ``(1, H_kv, capacity, D)`` buffer with a length (keys
+post-RoPE), in the spirit of transformers' ``DynamicLayer`` (which it subclasses, so the model
+appends to it through the ordinary cache API) but appended and compacted in place: a decode step
+writes one column instead of concatenating the whole layer, and eviction moves the kept entries
+down inside the buffer. :class:`Storage` is the only object that reads or writes these tensors; it
+knows nothing about tokens or positions (the mirror's job, :mod:`.mirror`): it addresses entries
+by layer and slot.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .int8 import Int8Layer
 
+MIN_CAPACITY = 64
 
-def _layer_len(layer) -> int:
-    keys = getattr(layer, "keys", None)
-    if keys is None or not getattr(layer, "is_initialized", True) or keys.dim() != 4:
-        return 0
-    return int(keys.shape[-2])
+
+class BufferLayer(DynamicLayer):
+    """One layer's FP entries: ``buf_k`` / ``buf_v`` (1, H_kv, capacity, D), the first ``n`` used;
+    ``keys`` / ``values`` are views of the used part. Capacity doubles when an append overflows."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.n = 0
+        self.buf_k = self.buf_v = None
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "BufferLayer":
+        lay = cls()
+        lay.assign(k, v)
+        return lay
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._alloc(key_states, max(MIN_CAPACITY, 2 * key_states.shape[-2]))
+        self.is_initialized = True
+
+    def _alloc(self, like: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = like.shape
+        k = torch.empty(b, h, capacity, d, dtype=like.dtype, device=like.device)     # (1, H_kv, cap, D)
+        v = torch.empty_like(k)
+        if self.buf_k is not None and self.n:
+            k[:, :, :self.n] = self.buf_k[:, :, :self.n]
+            v[:, :, :self.n] = self.buf_v[:, :, :self.n]
+        self.buf_k, self.buf_v = k, v
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.buf_k[:, :, :self.n]
+        self.values = self.buf_v[:, :, :self.n]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf_k is None else int(self.buf_k.shape[2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        m = key_states.shape[-2]
+        if self.n + m > self.capacity:
+            self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
+        self.buf_k[:, :, self.n:self.n + m] = key_states
+        self.buf_v[:, :, self.n:self.n + m] = value_states
+        self.n += m
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def assign(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the whole content with ``k, v`` (1, H_kv, T, D) (copied into the buffer)."""
+        t = k.shape[-2]
+        if not self.is_initialized or t > self.capacity or self.buf_k.dtype != k.dtype:
+            self.buf_k = self.buf_v = None
+            self.n = 0
+            self.dtype, self.device = k.dtype, k.device
+            self._alloc(k, max(MIN_CAPACITY, 2 * t))
+            self.is_initialized = True
+        self.buf_k[:, :, :t] = k
+        self.buf_v[:, :, :t] = v
+        self.n = t
+        self._views()
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place: they move down to slots
+        ``0..m-1``. Only the part from the first removed slot on is moved."""
+        m = int(idx.numel())
+        moved = (idx != torch.arange(m)).nonzero()
+        if moved.numel():
+            first = int(moved[0, 0])                              # slots before it stay where they are
+            src = idx[first:].to(self.buf_k.device)
+            self.buf_k[:, :, first:m] = self.buf_k[:, :, src]    # gather into a temporary, then copy down
+            self.buf_v[:, :, first:m] = self.buf_v[:, :, src]
+        self.n = m
+        self._views()
+
+    def truncate(self, n: int) -> None:
+        if n < self.n:
+            self.n = n
+            self._views()
+
+    def drop_front(self, m: int) -> None:
+        """Remove the first ``m`` entries (the rest moves down)."""
+        if m:
+            rest = self.n - m
+            self.buf_k[:, :, :rest] = self.buf_k[:, :, m:self.n].clone()
+            self.buf_v[:, :, :rest] = self.buf_v[:, :, m:self.n].clone()
+            self.n = rest
+            self._views()
+
+    def clone_layer(self) -> "BufferLayer":
+        lay = BufferLayer()
+        if self.is_initialized:
+            lay.dtype, lay.device = self.dtype, self.device
+            lay.buf_k, lay.buf_v, lay.n = self.buf_k.clone(), self.buf_v.clone(), self.n
+            lay.is_initialized = True
+            lay._views()
+        return lay
+
+
+class KVStore(Cache):
+    """The transformers ``Cache`` a KVCache's model forwards append to: one :class:`BufferLayer` per layer."""
+
+    def __init__(self, layers: list[BufferLayer] | None = None):
+        if layers is None:
+            super().__init__(layer_class_to_replicate=BufferLayer)
+        else:
+            super().__init__(layers=layers)
+            self.layer_class_to_replicate = BufferLayer
 
 
 class Storage:
-    """Per-layer K/V: FP tensors in ``hf`` (a ``DynamicCache``) after INT8 entries in ``int8``."""
+    """Per-layer K/V: INT8 entries (``int8``, or None) before FP entries (``hf``, a :class:`KVStore`)."""
 
-    def __init__(self, hf: DynamicCache | None = None, int8: list[Int8Layer] | None = None):
-        self.hf = hf if hf is not None else DynamicCache()
-        self.int8 = int8                  # the oldest n_int8 slots of every layer, INT8 (or None)
-        self._materialized = False
+    def __init__(self, hf: KVStore | None = None, int8: list[Int8Layer] | None = None):
+        self.hf = hf if hf is not None else KVStore()
+        self.int8 = int8                  # per layer: its oldest int8_len(i) slots, INT8 (or None)
+        self._materialized: list[int] | None = None
 
     # ------------------------------------------------------------------ sizes
+
+    @property
+    def layers(self) -> list[BufferLayer]:
+        return self.hf.layers
 
     @property
     def num_layers(self) -> int:
         return len(self.hf.layers)
 
+    def int8_len(self, i: int) -> int:
+        return len(self.int8[i]) if self.int8 else 0
+
     @property
     def n_int8(self) -> int:
-        """Entries (the oldest slots, same on every layer) held in INT8 storage."""
-        return len(self.int8[0]) if self.int8 else 0
+        """Entries of layer 0 held in INT8 storage (the oldest slots)."""
+        return self.int8_len(0) if self.num_layers else 0
+
+    def layer_len(self, i: int) -> int:
+        return self.int8_len(i) + self.hf.layers[i].n
 
     def layer_lengths(self) -> list[int]:
-        return [self.n_int8 + _layer_len(layer) for layer in self.hf.layers]
+        return [self.layer_len(i) for i in range(self.num_layers)]
 
-    def check(self, n: int) -> None:
-        """Every layer holds exactly ``n`` entries, batch 1, full-attention ``DynamicLayer`` s."""
+    def check(self, lengths: Sequence[int]) -> None:
+        """Layer ``i`` holds exactly ``lengths[i]`` entries, batch 1."""
+        if self.num_layers and len(lengths) != self.num_layers:
+            raise AssertionError(f"mirror has {len(lengths)} live maps, storage {self.num_layers} layers")
         for i, layer in enumerate(self.hf.layers):
-            if not isinstance(layer, DynamicLayer) or type(layer).__name__ != "DynamicLayer":
-                raise TypeError(f"layer {i} is {type(layer).__name__}; kvlab supports full-attention "
-                                "DynamicLayer caches only")
-            m = self.n_int8 + _layer_len(layer)
-            if m != n:
-                raise AssertionError(f"cache/ledger out of step: layer {i} holds {m} entries, live map {n}")
-            if m and layer.keys.shape[0] != 1:
-                raise AssertionError(f"layer {i} has batch {layer.keys.shape[0]}; KVCache holds one sequence")
-        if self.int8 is not None and any(len(q) != self.n_int8 for q in self.int8):
-            raise AssertionError("INT8 stores of the layers hold different numbers of entries")
+            if not isinstance(layer, BufferLayer):
+                raise TypeError(f"layer {i} is {type(layer).__name__}; kvlab stores full-attention BufferLayers only")
+            m = self.layer_len(i)
+            if m != lengths[i]:
+                raise AssertionError(f"cache/ledger out of step: layer {i} holds {m} entries, live map {lengths[i]}")
+            if m and layer.buf_k.shape[0] != 1:
+                raise AssertionError(f"layer {i} has batch {layer.buf_k.shape[0]}; KVCache holds one sequence")
+        if self.int8 is not None and len(self.int8) != self.num_layers:
+            raise AssertionError("INT8 stores and FP layers differ in number")
 
     def nbytes(self) -> int:
-        """Real bytes of K/V over all layers: FP tensors at their dtype plus INT8 entries with scales and group ids."""
+        """Bytes of the live K/V over all layers: FP entries at their dtype (the used part of each
+        buffer) plus INT8 entries with their scales and group ids."""
         total = 0
-        for layer in self.hf.layers:
-            if _layer_len(layer):
-                total += layer.keys.numel() * layer.keys.element_size()
-                total += layer.values.numel() * layer.values.element_size()
+        for lay in self.hf.layers:
+            if lay.n:
+                total += 2 * lay.keys.numel() * lay.keys.element_size()
         for q in self.int8 or ():
             total += q.nbytes()
         return total
 
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated for FP buffers (capacity, used or not)."""
+        return sum(2 * lay.buf_k.numel() * lay.buf_k.element_size() for lay in self.hf.layers if lay.buf_k is not None)
+
     def geometry(self) -> dict:
         """Layers, KV heads, head dim, dtype of the stored tensors (empty dict before the first write)."""
-        if not self.num_layers:
+        if not self.num_layers or self.hf.layers[0].buf_k is None:
             return {}
-        keys = self.hf.layers[0].keys
-        b, h, _, d = keys.shape  # (B, H_kv, T, D)
-        return {"layers": self.num_layers, "kv_heads": h, "head_dim": d, "dtype": str(keys.dtype)}
+        b, h, _, d = self.hf.layers[0].buf_k.shape  # (B, H_kv, cap, D)
+        return {"layers": self.num_layers, "kv_heads": h, "head_dim": d, "dtype": str(self.hf.layers[0].dtype)}
 
     @property
     def device(self) -> torch.device:
-        return self.hf.layers[0].keys.device
+        return self.hf.layers[0].buf_k.device
 
     def check_geometry(self, src: "Storage") -> None:
         if self.num_layers != src.num_layers:
             raise ValueError(f"src has {src.num_layers} layers, this cache {self.num_layers}")
         for dst, s in zip(self.hf.layers, src.hf.layers):
-            if dst.keys.shape[1:2] + dst.keys.shape[3:] != s.keys.shape[1:2] + s.keys.shape[3:]:
+            if dst.buf_k.shape[1:2] + dst.buf_k.shape[3:] != s.buf_k.shape[1:2] + s.buf_k.shape[3:]:
                 raise ValueError(f"KV geometry differs: {tuple(dst.keys.shape)} vs {tuple(s.keys.shape)}")
 
     # ------------------------------------------------------------------ reads
 
     def full_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s (keys, values), each (1, H_kv, T, D), INT8 entries dequantized (views if none)."""
+        """Layer ``i``'s (keys, values), each (1, H_kv, T_i, D), INT8 entries dequantized (views if none)."""
         lay = self.hf.layers[i]
-        if not self.n_int8:
+        if not self.int8_len(i):
             return lay.keys, lay.values
-        k, v = self.int8[i].dequant(lay.keys.dtype)
+        k, v = self.int8[i].dequant(lay.dtype)
         return torch.cat([k, lay.keys], dim=2), torch.cat([v, lay.values], dim=2)
 
     def read_slots(self, i: int, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +235,15 @@ class Storage:
         idx = torch.tensor(list(slots), dtype=torch.long, device=k.device)
         return k[:, :, idx, :], v[:, :, idx, :]
 
-    def prefix_view(self, s: int, batch: int = 1) -> DynamicCache:
-        """A throwaway DynamicCache over slots ``[0, s)``: views (batch ``expand``-ed), no copy.
-
-        A forward on it appends to the views (the model's own ``cat``), never to this storage.
-        """
-        if not s or not self.num_layers:
+    def prefix_view(self, lengths: Sequence[int], batch: int = 1) -> DynamicCache:
+        """A throwaway DynamicCache over slots ``[0, lengths[i])`` of each layer: views (batch
+        ``expand``-ed), no copy. A forward on it appends to the views (the model's own ``cat``),
+        never to this storage."""
+        if not self.num_layers or not any(lengths):
             return DynamicCache()
         full = [self.full_kv(i) for i in range(self.num_layers)]   # views unless INT8 entries exist
         views = [(k[:, :, :s, :].expand(batch, -1, -1, -1),                         # (batch, H_kv, s, D)
-                  v[:, :, :s, :].expand(batch, -1, -1, -1)) for k, v in full]
+                  v[:, :, :s, :].expand(batch, -1, -1, -1)) for (k, v), s in zip(full, lengths)]
         tmp = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in views])
         for lay, (k, v) in zip(tmp.layers, views):
             lay.keys, lay.values = k, v
@@ -123,18 +252,18 @@ class Storage:
     # ------------------------------------------------------------------ writes
 
     def write_slots(self, i: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite layer ``i``'s ``slots`` with ``k, v`` (1, H_kv, n, D); INT8 slots are quantized
-        with their group's scales."""
-        nq, lay = self.n_int8, self.hf.layers[i]
+        """Overwrite layer ``i``'s ``slots`` with ``k, v`` (1, H_kv, n, D) in place; INT8 slots are
+        quantized with their group's scales."""
+        nq, lay = self.int8_len(i), self.hf.layers[i]
         slots = list(slots)
-        dev = lay.keys.device
+        dev = lay.buf_k.device
         q_pick = [j for j, s in enumerate(slots) if s < nq]
         t_pick = [j for j, s in enumerate(slots) if s >= nq]
         if t_pick:
             src = torch.tensor(t_pick, dtype=torch.long, device=dev)
             dst = torch.tensor([slots[j] - nq for j in t_pick], dtype=torch.long, device=dev)
-            lay.keys[:, :, dst, :] = k[:, :, src.to(k.device), :].to(lay.keys)
-            lay.values[:, :, dst, :] = v[:, :, src.to(v.device), :].to(lay.values)
+            lay.buf_k[:, :, dst, :] = k[:, :, src.to(k.device), :].to(lay.buf_k)
+            lay.buf_v[:, :, dst, :] = v[:, :, src.to(v.device), :].to(lay.buf_v)
         if q_pick:
             src = torch.tensor(q_pick, dtype=torch.long, device=k.device)
             dst = torch.tensor([slots[j] for j in q_pick], dtype=torch.long, device=dev)
@@ -142,125 +271,106 @@ class Storage:
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v`` (1, H_kv, n, D) after layer ``i``'s last entry (creating the layer if new)."""
-        if i < self.num_layers and (_layer_len(self.hf.layers[i]) or self.n_int8):
-            dst = self.hf.layers[i]
-            dst.keys = torch.cat([dst.keys, k.to(dst.keys)], dim=-2)
-            dst.values = torch.cat([dst.values, v.to(dst.values)], dim=-2)
+        if i < self.num_layers and self.hf.layers[i].is_initialized:
+            lay = self.hf.layers[i]
+            lay.update(k.to(lay.buf_k), v.to(lay.buf_v))
         else:
             self.hf.update(k.clone(), v.clone(), i)
 
-    def truncate(self, n: int) -> None:
-        """Keep the first ``n`` entries of every layer (callers dequantize first if ``n < n_int8``)."""
-        n = n - self.n_int8                  # FP tail length
-        for layer in self.hf.layers:
-            if _layer_len(layer) > n:
-                layer.keys = layer.keys[:, :, :n, :]
-                layer.values = layer.values[:, :, :n, :]
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Keep the first ``lengths[i]`` entries of layer ``i`` (callers dequantize first if that cuts INT8)."""
+        for i, n in enumerate(lengths[:self.num_layers]):
+            self.hf.layers[i].truncate(n - self.int8_len(i))
 
-    def keep(self, keep_t: torch.Tensor) -> None:
-        """Keep only slots ``keep_t`` (sorted, (T',)) on every layer. New tensors of every layer are
-        built first and swapped in together, so an error leaves the storage as it was."""
-        nq = self.n_int8
-        dev = self.device
-        iq = keep_t[keep_t < nq].to(dev)
-        it = (keep_t[keep_t >= nq] - nq).to(dev)
-        new_fp = [(lay.keys.index_select(2, it), lay.values.index_select(2, it)) for lay in self.hf.layers]
-        new_q = [q.gather(iq) for q in self.int8] if self.int8 is not None else None
-        for lay, (k, v) in zip(self.hf.layers, new_fp):
-            lay.keys, lay.values = k, v
-        self.int8 = new_q
+    def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
+        """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place."""
+        for i, keep_t in enumerate(keeps):
+            if keep_t is None:
+                continue
+            nq = self.int8_len(i)
+            lay = self.hf.layers[i]
+            if nq:
+                self.int8[i] = self.int8[i].gather(keep_t[keep_t < nq].to(lay.buf_k.device))
+            lay.keep(keep_t[keep_t >= nq] - nq)
 
-    def rotate(self, rope, slots: Sequence[int], delta: Sequence[int]) -> None:
-        """Rotate the post-RoPE keys at ``slots`` by position offsets ``delta`` on every layer (FP only)."""
-        dev = self.device
+    def rotate(self, i: int, rope, slots: Sequence[int], delta: Sequence[int]) -> None:
+        """Rotate layer ``i``'s post-RoPE keys at ``slots`` (FP storage) by position offsets ``delta``."""
+        lay = self.hf.layers[i]
+        dev = lay.buf_k.device
         idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
         d = torch.tensor(list(delta), dtype=torch.long, device=dev)
-        new_keys = [rope.rotate(lay.keys[:, :, idx, :], d) for lay in self.hf.layers]  # (1, H_kv, m, D)
-        for lay, k in zip(self.hf.layers, new_keys):
-            lay.keys = lay.keys.clone()
-            lay.keys[:, :, idx, :] = k
+        lay.buf_k[:, :, idx, :] = rope.rotate(lay.buf_k[:, :, idx, :], d)               # (1, H_kv, m, D)
 
     def splice(self, layout, blocks, hook, mode: str) -> int:
         """Rebuild every layer by a surgery ``layout`` (``gather``: one ``cat`` per layer) or by its
         sequential ``steps`` (``per_row``: the seed's one ``cat`` per row op). ``blocks[j][1][i]`` =
-        block ``j``'s (K, V) on layer ``i``. Returns bytes written."""
+        block ``j``'s (K, V) on layer ``i``. Returns bytes written. (FP storage, uniform layers.)"""
         if not self.num_layers:                       # never written: create empty layers shaped like the blocks
-            self.hf = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in blocks[0][1]])
+            self.hf = KVStore([BufferLayer.of(k[:, :, :0], v[:, :, :0]) for k, v in blocks[0][1]])
         nbytes = 0
         if mode == "gather":
             for i, lay in enumerate(self.hf.layers):
                 hook(f"splice:{i}")
-                for name in ("keys", "values"):
-                    old = getattr(lay, name)                                          # (1, H_kv, T, D)
-                    parts = [old[:, :, a:b, :] if kind == "old" else blocks[a][1][i][name == "values"]
-                             for kind, a, b in layout.layout]
-                    new = torch.cat(parts, dim=2) if parts else old[:, :, :0, :]      # (1, H_kv, T', D)
-                    setattr(lay, name, new)
-                    nbytes += new.numel() * new.element_size()
+                new = []
+                for old, w in ((lay.keys, 0), (lay.values, 1)):                          # (1, H_kv, T, D)
+                    parts = [old[:, :, a:b, :] if kind == "old" else blocks[a][1][i][w] for kind, a, b in layout.layout]
+                    new.append(torch.cat(parts, dim=2) if parts else old[:, :, :0, :])  # (1, H_kv, T', D)
+                    nbytes += new[-1].numel() * new[-1].element_size()
+                lay.assign(*new)
         else:                                         # the seed's naive sequence: one torch.cat per row op
             for op, slot, j in layout.steps:
                 for i, lay in enumerate(self.hf.layers):
                     hook(f"splice:{i}")
-                    for name in ("keys", "values"):
-                        old = getattr(lay, name)
+                    new = []
+                    for old, w in ((lay.keys, 0), (lay.values, 1)):
                         if op == "delete":
-                            new = torch.cat([old[:, :, :slot, :], old[:, :, slot + 1:, :]], dim=2)
+                            new.append(torch.cat([old[:, :, :slot, :], old[:, :, slot + 1:, :]], dim=2))
                         else:
-                            blk = blocks[j][1][i][name == "values"]
-                            new = torch.cat([old[:, :, :slot, :], blk, old[:, :, slot:, :]], dim=2)
-                        setattr(lay, name, new)
-                        nbytes += new.numel() * new.element_size()
+                            new.append(torch.cat([old[:, :, :slot, :], blocks[j][1][i][w], old[:, :, slot:, :]], dim=2))
+                        nbytes += new[-1].numel() * new[-1].element_size()
+                    lay.assign(*new)
         return nbytes
 
     def clear(self) -> None:
-        self.hf, self.int8, self._materialized = DynamicCache(), None, False
+        self.hf, self.int8, self._materialized = KVStore(), None, None
 
-    def copy(self, written: bool) -> "Storage":
-        """A deep copy (``written``: the cache holds entries, so the layers exist)."""
-        kvs = [(layer.keys.clone(), layer.values.clone()) for layer in self.hf.layers]
-        hf = DynamicCache(ddp_cache_data=kvs) if kvs and written else DynamicCache()
+    def copy(self) -> "Storage":
+        hf = KVStore([lay.clone_layer() for lay in self.hf.layers]) if self.num_layers else KVStore()
         return Storage(hf, [q.clone() for q in self.int8] if self.int8 is not None else None)
 
     # ------------------------------------------------------------------ INT8
 
-    def quantize_prefix(self, m: int) -> None:
-        """Move the oldest ``m`` FP entries of every layer to INT8, as one scale group."""
-        new_q = []
-        for i, lay in enumerate(self.hf.layers):
-            base = self.int8[i] if self.int8 is not None else Int8Layer.empty_like(lay.keys)
-            new_q.append(base.append_group(lay.keys[:, :, :m, :], lay.values[:, :, :m, :]))
-        new_fp = [(lay.keys[:, :, m:, :].clone(), lay.values[:, :, m:, :].clone()) for lay in self.hf.layers]
-        for lay, (k, v) in zip(self.hf.layers, new_fp):
-            lay.keys, lay.values = k, v
-        self.int8 = new_q
+    def quantize_prefix(self, i: int, m: int) -> None:
+        """Move the oldest ``m`` FP entries of layer ``i`` to INT8, as one scale group."""
+        if self.int8 is None:
+            self.int8 = [Int8Layer.empty_like(lay.keys) for lay in self.hf.layers]
+        lay = self.hf.layers[i]
+        self.int8[i] = self.int8[i].append_group(lay.keys[:, :, :m, :], lay.values[:, :, :m, :])
+        lay.drop_front(m)
 
     def dequantize(self) -> None:
         """Turn every INT8 entry back into an FP entry (values as dequantized)."""
-        if self.n_int8:
+        if self.int8 is not None:
             self._prepend_int8()
         self.int8 = None
 
-    def materialize(self) -> int:
-        """Put the dequantized INT8 prefix in front of every layer's FP tail (for one forward); returns
-        the prefix length for :meth:`dematerialize`."""
-        nq = self.n_int8
-        if nq:
+    def materialize(self) -> None:
+        """Put the dequantized INT8 prefix in front of every layer's FP entries (for one forward)."""
+        if self.int8 is not None and any(len(q) for q in self.int8):
+            self._materialized = [len(q) for q in self.int8]
             self._prepend_int8()
-            self._materialized = True
-        return nq
 
-    def dematerialize(self, nq: int) -> None:
+    def dematerialize(self) -> None:
         """Drop the materialized prefix again (a no-op unless :meth:`materialize` put one there)."""
-        if not self._materialized:
+        if self._materialized is None:
             return
-        for lay in self.hf.layers:
-            lay.keys = lay.keys[:, :, nq:, :].clone()
-            lay.values = lay.values[:, :, nq:, :].clone()
-        self._materialized = False
+        for lay, nq in zip(self.hf.layers, self._materialized):
+            lay.drop_front(nq)
+        self._materialized = None
 
     def _prepend_int8(self) -> None:
         """Put every layer's dequantized INT8 entries in front of its FP entries (``(1, H_kv, T, D)``)."""
         for q, lay in zip(self.int8, self.hf.layers):
-            k, v = q.dequant(lay.keys.dtype)
-            lay.keys = torch.cat([k, lay.keys], dim=2)
-            lay.values = torch.cat([v, lay.values], dim=2)
+            if len(q):
+                k, v = q.dequant(lay.dtype)
+                lay.assign(torch.cat([k, lay.keys], dim=2), torch.cat([v, lay.values], dim=2))

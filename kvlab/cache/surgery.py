@@ -93,6 +93,9 @@ def apply(cache, actions: Sequence[Mapping], model, *, writer: str, step: int = 
         cache.check()
     except AssertionError as e:
         raise ValueError(f"cache and live map disagree before the tick ({e}); rebuild the cache first") from e
+    if not cache._mirror.uniform:
+        raise ValueError("surgery addresses slots shared by all layers, but this cache's layers hold different "
+                         "entries (per-layer eviction); run surgery before per-layer eviction")
     geo = cache.geometry()
     if geo:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -105,7 +108,7 @@ def apply(cache, actions: Sequence[Mapping], model, *, writer: str, step: int = 
                              f"{geo['dtype']}")
     plan = plan_actions(actions, len(cache), _vocab_size(model))
     rope = rope_of(model) if rerotate else None
-    if cache.n_int8:
+    if cache._store.int8 is not None:
         cache._store.dequantize()
     final = _final_positions(cache, plan) if rerotate else None
     hook = fault_hook if fault_hook is not None else _no_fault
@@ -186,7 +189,7 @@ def _block_positions(cache, anchor: int, n: int, length: int) -> list[int]:
 
 def _kv_over_prefix(cache, model, s: int, token_ids: Sequence[int], positions: list[int]):
     """K/V of ``token_ids`` at ``positions`` attending to slots ``[0, s)``; ``cache`` is only read."""
-    tmp = cache._store.prefix_view(s)
+    tmp = cache._store.prefix_view([s] * cache.num_layers)
     device = next(model.parameters()).device
     n = len(token_ids)
     model(input_ids=torch.tensor([list(token_ids)], device=device),               # (1, n)
@@ -230,7 +233,7 @@ def _rebuild(cache, model, live: list[int], next_position: int, writer: str, ste
     mirror.live = []
     cache.next_position = next_position
     if cache._stats is not None:        # the history of the rebuilt entries is not recoverable: zeros
-        cache._stats.truncate(0)
+        cache._stats.truncate([0] * len(cache._stats.data["acc"]))
     if tokens:
         try:
             cache.forward(model, tokens, writer=writer, step=step, positions=positions)

@@ -18,15 +18,23 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
   gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands).
 
 The loop calls ``keep`` once per step, after the token was chosen (and after a refresh), and
-removes every slot not in ``Keep.slots`` through ``KVCache.evict`` (the cache module is the only
-thing that edits tensors). ``Keep.int8_window`` asks the cache to store entries older than that
-window in INT8 (``KVCache.quantize_older``).
+removes every slot not kept through ``KVCache.evict`` (the cache module is the only thing that
+edits tensors). ``Keep.int8_window`` asks the cache to store entries older than that window in
+INT8 (``KVCache.quantize_older``).
+
+Per-layer live sets. Every layer of the cache has its own live list (slot -> ledger row).
+``EvictView.layer_positions[l]`` is the absolute position of each live slot of layer ``l``, and the
+attention statistics are per layer: ``attn[name][l]`` is a ``(T_l,)`` tensor over layer ``l``'s
+slots. A policy keeps slots per layer with ``Keep.layers`` (``layers[l]`` = kept slots of layer
+``l``, indices into that layer's own live list); ``Keep.layers = None`` keeps ``Keep.slots`` on
+every layer. ``view.positions`` / ``view.length`` are layer 0's. A policy that ranks one live set
+for all layers reads a statistic as an ``(L, T)`` matrix with :func:`layer_stat`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -36,38 +44,72 @@ class EvictView:
     """What a policy sees at step ``step``: the decoding cache after this step's forward (it holds
     ``x, y_<step``), the step's record (entropy, top-1, margin of the distribution ``y_step`` was
     drawn from), and the cache's attention statistics (read only; ``None`` unless the policy
-    ``needs_attention``): ``attn["acc"]`` (L, T) accumulated mass, ``attn["ema"]`` (L, T) its EMA,
-    ``attn["count"]`` (T,) each entry's lifetime in measured queries (NORM_SUM's denominator).
+    ``needs_attention``), per layer: ``attn["acc"][l]`` (T_l,) accumulated mass over layer ``l``'s
+    slots, ``attn["ema"][l]`` (T_l,) its EMA, ``attn["count"][l]`` (T_l,) each entry's lifetime in
+    measured queries (NORM_SUM's denominator); :func:`layer_stat` stacks one to ``(L, T)``.
     ``logits``, ``temperature`` and ``top_p`` give the distribution ``y_step`` was drawn from
-    (:func:`drawn_stats`); ``first`` marks the run's first step (prompt-compression policies)."""
+    (:func:`drawn_stats`); ``first`` marks the run's first step (prompt-compression policies).
+
+    ``positions`` / ``length`` are layer 0's live set; ``layer_positions[l]`` is layer ``l``'s
+    (default: ``positions`` on every layer)."""
 
     step: int
     length: int
-    positions: tuple[int, ...]     # absolute position of each slot
+    positions: tuple[int, ...]     # absolute position of each slot of layer 0
     record: Any                    # kvlab.decode.StepRecord of this step
     vocab_size: int
     num_layers: int
-    attn: Mapping[str, torch.Tensor] | None = None
+    attn: Mapping[str, Sequence[torch.Tensor]] | None = None   # per layer (T_l,); see layer_stat
     logits: torch.Tensor | None = None     # (V,) raw logits y_step was chosen from
     temperature: float = 0.0               # the run's sampling: 0 = greedy
     top_p: float = 1.0
     first: bool = False                    # the run's first step: the cache holds the prefill only
+    layer_positions: tuple[tuple[int, ...], ...] = None   # per layer: absolute position of each live slot
+
+    def __post_init__(self):
+        if self.layer_positions is None:
+            object.__setattr__(self, "layer_positions", (tuple(self.positions),) * self.num_layers)
+        elif len(self.layer_positions) != self.num_layers:
+            raise ValueError(f"layer_positions has {len(self.layer_positions)} layers, num_layers={self.num_layers}")
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer holds the same live positions (one live set)."""
+        first = self.layer_positions[0] if self.layer_positions else ()
+        return all(p == first for p in self.layer_positions)
 
 
 @dataclass(frozen=True)
 class Keep:
-    """A decision: the slots to keep (sorted), plus what the policy computed on the way."""
+    """A decision: the slots to keep (sorted), plus what the policy computed on the way.
+
+    ``layers`` (optional): per layer, the kept slots of that layer (indices into its own live
+    list); ``None`` keeps ``slots`` on every layer."""
 
     slots: tuple[int, ...]
-    budget: int | None = None          # the budget in force at this step (entries)
+    budget: int | None = None          # the budget in force at this step (entries per layer)
     confidence: float | None = None    # Conf-KV's confidence score
     rerotate: bool = False
     int8_window: int | None = None     # store entries older than the newest int8_window in INT8
     int8_group: int = 64
+    layers: tuple[tuple[int, ...], ...] | None = None   # per-layer kept slots; None: slots on every layer
 
     def dropped(self, length: int) -> list[int]:
         keep = set(self.slots)
         return [s for s in range(length) if s not in keep]
+
+    def dropped_layers(self, lengths: Sequence[int]) -> list[list[int]] | None:
+        """Per layer, the slots to drop (``lengths[l]`` = layer ``l``'s live length); ``None`` when
+        ``layers`` is ``None`` (then :meth:`dropped` applies to every layer)."""
+        if self.layers is None:
+            return None
+        if len(self.layers) != len(lengths):
+            raise ValueError(f"Keep.layers has {len(self.layers)} entries for a cache of {len(lengths)} layers")
+        out = []
+        for kept, n in zip(self.layers, lengths):
+            keep = set(kept)
+            out.append([s for s in range(n) if s not in keep])
+        return out
 
     def signals(self) -> dict[str, float]:
         out = {}
@@ -162,6 +204,21 @@ def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
     by_slot = torch.argsort(cand, descending=True)                          # newer slots first ...
     order = torch.argsort(scores.detach().float().cpu()[by_slot], descending=True, stable=True)  # ... among equal scores
     return sorted(cand[by_slot[order[:k]]].tolist())
+
+
+def layer_stat(view: EvictView, name: str) -> torch.Tensor:
+    """``view.attn[name]`` as an ``(L, T)`` matrix, for policies that rank one live set for all layers.
+
+    The per-layer sequence (entry ``l`` of shape ``(T_l,)``) is stacked; that needs every layer to
+    hold the same live positions (``view.uniform``), else ValueError. A tensor already ``(L, T)``
+    passes through, and a ``(T,)`` tensor (one row for all layers) is broadcast to ``(L, T)``."""
+    stat = view.attn[name]
+    if isinstance(stat, torch.Tensor):
+        return stat if stat.dim() == 2 else stat.view(1, -1).expand(view.num_layers, -1)
+    if not view.uniform:
+        raise ValueError(f"attn[{name!r}] differs per layer (per-layer live sets); this policy ranks one live set "
+                         "for all layers — rank each layer's own slots and return Keep.layers instead")
+    return torch.stack(list(stat))                                                # (L, T)
 
 
 def layer_mean(stat: torch.Tensor, cols: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, nonneg_int, positive_int
+from .base import EvictView, Keep, keep_all, layer_stat, nonneg_int, positive_int
 
 SCORES = ("sum", "norm_sum")
 ANCHORS = ("mean", "alternate", "random", "zeros", "ones")
@@ -206,7 +206,7 @@ class BlockEvict:
         budget = self.max_cache_size
         if self.n_evict(n) <= 0:
             return keep_all(view, budget=budget, rerotate=False)
-        acc = view.attn["acc"].float().mean(0)             # (T,) one live set for all layers: the layer mean
-        count = view.attn["count"].float()                 # (T,)
+        acc = layer_stat(view, "acc").float().mean(0)             # (T,) one live set for all layers: the layer mean
+        count = layer_stat(view, "count")[0].float()           # (T,)
         evicted = self.layer_evicted(acc, count, n, view.step)
         return Keep(self.kept_slots(evicted, n), budget=budget, rerotate=self.rerotate and bool(evicted))

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, minmax, nonneg_int,
+from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, layer_stat, minmax, nonneg_int,
                    positive_int, protected_below, top_slots, unit_float)
 
 MARGIN_CLIP = 10.0
@@ -148,7 +148,7 @@ class ConfKV:
         pos = torch.tensor([view.positions[j] for j in cand], dtype=torch.float32)
         r = minmax(pos)                                                       # (C,)
         if self.attn_weight > 0:
-            a = minmax(view.attn["ema"][:, cand].float())                     # (L, C)
+            a = minmax(layer_stat(view, "ema")[:, cand].float())                     # (L, C)
             s = self.attn_weight * a + (1.0 - self.attn_weight) * r.to(a.device)
         else:
             s = r.view(1, -1).expand(view.num_layers, -1)

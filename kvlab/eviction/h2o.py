@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictView, Keep, keep_all, layer_mean, nonneg_int, positive_int, protected_below, top_slots
+from .base import EvictView, Keep, keep_all, layer_mean, layer_stat, nonneg_int, positive_int, protected_below, top_slots
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,6 @@ class H2O:
         if n <= self.budget:
             return keep_all(view, budget=self.budget)
         cand = list(range(n - self.recent))
-        score = layer_mean(view.attn["acc"], cand)
+        score = layer_mean(layer_stat(view, "acc"), cand)
         kept = top_slots(score, cand, self.budget - self.recent)
         return Keep(tuple(kept) + tuple(range(n - self.recent, n)), budget=self.budget)

@@ -11,8 +11,8 @@ Differences from the paper, stated: the paper counts within a history window of 
 steps and drops ``m`` tokens at a time once a buffer fills; here the count runs over the entry's
 whole measured life (``w = ∞``) and the cache is cut to ``budget`` on every over-budget step (the
 matched-memory study's convention for fixed-budget families). One decision for all layers (layer
-mean) until the cache keeps a live set per layer (:meth:`Scissorhands.layer_keep` is the per-layer
-decision).
+mean over the layers' ``attn["low"][l]``, :func:`~kvlab.eviction.base.layer_stat`);
+:meth:`Scissorhands.layer_keep` is one layer's decision.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below, top_slots
+from .base import EvictView, Keep, keep_all, layer_stat, nonneg_int, positive_int, protected_below, top_slots
 
 
 @dataclass(frozen=True)
@@ -54,5 +54,5 @@ class Scissorhands:
         n = view.length
         if n <= self.budget:
             return keep_all(view, budget=self.budget)
-        low = view.attn["low"].float().mean(0)            # (T,) one live set for all layers: the layer mean
+        low = layer_stat(view, "low").float().mean(0)     # (T,) one live set for all layers: the layer mean
         return Keep(self.layer_keep(low, n, self.budget), budget=self.budget)

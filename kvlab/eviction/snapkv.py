@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import EvictView, Keep, keep_all, positive_int, protected_below, top_slots
+from .base import EvictView, Keep, keep_all, layer_stat, positive_int, protected_below, top_slots
 
 
 @dataclass(frozen=True)
@@ -63,5 +63,5 @@ class SnapKV:
         n = view.length
         if not view.first or n <= self.budget:
             return keep_all(view, budget=self.budget)
-        acc = view.attn["acc"].float().mean(0)            # (T,) one live set for all layers: the layer mean
+        acc = layer_stat(view, "acc").float().mean(0)            # (T,) one live set for all layers: the layer mean
         return Keep(self.layer_keep(acc, n, self.budget), budget=self.budget)
