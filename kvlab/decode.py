@@ -367,13 +367,15 @@ class Decoding:
             rec = self._probe(rec, logits)
             rec = self._refresh_phase(rec)
             rec = self._evict(rec, logits)
+            cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
             _sync(dev)
             wall = time.perf_counter() - t0
             self.elapsed_s += wall
             if step == first:
                 self.ttft_s = wall
             rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
-                          teacher_s=self._acc["teacher_s"])
+                          teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
+                          meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
             yield rec
             if rec.token_id in self.eos_ids and not cfg.ignore_eos:
                 return
@@ -469,28 +471,29 @@ class Decoding:
 
     def _evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
         """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
-        INT8 storage of older entries if the policy asks. Records the cache after the step."""
+        INT8 storage of older entries if the policy asks (the loop records the cache after it)."""
         cache, policy = self.cache, self.config.evict
+        if policy is None or not len(cache):
+            return rec
         evicted = 0
         signals = rec.signals
-        if policy is not None and len(cache):
-            sp = self.config.sampling
-            view = EvictView(step=rec.step, length=len(cache), positions=tuple(cache.positions), record=rec,
-                             vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
-                             logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
-                             first=rec.step == self.first_step, layer_positions=cache.layer_positions())
-            decision = policy.keep(view)
-            drop = decision.dropped(len(cache))
-            per_layer = decision.dropped_layers(cache.layer_lengths())
-            if drop or (per_layer is not None and any(per_layer)):
-                rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate, layers=per_layer)
-                evicted = rep.evicted
-            if decision.int8_window is not None:
-                cache.quantize_older(decision.int8_window, decision.int8_group)
-            if decision.signals():
-                signals = Signals({**signals.to_dict(), **decision.signals()})
-        return replace(rec, cache_len=len(cache), cache_bytes=cache.nbytes(), evicted=evicted, signals=signals,
-                       meta_bytes=cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+        sp = self.config.sampling
+        lp = cache.layer_positions()
+        view = EvictView(step=rec.step, length=len(cache), positions=lp[0], record=rec,
+                         vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
+                         logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
+                         first=rec.step == self.first_step, layer_positions=lp)
+        decision = policy.keep(view)
+        drop = decision.dropped(len(cache))
+        per_layer = decision.dropped_layers(cache.layer_lengths())
+        if drop or (per_layer is not None and any(per_layer)):
+            rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate, layers=per_layer)
+            evicted = rep.evicted
+        if decision.int8_window is not None:
+            cache.quantize_older(decision.int8_window, decision.int8_group)
+        if decision.signals():
+            signals = Signals({**signals.to_dict(), **decision.signals()})
+        return replace(rec, evicted=evicted, signals=signals)
 
     def _teacher_upto(self, n: int) -> torch.Tensor:
         """Extend the teacher's own cache to hold ``x, y_≤n`` (prefilling only what it lacks) and
@@ -520,20 +523,21 @@ class Decoding:
         first = self._frontier + 1 if window is None else max(self._frontier + 1, end - window + 1)
         span = list(range(L + first - 1, L + end))                # positions of y_first .. y_end
         self._frontier = max(self._frontier, end)
-        # eviction: only positions still live in the student cache are spliced; evicted ones stay evicted
+        # eviction: only positions still live in the student cache are spliced (each layer rewrites the
+        # ones it holds); evicted ones stay evicted
         if cfg.refresh_next == "teacher":
-            live = cache.slots_at(span[:-1])
-            cache.splice_positions(tc, [p for p in span[:-1] if p in live])
+            live = cache.held(span[:-1])
+            cache.splice_positions(tc, live)
             cache.append_from(tc, 1)                              # y_t: the entry the student lacked
             return len(live) + 1, (t_logits, "teacher")
         if cfg.refresh_next == "student":
             logits = cache.forward(self.student.model, [self.tokens[-1]], writer="student", step=t,
                                    attention=self._needs_attention)
-            live = cache.slots_at(span)
-            cache.splice_positions(tc, [p for p in span if p in live])   # both caches end on y_t now
+            live = cache.held(span)
+            cache.splice_positions(tc, live)                      # both caches end on y_t now
             return len(live), (logits, "student")
-        live = cache.slots_at(span)
-        cache.splice_positions(tc, [p for p in span if p in live])       # "rerun": y_t's entry comes next step
+        live = cache.held(span)
+        cache.splice_positions(tc, live)                          # "rerun": y_t's entry comes next step
         return len(live), None
 
 

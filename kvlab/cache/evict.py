@@ -68,14 +68,17 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
         return EvictReport(0, 0, len(cache), 0.0, 0.0)
     if rerotate and store.int8 is not None:
         store.dequantize()
-    keeps = []
+    keeps, memo = [], {}
     for d, live in zip(drops, lives):
         if not d:
             keeps.append(None)
             continue
-        mask = torch.ones(len(live), dtype=torch.bool)
-        mask[torch.tensor(d, dtype=torch.long)] = False
-        keeps.append(mask.nonzero().squeeze(1))                                   # (T_l',) kept slots
+        key = (len(live), tuple(d))
+        if key not in memo:                    # one kept-slot tensor per distinct (length, drops): shared by layers
+            mask = torch.ones(len(live), dtype=torch.bool)
+            mask[torch.tensor(d, dtype=torch.long)] = False
+            memo[key] = mask.nonzero().squeeze(1)                                # (T_l',) kept slots
+        keeps.append(memo[key])
     store.keep(keeps)
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
@@ -94,7 +97,7 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
     if rerotate and mirror.live:
         p0 = mirror.ledger.position[mirror.live[0]]
         moved = move_to(cache, rope, list(range(p0, p0 + len(mirror.live))), tick)
-    cache.check()
+    cache.check_lengths()
     return EvictReport(len(drops[0]), moved, len(cache), t1 - t0, time.perf_counter() - t1,
                        tuple(len(d) for d in drops))
 
@@ -156,5 +159,5 @@ def quantize_older(cache, window: int, group: int = 64) -> int:
         if m >= group:
             store.quantize_prefix(i, m)
         done.append(m if m >= group else 0)
-    cache.check()
+    cache.check_lengths()
     return done[0] if done else 0

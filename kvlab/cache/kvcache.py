@@ -194,6 +194,14 @@ class KVCache:
         if self._stats is not None and self.num_layers:
             self._stats.check(lengths)
 
+    def check_lengths(self) -> None:
+        """The per-step part of :meth:`check` (O(layers)): storage and statistics lengths match the
+        live maps, batch 1."""
+        lengths = [len(x) for x in self._mirror.lives]
+        self._store.check(lengths)
+        if self._stats is not None and self.num_layers:
+            self._stats.check(lengths)
+
     @torch.inference_mode()
     def copy(self) -> "KVCache":
         """A deep copy: new tensors, new ledger, new live map."""

@@ -91,13 +91,12 @@ class BufferLayer(DynamicLayer):
         self.n = t
         self._views()
 
-    def keep(self, idx: torch.Tensor) -> None:
+    def keep(self, idx: torch.Tensor, first: int | None = None) -> None:
         """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place: they move down to slots
-        ``0..m-1``. Only the part from the first removed slot on is moved."""
+        ``0..m-1``. Only the part from the first removed slot on (``first``; computed if None) moves."""
         m = int(idx.numel())
-        moved = (idx != torch.arange(m)).nonzero()
-        if moved.numel():
-            first = int(moved[0, 0])                              # slots before it stay where they are
+        first = first_moved(idx) if first is None else first
+        if first < m:                                             # slots before ``first`` stay where they are
             src = idx[first:].to(self.buf_k.device)
             self.buf_k[:, :, first:m] = self.buf_k[:, :, src]    # gather into a temporary, then copy down
             self.buf_v[:, :, first:m] = self.buf_v[:, :, src]
@@ -126,6 +125,12 @@ class BufferLayer(DynamicLayer):
             lay.is_initialized = True
             lay._views()
         return lay
+
+
+def first_moved(idx: torch.Tensor) -> int:
+    """The first position ``j`` with ``idx[j] != j`` (``len(idx)`` if none): kept slots before it stay put."""
+    moved = (idx != torch.arange(idx.numel())).nonzero()
+    return int(moved[0, 0]) if moved.numel() else int(idx.numel())
 
 
 class KVStore(Cache):
@@ -192,7 +197,8 @@ class Storage:
         total = 0
         for lay in self.hf.layers:
             if lay.n:
-                total += 2 * lay.keys.numel() * lay.keys.element_size()
+                _, h, _, d = lay.buf_k.shape                                      # (1, H_kv, cap, D)
+                total += 2 * lay.n * h * d * lay.buf_k.element_size()
         for q in self.int8 or ():
             total += q.nbytes()
         return total
@@ -284,6 +290,7 @@ class Storage:
 
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
         """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place."""
+        firsts: dict[int, int] = {}                 # per shared keep tensor (layers evicting alike)
         for i, keep_t in enumerate(keeps):
             if keep_t is None:
                 continue
@@ -291,7 +298,11 @@ class Storage:
             lay = self.hf.layers[i]
             if nq:
                 self.int8[i] = self.int8[i].gather(keep_t[keep_t < nq].to(lay.buf_k.device))
-            lay.keep(keep_t[keep_t >= nq] - nq)
+                lay.keep(keep_t[keep_t >= nq] - nq)
+            else:
+                if id(keep_t) not in firsts:
+                    firsts[id(keep_t)] = first_moved(keep_t)
+                lay.keep(keep_t, firsts[id(keep_t)])
 
     def rotate(self, i: int, rope, slots: Sequence[int], delta: Sequence[int]) -> None:
         """Rotate layer ``i``'s post-RoPE keys at ``slots`` (FP storage) by position offsets ``delta``."""

@@ -203,6 +203,7 @@ def _splice(cache, plan: TickPlan, blocks, writer: str, step: int, tick: int, ho
     nbytes = cache._store.splice(plan, blocks, hook, mode)
     hook("map")
     mirror = cache._mirror
+    mirror.set_layers(cache._store.num_layers)      # an empty cache's first layers come from the blocks
     if cache._stats is not None:
         idx = plan.apply_to_list(list(range(plan.length)), [[-1] * len(b.token_ids) for b in plan.blocks])
         cache._stats.remap(idx)
