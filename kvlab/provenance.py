@@ -25,7 +25,9 @@ from pathlib import Path
 #     steps); runs are tied to CODE_VERSION + machine in the store.
 #   2026-11-22.evict: DecodeConfig(evict=...) (issue 9); records' cache_len is the cache length after the
 #     step (differs on "teacher"/"student" refresh steps), records store cache_bytes.
-CODE_VERSION = "2026-11-23.evict-openvino-drawn-conf"
+#   2026-11-23.per-layer: per-layer live sets (issue 18.1): each layer keeps its own entries and a
+#     per-layer eviction decision (Keep.layers) really evicts per layer; per-layer attention statistics.
+CODE_VERSION = "2026-11-23.per-layer"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

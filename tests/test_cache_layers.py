@@ -108,14 +108,14 @@ def test_kvlab_attention_equals_sdpa_on_uniform_caches():
 
 def test_per_layer_mirror_stats_and_events(lm3):
     c, _ = KVCache.prefill(lm3.model, PROMPT, writer="teacher")
-    c.track_attention(0.5)
+    c.track_attention(0.5, below=True)
     c.forward(lm3.model, [42], writer="teacher", attention=True)
     before = {k: [t.clone() for t in ts] for k, ts in c.layer_attn().items()}
     c.evict([], layers=DROPS)
     for i, d in enumerate(DROPS):
         keep = [s for s in range(17) if s not in d]
         assert c.layer_positions()[i] == tuple(keep)                 # slot s held position s before
-        for name in ("acc", "ema", "count"):
+        for name in ("acc", "ema", "count", "low"):
             assert torch.equal(c.layer_attn()[name][i], before[name][i][keep])
     ev = c.events.to_frame()
     assert sorted(ev[ev.layer == 1].row.tolist()) == [c.ledger.position.index(p) for p in DROPS[1]]
@@ -127,6 +127,12 @@ def test_per_layer_mirror_stats_and_events(lm3):
     c.forward(lm3.model, [43], writer="teacher", attention=True)
     assert [t.shape[0] for t in c.layer_attn()["acc"]] == c.layer_lengths()
     assert all(float(t[-1]) > 0 for t in c.layer_attn()["acc"])
+    # Scissorhands' low counts: the one measured query adds 1 where it gave less than 1/T_l of its
+    # head-mean attention, T_l = that layer's own length
+    for i, t in enumerate(c.layer_attn()["low"]):
+        assert t.shape[0] == c.layer_lengths()[i]
+        grew = t[:-1] - before["low"][i][[s for s in range(17) if s not in DROPS[i]]]
+        assert set(grew.tolist()) <= {0.0, 1.0} and 0 < float(grew.sum()) < c.layer_lengths()[i]
 
 
 def test_check_catches_a_layer_out_of_step(lm3):
@@ -186,6 +192,9 @@ def test_int8_per_layer_lengths(lm3):
     assert d.layer_lengths() == c.layer_lengths() and d.n_int8 == 0
     torch.testing.assert_close(c.copy().forward(lm3.model, [62], writer="teacher"),
                                d.forward(lm3.model, [62], writer="teacher"), rtol=0, atol=0)
+    # the forward materializes each layer's own INT8 prefix in full precision
+    per_entry = d.nbytes() // sum(d.layer_lengths())             # FP K/V bytes of one entry of one layer
+    assert c.forward_nbytes() == c.nbytes() + sum(c._store.int8_len(i) for i in range(3)) * per_entry
 
 
 def test_keep_layers_drives_the_cache_generically(lm3):
