@@ -276,6 +276,42 @@ class Store:
         self.tag(key, *tags)
         return key
 
+    def forget(self, keys) -> int:
+        """Remove the rows and tags of ``keys`` that are not finished runs (error rows that no longer
+        stand for anything, e.g. a sweep's load-error rows once the pair loads); returns how many rows
+        went. Finished runs are never removed. A compaction running at the same moment may keep a row."""
+        import pyarrow.parquet as pq
+
+        keys = set(keys) - self.ok_keys()
+        if not keys:
+            return 0
+        gone = set()
+        for k in keys:
+            p = self.root / ROWS / f"{k}.parquet"
+            if p.is_file():
+                p.unlink(missing_ok=True)
+                gone.add(k)
+        for part in self._parts():
+            try:
+                have = set(pq.read_table(part, columns=["run_key"]).column("run_key").to_pylist()) & keys
+            except (OSError, KeyError, ValueError):
+                continue
+            if not have:
+                continue
+            df = pd.read_parquet(part)
+            rest = df[~df["run_key"].isin(have)]
+            if len(rest):
+                digest = hashlib.sha256(",".join(sorted(rest["run_key"].astype(str))).encode()).hexdigest()[:16]
+                _atomic_parquet(rest, self.root / COMPACT / f"part-{digest}.parquet")
+            part.unlink(missing_ok=True)
+            gone |= have
+        d = self.root / TAGS
+        if gone and d.is_dir():
+            for td in d.iterdir():
+                for k in gone:
+                    (td / k).unlink(missing_ok=True)
+        return len(gone)
+
     def tag(self, key: str, *tags: str) -> None:
         """Mark run ``key`` as part of each sweep in ``tags`` (idempotent)."""
         for t in tags:

@@ -115,6 +115,9 @@ def config_columns(config: dict) -> dict:
            "teacher_fp": config.get("teacher"), "student_fp": config.get("student")}
     m = re.search(r"-i(\d\.\d+)-", str(config.get("student") or ""))
     row["student_ratio"] = float(m.group(1)) if m else math.nan
+    from .train.config import student_of_name
+
+    row["student"], row["prune"] = student_of_name(config.get("student")) or (None, None)   # which student made it
     labels = []
     for name, sec in SECTIONS.items():
         cols, label = _policy_columns(name, dec.get(sec.field), sec.registry())

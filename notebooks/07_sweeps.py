@@ -31,6 +31,7 @@ PROMPTS = 1 if SMOKE else 4          # prompts per config
 TOKENS = 12 if SMOKE else 96         # new tokens per run (N)
 PERIODS = [4, 8] if SMOKE else [8, 16, 32]
 TAUS = [4.0] if SMOKE else [3.0, 4.0, 5.0, 6.0]
+STUDENT = "pruned" if SMOKE else "overfill"   # student variant(s) (smoke: the untrained one, never trains)
 ENGINE = "local"                     # "local" or "ray"
 WORKERS = None                       # local: processes (None = in this process); ray: actors
 RESULTS = None                       # run store root (None: $KVLAB_RUNS, else the project's runs/)
@@ -64,6 +65,7 @@ count = {PROMPTS}
 [run]
 modes = ["teacher", "student", "overfill"]
 tokens = {TOKENS}
+student = "{STUDENT}"                  # a list sweeps it; prune = "h0.20,i0.50" sets the shape
 [sampling]
 temperature = 0.7
 top_p = 0.9

@@ -120,6 +120,124 @@ def test_cli_flags_build_the_same_grid():
         "entropy_tau_bits6"]
 
 
+# --------------------------------------------------------------------------- the student axis
+
+
+def test_student_axis_defaults_old_key_and_flags():
+    from kvlab.cli import build_parser
+    from kvlab.models import DEFAULT_SHAPE, DEFAULT_VARIANT
+    from kvlab.sweep.command import spec_from_args
+    from kvlab.sweep.students import StudentChoice
+
+    emb = {"prompts": {"count": 1}, "run": {"modes": ["overfill"], "tokens": 6}}
+    assert parse_spec(emb).students == (StudentChoice(DEFAULT_VARIANT, DEFAULT_SHAPE.replace("-", ",")),)   # trained
+    assert parse_spec(grid()).students == (StudentChoice("pruned", "i0.30"),)       # tiny: the untrained one
+    s = parse_spec({**emb, "run": {**emb["run"], "student": ["pruned", "overfill"], "prune": ["h0.2,i0.5", "i0.3"]}})
+    assert [c.label for c in s.students] == ["pruned h0.20,i0.50", "pruned i0.30", "overfill h0.20,i0.50",
+                                             "overfill i0.30"]
+    assert len(s.configs()) == 4 and len({t.task_id for t in s.tasks()}) == 4     # one task per student
+    cols = s.configs()[2].columns()
+    assert (cols["student"], cols["prune"], cols["student_ratio"]) == ("overfill", "h0.20,i0.50", 0.5)
+    # an old spec's student_ratio still means the untrained student at that MLP ratio (same runs as before)
+    old = parse_spec({**emb, "run": {**emb["run"], "student_ratio": [0.3, 0.5]}})
+    assert old.students == (StudentChoice("pruned", "i0.30"), StudentChoice("pruned", "i0.50"))
+    args = build_parser().parse_args(["sweep", "--modes", "overfill", "--tokens", "6", "--prompts", "1",
+                                      "--student", "pruned", "overfill", "--prune", "h0.2,i0.5", "i0.3"])
+    assert [t.task_id for t in spec_from_args(args).tasks()] == [t.task_id for t in s.tasks()]
+    args = build_parser().parse_args(["sweep", "--modes", "overfill", "--tokens", "6", "--prompts", "1",
+                                      "--student-ratio", "0.3", "0.5"])
+    assert [t.task_id for t in spec_from_args(args).tasks()] == [t.task_id for t in old.tasks()]
+
+
+@pytest.mark.parametrize("run, models, key, says", [
+    ({"student": "overfil"}, {}, "'run.student'", "refresh-aware"),
+    ({"prune": "h0.2;i9"}, {}, "'run.prune'", "h0.45,i0.45"),
+    ({"student_ratio": 0.3, "prune": "i0.3"}, {}, "'run.student_ratio'", "give only run.prune"),
+    ({"student_ratio": 0.3, "student": "overfill"}, {}, "'run.student_ratio'", "--prune"),
+    ({"student_ratio": 1.2}, {}, "'run.student_ratio'", "--student pruned --prune"),
+    ({"student": "overfill"}, {"kind": "tiny"}, "'run.student'", "only 'pruned'"),
+    ({"prune": "h0.2,i0.3"}, {"kind": "tiny"}, "'run.prune'", "MLP only"),
+    ({"prune": "i0.3"}, {"student": "org/model"}, "'run.prune'", "models.student"),
+])
+def test_bad_student_axis_names_the_key(run, models, key, says):
+    with pytest.raises(SpecError) as e:
+        parse_spec({"prompts": {"count": 1}, "run": {"modes": ["overfill"], **run}, "models": models})
+    assert key in str(e.value) and says in str(e.value)
+
+
+def test_a_missing_trained_student_fails_before_any_worker(tmp_path, monkeypatch, capsys):
+    """A sweep never trains: a trained student the model cache lacks stops it before an engine starts,
+    naming the train-student command (the CLI too, dry run included)."""
+    from kvlab import cli
+    from kvlab.sweep import runner
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))          # an empty model cache
+    started = []
+    monkeypatch.setattr(runner, "make_engine", lambda *a, **k: started.append(a) or pytest.fail("engine started"))
+    spec = parse_spec({"prompts": {"count": 1}, "run": {"modes": ["overfill"], "tokens": 6,
+                                                       "student": ["pruned", "refresh-aware"], "prune": "h0.2,i0.5"}})
+    with pytest.raises(FileNotFoundError) as e:
+        run_sweep(spec, engine="ray", store=tmp_path / "runs", progress=False)
+    msg = str(e.value)
+    assert "python -m kvlab train-student --student refresh-aware --prune h0.20,i0.50" in msg
+    assert "'pruned'" in msg and not started and not (tmp_path / "runs").exists()
+    assert not (tmp_path / "cache").exists()                             # nothing was built or trained
+    for extra in ([], ["--dry-run"]):
+        rc = cli.main(["sweep", "--modes", "overfill", "--prompts", "1", "--student", "overfill", "--engine", "ray",
+                       "--runs", str(tmp_path / "runs"), "--no-progress", *extra])
+        assert rc == 2 and not started and not (tmp_path / "runs").exists()
+        assert "python -m kvlab train-student --student overfill --prune" in capsys.readouterr().err
+
+
+def _poisoned_loader(models, student):
+    from kvlab.sweep.task import load_models
+
+    if student.shape == "i0.50":
+        raise OSError("poisoned weights for i0.50")
+    return load_models(models, student)
+
+
+def test_a_pair_that_fails_to_load_fails_only_its_tasks(tmp_path):
+    """Two students; one does not load: its tasks become error rows naming the failure, the other's run.
+    Once it loads, its error rows are gone and its runs are stored. Rows say which student made them."""
+    from kvlab.sweep.engines import LocalEngine
+    from kvlab.sweep.tables import config_summary
+    from kvlab.sweep.task import PairCache
+
+    spec = parse_spec(grid(run={"modes": ["overfill"], "prune": ["i0.3", "i0.5"]}))
+    n = len(spec.tasks())
+    rep = run_sweep(spec, store=tmp_path, progress=False, engine_obj=LocalEngine(pairs=PairCache(_poisoned_loader)))
+    assert (rep.done, rep.errors) == (n, n // 2)
+    df = load(tmp_path)
+    assert len(df) == n and set(df.sweeps) == {("t",)}
+    bad, ok = df[df.status == "error"], df[df.status == "ok"]
+    assert set(bad.prune) == {"i0.50"} and set(ok.prune) == {"i0.30"} and set(df.student) == {"pruned"}
+    assert bad.error.str.contains("OSError: poisoned weights for i0.50").all() and (ok.tokens == 6).all()
+    assert bad.traceback.str.contains("_poisoned_loader").all()
+    Store(tmp_path).compact()                      # the error rows now live in a compacted part
+    rep = run_sweep(spec, store=tmp_path, progress=False, engine_obj=LocalEngine(pairs=PairCache()))
+    assert (rep.skipped, rep.done, rep.errors) == (n // 2, n // 2, 0)
+    df = load(tmp_path)
+    assert len(df) == n and (df.status == "ok").all() and set(df.prune) == {"i0.30", "i0.50"}
+    s = config_summary(df)
+    assert len(s) == len(spec.configs()) and set(s.prune) == {"i0.30", "i0.50"}        # students kept apart
+    assert s.groupby("prune").kl.mean().nunique() == 2
+
+
+def test_rows_name_the_embedded_student_from_its_fingerprint():
+    from kvlab.runrows import config_columns
+    from kvlab.train.config import TRAINED_VARIANTS
+    from kvlab.train.weights import trained_name
+
+    for v in TRAINED_VARIANTS:
+        row = config_columns({"kind": "decode", "teacher": "t@1", "student": trained_name(v, "h0.2,i0.5") + "@ab12",
+                              "prompt": "p", "decode": {"mode": "overfill"}})
+        assert (row["student"], row["prune"], row["student_ratio"]) == (v, "h0.20,i0.50", 0.5)
+    row = config_columns({"kind": "decode", "teacher": "t@1", "student": "tiny-1-67@ab", "prompt": "p",
+                          "decode": {"mode": "overfill"}})
+    assert row["student"] is None and row["prune"] is None
+
+
 # --------------------------------------------------------------------------- the store: concurrency, layout
 
 

@@ -20,7 +20,14 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", type=int, default=None, help="number of prompts (prompts.count)")
     g.add_argument("--prompts-file", default=None, help="JSON Lines with a 'prompt' field (prompts.file)")
     g.add_argument("--tokens", type=int, nargs="+", default=None, help="N new tokens (a list sweeps it)")
-    g.add_argument("--student-ratio", type=float, nargs="+", default=None, help="embedded student pruning ratio(s)")
+    g.add_argument("--student", nargs="+", default=None, metavar="VARIANT",
+                   help="embedded student variant(s), a list sweeps it: pruned | standalone | overfill | refresh-aware "
+                        "(default: overfill; trained ones must be in the model cache: python -m kvlab train-student); "
+                        "or one hub id / model folder (= models.student)")
+    g.add_argument("--prune", nargs="+", default=None, metavar="SHAPE",
+                   help="prune shape(s) of the embedded student, e.g. h0.20,i0.50 (default kvlab.models.DEFAULT_SHAPE)")
+    g.add_argument("--student-ratio", type=float, nargs="+", default=None,
+                   help="old flag: the untrained student at these MLP ratio(s) (= --student pruned --prune iR)")
     g.add_argument("--repeats", type=int, default=None, help="seeds per (config, prompt)")
     g.add_argument("--refresh-next", nargs="+", default=None, help="rerun student teacher")
     g.add_argument("--no-baseline", action="store_true", help="do not add each mode's no-policy run")
@@ -30,7 +37,6 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--models", choices=("embedded", "tiny"), default=None,
                    help="'tiny': random tiny models (tests/benchmarks of the machinery)")
     g.add_argument("--teacher", default=None)
-    g.add_argument("--student", default=None)
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
     e = p.add_argument_group("where and how it runs")
@@ -62,6 +68,15 @@ def overrides(args) -> dict:
     put("run", "modes", args.modes)
     put("run", "tokens", args.tokens)
     put("run", "student_ratio", args.student_ratio)
+    put("run", "prune", args.prune)
+    if args.student is not None:
+        from ..train.config import STUDENT_VARIANTS
+
+        if len(args.student) == 1 and args.student[0] not in STUDENT_VARIANTS and (
+                "/" in args.student[0] or Path(args.student[0]).expanduser().exists()):
+            put("models", "student", args.student[0])        # a model of one's own
+        else:
+            put("run", "student", args.student)
     put("run", "repeats", args.repeats)
     put("run", "refresh_next", args.refresh_next)
     if args.no_baseline:
@@ -72,7 +87,7 @@ def overrides(args) -> dict:
     put("sampling", "top_p", args.top_p)
     put("sampling", "seed", args.seed)
     put("models", "kind", args.models)
-    for k in ("teacher", "student", "device", "dtype"):
+    for k in ("teacher", "device", "dtype"):
         put("models", k, getattr(args, k))
     for section in ("refresh", "evict"):
         for flag in getattr(args, section) or []:
@@ -97,17 +112,25 @@ def cmd_sweep(args):
     from .engines import LocalEngine
     from .runner import key_tasks, pending, run_sweep
 
+    from .students import check_trained
+
     spec = spec_from_args(args)               # every check before any model loads
+    check_trained(spec)                       # a trained student the model cache lacks: name train-student
     store = Store(args.runs)
     if args.dry_run:
         configs = spec.configs()
-        tasks, _ = key_tasks(spec, LocalEngine())     # fingerprints of this machine's device
+        tasks, probes = key_tasks(spec, LocalEngine())     # fingerprints of this machine's device
         todo, stored = pending(tasks, store, not args.no_retry_errors)
+        for (_, student), p in probes.items():
+            if "error" in p:
+                print(f"  student {student.label if student else spec.models.student}: {p['error']} "
+                      "(its tasks would be error rows)", file=sys.stderr)
         print(f"sweep {spec.name!r}: {len(configs)} configs x {len(spec.prompts)} prompts x {spec.repeats} repeats "
               f"= {len(tasks)} tasks; {len(stored)} stored (keyed for this machine's device), {len(todo)} to run "
               f"-> {store.root}")
         for c in configs:
-            print(f"  {c.mode:9s} N={c.tokens:<5d} ratio={c.student_ratio} T={c.temperature} {c.policy}")
+            who = c.student.label if c.student is not None else spec.models.student
+            print(f"  {c.mode:9s} N={c.tokens:<5d} student={who} T={c.temperature} {c.policy}")
         return spec
     kw = {}
     if args.worker_memory is not None:

@@ -32,8 +32,8 @@ class LocalEngine:
         self.execute_fn = execute_fn
         self.pairs = pairs if pairs is not None else PROCESS_PAIRS
 
-    def probe(self, models, ratio) -> dict:
-        return probe(models, ratio, self.pairs)
+    def probe(self, models, student) -> dict:
+        return probe(models, student, self.pairs)
 
     def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
         for t in tasks:
@@ -51,7 +51,7 @@ class LocalEngine:
 
 
 def _worker_main(conn, threads: int, execute_fn) -> None:
-    """A worker process: answer ("probe", (models, ratio)) and ("run", task) messages until None."""
+    """A worker process: answer ("probe", (models, student)) and ("run", task) messages until None."""
     import torch
 
     torch.set_num_threads(threads)
@@ -117,16 +117,16 @@ class ProcessEngine:
             self._procs.append(self._spawn())
         return self._procs
 
-    def probe(self, models, ratio) -> dict:
+    def probe(self, models, student) -> dict:
         w = self._pool()[0]
-        w.conn.send(("probe", (models, ratio)))
+        w.conn.send(("probe", (models, student)))
         try:
             reply = w.conn.recv()
         except (EOFError, OSError):
             self._replace(w)
-            raise RuntimeError(f"a worker process died while loading the models {models} (ratio {ratio})") from None
+            raise RuntimeError(f"a worker process died while loading the models {models} (student {student})") from None
         if reply.get("status") == "error":
-            raise RuntimeError(f"loading the models {models} (ratio {ratio}) failed in a worker: {reply['error']}")
+            raise RuntimeError(f"loading the models {models} (student {student}) failed in a worker: {reply['error']}")
         return reply
 
     def _replace(self, w: _Proc) -> None:
@@ -210,12 +210,12 @@ def runtime_env() -> dict:
             "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
 
 
-def _probe_remote(models, ratio):
+def _probe_remote(models, student):
     import kvlab
     import ray
 
     shipped = (ray.get_runtime_context().runtime_env or {}).get("py_modules") or []
-    return {**probe(models, ratio, PairCache()), "kvlab_path": os.path.dirname(kvlab.__file__),
+    return {**probe(models, student, PairCache()), "kvlab_path": os.path.dirname(kvlab.__file__),
             "py_modules": list(shipped)}
 
 
@@ -312,15 +312,15 @@ class RayEngine:
         self._actors = None
         self.probes: list[dict] = []
 
-    def probe(self, models, ratio) -> dict:
+    def probe(self, models, student) -> dict:
         """Load the pair once in a Ray task with an actor's CPUs/GPUs (so on the kind of node the
         actors get): its fingerprints, the workers' code version, and its size for the reservation."""
         fn = self.ray.remote(_probe_remote).options(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
                                                      max_retries=self.max_retries)
         try:
-            out = self.ray.get(fn.remote(models, ratio))
+            out = self.ray.get(fn.remote(models, student))
         except Exception as e:  # noqa: BLE001 - any Ray failure: say which models
-            raise RuntimeError(f"loading the models {models} (ratio {ratio}) on the Ray cluster failed: "
+            raise RuntimeError(f"loading the models {models} (student {student}) on the Ray cluster failed: "
                                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
         self._pair_bytes = max(self._pair_bytes, int(out["pair_bytes"]))
         self.probes.append(out)

@@ -1,5 +1,9 @@
 """Run a grid: key every task, skip what the run store holds, run the rest on an engine, store
-each outcome as it arrives (this process alone writes the store)."""
+each outcome as it arrives (this process alone writes the store).
+
+A pair that fails to load (a probe raises) fails only its own tasks: each becomes an ``error`` row
+under :func:`load_error_key` (the run's real key needs the fingerprints of the models that did not
+load) and every other task runs. Once that pair loads, its load-error rows are removed."""
 from __future__ import annotations
 
 import time
@@ -36,10 +40,25 @@ def _store(store) -> Store:
     return store if isinstance(store, Store) else Store(store)
 
 
+def group(task: Task) -> tuple:
+    """The model group of a task: the pair its worker loads (``engine.probe(*group)``)."""
+    return task.models, task.config.student
+
+
+def load_error_key(task: Task) -> str:
+    """The run-store key of a task whose models failed to load (its run key needs their fingerprints)."""
+    from ..results import run_key
+
+    return run_key({"kind": "load_error", "task_id": task.task_id})
+
+
 def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
     """Every task of ``spec`` with its ``run_key``, from fingerprints the engine's workers report
     (:meth:`probe`, one per model group). Raises :class:`CodeVersionMismatch` if a worker runs
-    another code version than this driver (before any task runs). Returns (tasks, probes)."""
+    another code version than this driver (before any task runs). A group whose probe raises gets
+    ``{"error": ...}`` as its probe and its tasks :func:`load_error_key`. Returns (tasks, probes)."""
+    import traceback
+
     from ..experiment import stored_config
     from ..provenance import CODE_VERSION
     from ..results import run_key
@@ -47,15 +66,26 @@ def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
     probes = {}
     out = []
     for t in spec.tasks():
-        g = (t.models, t.config.student_ratio)
+        g = group(t)
         if g not in probes:
-            probes[g] = engine.probe(*g)
+            try:
+                probes[g] = engine.probe(*g)
+            except CodeVersionMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - a pair that does not load fails its tasks, not the sweep
+                probes[g] = {"error": f"loading the models failed: {type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc(limit=6)[-4000:]}
+                out.append(replace(t, run_key=load_error_key(t)))
+                continue
             if probes[g]["code_version"] != CODE_VERSION:
                 raise CodeVersionMismatch(
                     f"the {getattr(engine, 'name', 'sweep')} workers run kvlab code version "
                     f"{probes[g]['code_version']!r}, this driver {CODE_VERSION!r}: their rows would be refused; "
                     "run the same kvlab on both (the Ray engine ships the driver's code with a runtime_env)")
         p = probes[g]
+        if "error" in p:
+            out.append(replace(t, run_key=load_error_key(t)))
+            continue
         out.append(replace(t, run_key=run_key(stored_config(p["teacher"], p["student"], t.prompt, t.decode))))
     return out, probes
 
@@ -81,21 +111,36 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
     ``runs/``). Runs already stored — by this sweep, another sweep, a table or the playground — are
     not rerun, only tagged with this sweep's name. Outcomes are stored by this process as tasks
     finish, so a killed sweep loses only the tasks in flight and a rerun skips what is stored.
-    Error rows are rerun next time unless ``retry_errors=False``."""
+    Error rows are rerun next time unless ``retry_errors=False``. A trained student missing from the
+    model cache raises (naming ``python -m kvlab train-student``) before any engine starts: a sweep
+    never trains. A pair that fails to load fails its own tasks only (error rows)."""
     from tqdm.auto import tqdm
 
     from ..experiment import stored_config
     from ..runrows import config_columns
+    from .students import check_trained
+    from .task import student_columns
 
+    check_trained(spec)                   # before any engine (Ray, processes) starts
     st = _store(store if store is not None else results)
     eng = engine_obj if engine_obj is not None else make_engine(engine, workers, address, execute_fn, **engine_kw)
     try:
         tasks, probes = key_tasks(spec, eng)
+        st.forget([load_error_key(t) for t in tasks if "error" not in probes[group(t)]])   # that pair loads now
         todo, stored = pending(tasks, st, retry_errors)
         for t in stored:
             st.tag(t.run_key, spec.name)
         report = SweepReport(spec.name, getattr(eng, "name", engine), len(tasks), len(stored),
                              results_root=str(st.root))
+        unloaded = [t for t in todo if "error" in probes[group(t)]]
+        todo = [t for t in todo if "error" not in probes[group(t)]]
+        for t in unloaded:                 # their models did not load: recorded, never sent to a worker
+            p = probes[group(t)]
+            st.put_error(t.run_key, {**t.columns(), **student_columns(t), "engine": report.engine,
+                                     "traceback": p["traceback"]}, p["error"], tags=[spec.name])
+            report.done += 1
+            report.errors += 1
+            report.error_messages.append(f"{t.config.policy} prompt {t.prompt_idx}: {p['error']}")
         if not todo:
             return report
         bar = tqdm(total=len(todo), desc=f"sweep {spec.name}", unit="run", disable=not progress, dynamic_ncols=True)
@@ -110,7 +155,7 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
             else:
                 msg = out.get("error") or "failed"
             if msg is not None:
-                p = probes[(task.models, task.config.student_ratio)]
+                p = probes[group(task)]
                 cols = {**task.columns(), **config_columns(stored_config(p["teacher"], p["student"], task.prompt,
                                                                           task.decode)),
                         **(out.get("extra") or {}), "traceback": out.get("traceback", "")}

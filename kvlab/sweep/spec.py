@@ -11,7 +11,8 @@ A spec (every table and key optional except what makes the grid non-empty)::
     [run]
     modes = ["teacher", "student", "overfill"]
     tokens = 128                            # N; a list sweeps it
-    student_ratio = 0.30                    # embedded student's pruning ratio; a list sweeps it
+    student = "overfill"                    # student variant(s) (kvlab.sweep.students); a list sweeps it
+    prune = "h0.20,i0.50"                   # the embedded student's prune shape(s); a list sweeps it
     repeats = 1                             # seeds per (config, prompt)
     refresh_next = ["rerun"]                # applied to configs with a refresh policy
     baseline = true                         # also run each mode without policies
@@ -51,15 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from ..decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
-from ..models import DEFAULT_PRUNE
 from .families import SECTIONS, parameters, required
+from .students import StudentChoice, parse_students
 
 REPEAT_STRIDE = 10_000      # seed of (prompt i, repeat r) = seed + i + REPEAT_STRIDE * r
 DEFAULT_PROMPTS = 8
 
 TOP_KEYS = ("name", "prompts", "run", "sampling", "models", *SECTIONS)
 PROMPT_KEYS = ("file", "count")
-RUN_KEYS = ("modes", "tokens", "student_ratio", "repeats", "refresh_next", "baseline", "chat")
+RUN_KEYS = ("modes", "tokens", "student", "prune", "student_ratio", "repeats", "refresh_next", "baseline", "chat")
 SAMPLING_KEYS = ("temperature", "top_p", "seed")
 MODEL_KEYS = ("kind", "teacher", "student", "device", "dtype")
 MODEL_KINDS = ("embedded", "tiny")
@@ -147,11 +148,11 @@ class ModelSpec:
     device: str | None = None
     dtype: str | None = None
 
-    def key(self, ratio) -> dict:
+    def key(self, student: StudentChoice | None) -> dict:
         """What identifies the weights of a task's pair (device excluded: a row is a row anywhere)."""
         d = {"kind": self.kind, "teacher": self.teacher, "student": self.student, "dtype": self.dtype}
-        if self.student is None:
-            d["student_ratio"] = ratio
+        if self.student is None and student is not None:
+            d["student_variant"], d["prune"] = student.variant, student.shape
         return d
 
 
@@ -161,7 +162,7 @@ class Config:
 
     mode: str
     tokens: int
-    student_ratio: float | None
+    student: StudentChoice | None     # the embedded student (None: models.student names the model)
     temperature: float
     top_p: float
     refresh_next: str
@@ -180,6 +181,11 @@ class Config:
             name += f"_{self.refresh_next}"
         return name
 
+    @property
+    def student_ratio(self) -> float | None:
+        """The embedded student's MLP ratio (the old axis)."""
+        return None if self.student is None else self.student.ratio
+
     def choice(self, section: str):
         for c in self.choices:
             if c is not None and c.section == section:
@@ -195,7 +201,8 @@ class Config:
     def columns(self) -> dict:
         """Flattened config columns of a results row."""
         out = {"policy": self.policy, "mode": self.mode, "max_new_tokens": self.tokens,
-               "student_ratio": self.student_ratio, "temperature": self.temperature, "top_p": self.top_p,
+               **(self.student.columns() if self.student is not None else {"student_ratio": None}),
+               "temperature": self.temperature, "top_p": self.top_p,
                "refresh_next": self.refresh_next if self.choice("refresh") is not None else ""}
         from ..refresh import policy_dict
 
@@ -244,7 +251,7 @@ class GridSpec:
     prompt_file: str
     modes: tuple[str, ...]
     tokens: tuple[int, ...]
-    student_ratios: tuple
+    students: tuple                       # StudentChoice per point of the student axis, or (None,)
     temperatures: tuple[float, ...]
     top_ps: tuple[float, ...]
     seed: int
@@ -257,8 +264,8 @@ class GridSpec:
 
     def configs(self) -> list[Config]:
         out = []
-        for mode, n, ratio, temp, top_p in itertools.product(self.modes, self.tokens, self.student_ratios,
-                                                              self.temperatures, self.top_ps):
+        for mode, n, student, temp, top_p in itertools.product(self.modes, self.tokens, self.students,
+                                                                self.temperatures, self.top_ps):
             per_section = []
             for name, sec in SECTIONS.items():
                 applies = sec.modes is None or mode in sec.modes
@@ -269,7 +276,7 @@ class GridSpec:
             for combo in itertools.product(*per_section):
                 nexts = self.refresh_next if any(c is not None and c.section == "refresh" for c in combo) else ("rerun",)
                 for nxt in nexts:
-                    out.append(Config(mode, n, ratio, temp, top_p, nxt, tuple(combo)))
+                    out.append(Config(mode, n, student, temp, top_p, nxt, tuple(combo)))
         return out
 
     def tasks(self) -> list[Task]:
@@ -283,7 +290,7 @@ class GridSpec:
                         dec = cfg.decode(self.seed + i + REPEAT_STRIDE * r, chat=self.chat)
                     except ValueError as e:     # a combination the decode loop refuses (e.g. evict + refresh)
                         raise SpecError(f"grid config {cfg.policy!r} (mode {cfg.mode!r}) is invalid: {e}") from None
-                    models = self.models.key(cfg.student_ratio)
+                    models = self.models.key(cfg.student)
                     task_id = _digest({"models": models, "prompt": prompt, "decode": dec.to_dict(), "code": CODE_VERSION})
                     tasks.append(Task(task_id, self.name, cfg, dec, self.models, prompt, i, r, self.seed))
         if not tasks:
@@ -367,8 +374,6 @@ def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") ->
     modes = _many(run_t, "modes", "run", str, "overfill",
                   lambda v: None if v in MODES else f"mode {v!r} is not one of {MODES}")
     tokens = _many(run_t, "tokens", "run", int, 128, lambda v: None if v > 0 else "must be a positive int (N)")
-    ratios = _many(run_t, "student_ratio", "run", float, DEFAULT_PRUNE,
-                   lambda v: None if 0 <= v < 1 else "must be in [0, 1)")
     nexts = _many(run_t, "refresh_next", "run", str, "rerun",
                   lambda v: None if v in REFRESH_NEXT else f"must be one of {REFRESH_NEXT}")
     repeats = _one(run_t.get("repeats", 1), "run.repeats", int, lambda v: None if v > 0 else "must be a positive int")
@@ -384,8 +389,7 @@ def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") ->
     models = ModelSpec(kind=kind, **{k: _one(models_t[k], f"models.{k}", str) for k in MODEL_KEYS[1:] if k in models_t})
     if kind == "tiny" and (models.teacher or models.student):
         raise _err("models.kind", "'tiny' builds its own models; drop models.teacher / models.student")
-    if models.student is not None:
-        ratios = (None,)
+    students = parse_students(run_t, kind, models.student)
     if models.device is not None:
         from ..models import resolve_device
 
@@ -417,7 +421,7 @@ def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") ->
             if choices[section] and applies is not None and not set(applies) & set(modes):
                 raise _err(section, f"{section} policies need one of the modes {applies} in run.modes (got {list(modes)})")
     spec = GridSpec(name=name, prompts=tuple(r["prompt"] for r in rows), prompt_file=str(path), modes=modes,
-                    tokens=tokens, student_ratios=ratios, temperatures=temps, top_ps=top_ps, seed=seed,
+                    tokens=tokens, students=students, temperatures=temps, top_ps=top_ps, seed=seed,
                     repeats=repeats, refresh_next=nexts, baseline=baseline, chat=chat, models=models, choices=choices)
     spec.tasks()          # every combination must build a valid DecodeConfig; an empty grid fails here
     return spec

@@ -187,7 +187,7 @@ def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
     df = usable(rows)
     if not len(df):
         return pd.DataFrame()
-    keys = [c for c in ("max_new_tokens", "student_ratio", "temperature", "top_p") if c in df]
+    keys = [c for c in ("max_new_tokens", "student", "prune", "student_ratio", "temperature", "top_p") if c in df]
     df["family"] = family(df)
     for c in ("refreshes", "teacher_tokens", "evicted"):
         df[c] = df[c].fillna(0) if c in df else 0

@@ -13,6 +13,7 @@ import time
 import traceback
 
 from .spec import ModelSpec, Task
+from .students import StudentChoice
 
 # --------------------------------------------------------------------------- models
 
@@ -31,14 +32,18 @@ def tiny_pair(ratio: float | None = 0.3, seed: int = 0):
     return teacher, student
 
 
-def load_models(models: ModelSpec, ratio):
-    """(teacher, student) for a task's model spec and student ratio."""
+def load_models(models: ModelSpec, student: StudentChoice | None):
+    """(teacher, student) for a task's model spec and student choice (None: ``models.student`` names it).
+    A trained student must be in the model cache: a worker never trains (``load_pair`` raises, naming
+    the ``train-student`` command)."""
     if models.kind == "tiny":
-        return tiny_pair(ratio)
-    from ..models import DEFAULT_PRUNE, load_pair
+        return tiny_pair(None if student is None else student.ratio)
+    from ..models import load_pair
 
-    return load_pair(models.teacher, models.student, device=models.device, dtype=models.dtype,
-                     ratio=DEFAULT_PRUNE if ratio is None else ratio)
+    if student is None:
+        return load_pair(models.teacher, models.student, device=models.device, dtype=models.dtype)
+    return load_pair(models.teacher, None, device=models.device, dtype=models.dtype, variant=student.variant,
+                     shape=student.shape, train_if_missing=False)
 
 
 class PairCache:
@@ -48,10 +53,10 @@ class PairCache:
         self.loader = loader
         self._pairs: dict = {}
 
-    def get(self, models: ModelSpec, ratio):
-        key = (models, ratio)
+    def get(self, models: ModelSpec, student: StudentChoice | None):
+        key = (models, student)
         if key not in self._pairs:
-            self._pairs[key] = self.loader(models, ratio)
+            self._pairs[key] = self.loader(models, student)
         return self._pairs[key]
 
     def __len__(self) -> int:
@@ -90,12 +95,12 @@ def pair_bytes(teacher, student) -> int:
     return n
 
 
-def probe(models: ModelSpec, ratio, pairs: PairCache) -> dict:
-    """Load (once per process) the pair of ``(models, ratio)`` and say what the driver needs before
-    it submits runs: the fingerprints that key them, this process's code version, the pair's size."""
+def probe(models: ModelSpec, student_choice: StudentChoice | None, pairs: PairCache) -> dict:
+    """Load (once per process) the pair of ``(models, student_choice)`` and say what the driver needs
+    before it submits runs: the fingerprints that key them, this process's code version, the pair's size."""
     from ..provenance import CODE_VERSION
 
-    teacher, student = pairs.get(models, ratio)
+    teacher, student = pairs.get(models, student_choice)
     return {"teacher": teacher.fingerprint, "student": student.fingerprint, "code_version": CODE_VERSION,
             "pair_bytes": pair_bytes(teacher, student), "device": str(teacher.device), "host": platform.node()}
 
@@ -111,10 +116,10 @@ def execute(task: Task, pairs: PairCache, engine: str = "local", worker: str = "
     t0 = time.perf_counter()
     out = {"task_id": task.task_id, "status": "error", "error": "", "config": None, "result": None}
     extra = {"engine": engine, "worker": worker or f"pid{os.getpid()}", "started_at": started,
-             "student_ratio": task.config.student_ratio}
+             **student_columns(task)}
     try:
         t_load = time.perf_counter()
-        teacher, student = pairs.get(task.models, task.config.student_ratio)
+        teacher, student = pairs.get(task.models, task.config.student)
         extra["load_s"] = time.perf_counter() - t_load      # > 0 only for a worker's first task of a pair
         extra["device"] = str(teacher.device)
         out["config"] = stored_config(teacher, student, task.prompt, task.decode)
@@ -132,4 +137,10 @@ def failed(task: Task, engine: str, msg: str) -> dict:
     """The outcome recorded for a task whose worker died (or failed) more often than it may be retried."""
     return {"task_id": task.task_id, "status": "error", "error": msg, "config": None, "result": None,
             "meta": provenance_meta(), "extra": {"engine": engine, "worker": "", "started_at": time.time(),
-                                                 "student_ratio": task.config.student_ratio}}
+                                                 **student_columns(task)}}
+
+
+def student_columns(task: Task) -> dict:
+    """The row columns naming the task's student (they fill what the run's config does not say)."""
+    c = task.config.student
+    return c.columns() if c is not None else {"student_ratio": None}

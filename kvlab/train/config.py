@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 
 TRAIN_VERSION = "1"
@@ -18,6 +19,17 @@ TRAINED_VARIANTS = STUDENT_VARIANTS[1:]
 DEFAULT_VARIANT = "overfill"
 # measured: the best held-out KL among the trained shapes at least 1.5x faster than the teacher (README)
 DEFAULT_SHAPE = "h0.20,i0.50"
+
+
+_NAME = re.compile(r"-(" + "|".join(map(re.escape, STUDENT_VARIANTS)) + r")-((?:h\d\.\d+-)?i\d\.\d+)-[ct][0-9a-f]+(?:@|$)")
+
+
+def student_of_name(name) -> tuple[str, str] | None:
+    """``(variant, prune flag)`` of an embedded student from its model-cache folder name (or a fingerprint
+    ``name@hash``), as :func:`kvlab.models.pruned_student_path` / :func:`kvlab.train.weights.trained_name`
+    write it (``…-overfill-h0.20-i0.50-t<key>``, ``…-pruned-i0.30-c<digest>``); None for any other model."""
+    m = _NAME.search(str(name or ""))
+    return None if m is None else (m.group(1), m.group(2).replace("-", ","))
 
 
 def check_variant(variant) -> str:
