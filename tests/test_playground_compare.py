@@ -247,3 +247,29 @@ def test_the_playground_switches_students(tiny_teacher, tiny_student, tmp_path):
     assert p.set(student="nonsense") is False and "student" in p.errors
     with pytest.raises(ValueError, match="student="):
         load_variant("nonsense", None)
+
+
+def test_a_trained_student_missing_from_the_cache_is_a_control_error(tiny_teacher, tiny_student, tmp_path,
+                                                                    monkeypatch):
+    """The playground never trains: choosing a trained variant the model cache lacks marks the "student"
+    control with the train-student command and loads nothing; once it is in the cache the choice is fine."""
+    from kvlab.models import DEFAULT_SHAPE
+    from kvlab.playground.students import student_problem, student_variants_offered
+    from kvlab.train.weights import trained_dir
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))          # an empty model cache
+    assert student_variants_offered() == ("pruned", "standalone", "overfill", "refresh-aware")
+    assert student_problem("pruned") is None and "must be one of" in student_problem("nonsense")
+    p = Playground(tiny_teacher, tiny_student, store=RunStore(tmp_path / "runs"), background=False, prompts=PROMPTS,
+                   calib_prompts=["calibrate me"], calib_tokens=N, prune_ratios=(0.3,),
+                   settings=Settings(prompt=PROMPTS[0], N=N, policy="periodic", T=4, seed=3))
+    assert p.student_variants == student_variants_offered()
+    assert p.set(student="overfill") is False
+    assert f"python -m kvlab train-student --student overfill --prune {DEFAULT_SHAPE}" in p.errors["student"]
+    assert list(p._students) == [("pruned", 0.3)]                        # nothing loaded, nothing trained
+    assert not (tmp_path / "cache").exists()
+    assert "student" not in p.check(p.settings.replace(mode="teacher"))    # the teacher alone needs no student
+    target = trained_dir("overfill", DEFAULT_SHAPE)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")                            # it is in the cache now
+    assert student_problem("overfill") is None and "student" not in p.check()

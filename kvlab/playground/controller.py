@@ -25,6 +25,8 @@ from .runner import Cancelled, ModelGate, Runner
 from .settings import (PRUNE_RATIOS, PRUNED, RANGES, Range, Settings, check, decode_config, eviction_policies, normalize,
                        percentile_of, refresh_policy)
 from .spread import Spread, pairs, spread_stats
+from .students import load_variant, student_problem, student_variants_offered
+from .students import student_key as _student_key
 from .why import refresh_reasons, same_tokens_note
 
 # (name, label, format) of every readout, in display order. "g3": three significant digits (one run is
@@ -271,6 +273,11 @@ class Playground:
                 pairs(s, self.prompts)
             except ValueError as e:
                 err["n_prompts"] = str(e)
+        if "student" not in err and s.mode != "teacher" and self._factory is None and not self._fixed \
+                and _student_key(s) not in self._students:
+            problem = student_problem(s.student)      # a trained student the model cache lacks: name train-student
+            if problem:
+                err["student"] = problem
         return err
 
     def config(self, s: Settings, student) -> dict:
@@ -764,42 +771,6 @@ class Playground:
         from .stepper import Stepper
 
         return Stepper(self)
-
-
-def student_variants_offered() -> tuple:
-    """``kvlab.models.STUDENT_VARIANTS`` (the trained students of issue 17), or just the pruned one
-    where kvlab has no trained variants."""
-    from .. import models
-
-    return tuple(getattr(models, "STUDENT_VARIANTS", (PRUNED,)))
-
-
-def load_variant(variant: str, ratio: float | None, device=None, dtype=None):
-    """The student ``variant``: the pruned one at MLP ``ratio``, or a trained one (from the model cache;
-    :func:`kvlab.models.load_student` raises, naming the training command, when it is not there)."""
-    from .. import models
-
-    if variant not in student_variants_offered():
-        raise ValueError(f"student={variant!r} must be one of {student_variants_offered()}")
-    if variant == PRUNED:
-        # one call for both load_student signatures: (ratio, …) before issue 17, (variant, shape, …) after
-        if hasattr(models, "STUDENT_VARIANTS"):
-            from ..prune import PruneShape
-            return models.load_student(PRUNED, PruneShape(0.0, ratio), device=device, dtype=dtype)
-        return models.load_student(ratio, device=device, dtype=dtype)
-    return models.load_student(variant, device=device, dtype=dtype)
-
-
-def _student_key(s) -> tuple:
-    """``(variant, prune ratio)`` of settings, of a bare prune ratio (the pruned student), of a
-    variant name (its trained shape: ratio None) or of such a tuple."""
-    if isinstance(s, Settings):
-        return (s.student, float(s.prune_ratio)) if s.student == PRUNED else (s.student, None)
-    if isinstance(s, tuple):
-        return (s[0], None if s[1] is None or s[0] != PRUNED else float(s[1]))
-    if isinstance(s, str):
-        return (s, None)
-    return (PRUNED, float(s))
 
 
 MC_NEVER = 1e30          # an MC gate threshold no signal reaches (calibration runs probe but never refresh)
