@@ -3,6 +3,7 @@ every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.
 
 * :mod:`.spec` — the grid spec (TOML / flags) → configs → tasks with idempotent row ids
 * :mod:`.families` — which policy families a grid can sweep (registries)
+* :mod:`.students` — the student axis (variant × prune shape), the trained-student check before a sweep
 * :mod:`.task` — one task: models once per process, run + score through the run store, a row
 * :mod:`.engines` — local (in-process / processes) and Ray (actors)
 * :mod:`.runner` — skip finished rows, run the rest with a progress bar, write rows as they finish
