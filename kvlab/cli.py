@@ -329,7 +329,12 @@ def cmd_bench(args) -> None:
     if args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
-        print(json.dumps(bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats), indent=1))
+        res = bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats)
+        print(json.dumps(res, indent=1))
+        if args.out is not None:     # the file the README quotes (`bench decode --out figures`)
+            _append_bench(args.out / "decode_bench_timing.jsonl", res,
+                          f"python -m kvlab bench decode --tokens {args.tokens or 64} --repeats {args.repeats} "
+                          f"--out {args.out}")
     elif args.what == "surgery":
         from .bench import bench_surgery
 
@@ -405,6 +410,17 @@ def _refresh_options(p: argparse.ArgumentParser) -> None:
                    help="prompts timed (the first ones of the spec)")
     t.add_argument("--timing-repeats", type=int, default=2,
                    help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+def _append_bench(path: Path, res: dict, cmd: str) -> None:
+    """Append one benchmark result (with its command and UTC time) as a JSON line: repeated runs
+    accumulate, so the README can quote every run of a noisy benchmark."""
+    import datetime
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {"command": cmd, "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
+    with path.open("a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
 def _evict_bench_table(res: dict) -> str:
     """bench_evict's per-policy dict as an aligned table (ms per decode step, medians)."""
     import pandas as pd
@@ -510,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder (untracked, like every timing)")
+    p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder; decode: append one JSON line to "
+                        "decode_bench_timing.jsonl there (untracked, like every timing)")
     p.set_defaults(fn=cmd_bench)
     for p in sub.choices.values():      # every command's --help states the defaults
         p.formatter_class = _DefaultsHelp

@@ -185,10 +185,10 @@ class EvictStudy:
 
     def families(self) -> dict[str, tuple[Callable[[int], object], int, int]]:
         """Fixed-budget families: name -> (knob -> policy, knob lo, knob hi). The knob is the
-        budget in entries, except block eviction (evictable blocks). SnapKV compresses the prompt
-        only (its knob: prompt entries kept); when even its smallest budget stays above the target,
-        the table shows the mismatch in ``mem_vs_target``."""
-        from .eviction import H2O, BlockEvict, RandomEvict, Scissorhands, SlidingWindow, SnapKV
+        budget in entries, except block eviction (evictable blocks). SnapKV and PyramidKV compress
+        the prompt only (their knob: prompt entries kept, PyramidKV's per layer on average); when even
+        the smallest budget stays above the target, the table shows the mismatch in ``mem_vs_target``."""
+        from .eviction import H2O, BlockEvict, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
         bs, rec = self.block_size, self.protect
         return {
@@ -197,6 +197,7 @@ class EvictStudy:
             "random": (lambda b: RandomEvict(budget=b, recent=min(rec, b - 1), seed=0), 2, 4096),
             "scissorhands": (lambda b: Scissorhands(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "snapkv": (lambda b: SnapKV(budget=b, window=rec), rec + 1, 4096),
+            "pyramidkv": (lambda b: PyramidKV(budget=b, window=rec), rec + 1, 4096),
             "block": (lambda k: BlockEvict(block_size=bs, start_blocks=1, evictable_blocks=k,
                                            recent_blocks=max(1, rec // bs)), 1, 512),
         }
@@ -218,6 +219,7 @@ class EvictStudy:
 # Conf-KV variants by constructor keyword: its ranker's ablations and the confidence of the raw
 # (T = 1) distribution instead of the tempered + top-p one the token was drawn from.
 ABLATIONS = {
+    "confkv_pyramidal": {"pyramidal": True},
     "confkv_recency": {"attn_weight": 0.0},
     "confkv_attention": {"attn_weight": 1.0},
     "confkv_raw": {"confidence_from": "raw"},
@@ -284,7 +286,8 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
             # the cache sits in [max, max + bs - 1] once a whole block overflows: mean ≈ max + bs/2
             guess = max(lo, round((cap - study.block_size / 2) / study.block_size) - 1
                         - max(1, study.protect // study.block_size))
-        elif fam == "snapkv":        # the prompt is cut to b once, then every step appends: mean ≈ b + (N+1)/2
+        elif fam in ("snapkv", "pyramidkv"):   # the prompt is cut to b (layer mean) once, then every step appends:
+            # mean ≈ b + (N+1)/2
             guess = max(lo, round(target / mb_per_entry - (spec.tokens + 1) / 2))
         else:
             guess = invert_capped(full_traj, target / mb_per_entry, lo, hi)

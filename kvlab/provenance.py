@@ -27,7 +27,9 @@ from pathlib import Path
 #     step (differs on "teacher"/"student" refresh steps), records store cache_bytes.
 #   2026-11-23.per-layer: per-layer live sets (issue 18.1): each layer keeps its own entries and a
 #     per-layer eviction decision (Keep.layers) really evicts per layer; per-layer attention statistics.
-CODE_VERSION = "2026-11-23.per-layer"
+#   2026-11-23.per-layer-decisions: BlockEvict and ConfKV(pyramidal=True) decide per layer (Conf-KV-L's
+#     shallowest layer keeps B, the deepest rho*B); PyramidKV; per-layer re-rotation.
+CODE_VERSION = "2026-11-23.per-layer-decisions"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

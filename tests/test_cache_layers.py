@@ -176,7 +176,7 @@ def test_shared_slot_edits_refuse_ragged_caches(lm3):
         c.apply([{"action": "delete", "pos": 0}], lm3.model, writer="teacher")
     with pytest.raises(ValueError, match="per layer"):
         c.crop(3)
-    with pytest.raises(ValueError, match="one live set"):
+    with pytest.raises(ValueError, match="same number of entries"):
         c.evict([0], model=lm3.model, rerotate=True)
     c.check()
 
@@ -213,3 +213,28 @@ def test_keep_layers_drives_the_cache_generically(lm3):
                      num_layers=3, attn=c.layer_attn(), layer_positions=c.layer_positions())
     with pytest.raises(ValueError, match="per-layer"):
         layer_stat(view, "acc")
+
+
+def test_per_layer_rerotation_moves_each_layer_like_a_uniform_one(lm3):
+    """Per-layer drops of equal counts (slot 0 kept everywhere) with re-rotation: every layer's
+    survivors go to positions 0..n'-1, each layer's keys exactly as a uniform re-rotation with that
+    layer's drops gives them; a row moved alike on two layers is one new ledger row."""
+    drops = [[2, 3, 9], [4, 5, 6], [2, 3, 9]]
+    c, _ = KVCache.prefill(lm3.model, PROMPT, writer="teacher")
+    ref = [c.copy() for _ in drops]
+    rep = c.evict([], model=lm3.model, rerotate=True, layers=drops)
+    assert rep.moved == 16 - 2 - 3 and c.layer_lengths() == [13] * 3 and c.next_position == 13
+    assert all(p == tuple(range(13)) for p in c.layer_positions())
+    for i, d in enumerate(drops):
+        ref[i].evict(d, model=lm3.model, rerotate=True)
+        k, v = c.kv(i)
+        rk, rv = ref[i].kv(i)
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    assert c.lives[0] == c.lives[2] != c.lives[1]
+    moved_to = c.events.to_frame().query("event == 'moved_to'")
+    assert len(moved_to) == len(set(c.lives[0][2:]) | set(c.lives[1][4:]))    # shared rows counted once
+    c.check()
+    nxt = c.forward(lm3.model, [42], writer="teacher")
+    assert torch.isfinite(nxt).all() and c.layer_positions()[0][-1] == 13
+    with pytest.raises(ValueError, match="same first position"):
+        c.evict([], model=lm3.model, rerotate=True, layers=[[0], [1], [1]])

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from conftest import make_tiny_lm
 from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Decoding, Sampling, run
-from kvlab.eviction import H2O, BlockEvict, ConfKV, FullCache, RandomEvict, Scissorhands, SlidingWindow, SnapKV
+from kvlab.eviction import (H2O, BlockEvict, ConfKV, FullCache, PyramidKV, RandomEvict, Scissorhands, SlidingWindow,
+                            SnapKV)
 from kvlab.policies import Periodic
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 2
@@ -223,3 +224,51 @@ def test_ledger_equals_cache_after_any_mix(one_layer, ops):
         tv = quantized * 1.5 * vmax / 254 + 1e-5
         assert float((k - rk).abs().max()) <= tk
         assert float((v - rv).abs().max()) <= tv
+
+
+@pytest.fixture(scope="module")
+def tiny3():
+    return make_tiny_lm(seed=5, layers=3)
+
+
+def test_block_eviction_picks_blocks_per_layer_on_a_tiny_model(tiny3):
+    """OpenVINO's per-layer block choice through the loop: the layers' own scores differ, so they
+    keep different entries, the same number of them, and each step's choice is each layer's own."""
+    pol = BlockEvict(4, 1, 5, 1, kvcrush=1)
+    d = Decoding(tiny3, None, PROMPT, cfg(mode="teacher", evict=pol, max_new_tokens=20))
+    for rec in d:
+        d.cache.check()
+        assert len(set(d.cache.layer_lengths())) == 1 and rec.cache_len <= pol.max_after_eviction
+    lp = d.cache.layer_positions()
+    assert len(set(lp)) > 1                                   # the layers hold different entries
+    assert all(p[:4] == lp[0][:4] and p[-4:] == lp[0][-4:] for p in lp)   # start and recent areas on every layer
+
+
+def test_pyramidal_confkv_keeps_fewer_in_deeper_layers_and_saves_memory(tiny3):
+    """Conf-KV-L: layer l keeps round(B·m_l) entries, so the K/V bytes fall to ≈ (1 + ρ)/2 of uniform
+    Conf-KV under the same schedule (γ = 0: every step confident, budget = tight)."""
+    kw = dict(gamma=0.0, tight=24, loose=40, protect=4)
+    uni = Decoding(tiny3, None, PROMPT, cfg(mode="teacher", evict=ConfKV(**kw), max_new_tokens=12))
+    pyr = Decoding(tiny3, None, PROMPT, cfg(mode="teacher", evict=ConfKV(**kw, pyramidal=True, pyramid_ratio=0.25),
+                                             max_new_tokens=12))
+    ru, rp = list(uni), list(pyr)
+    assert uni.cache.layer_lengths() == [24, 24, 24] and pyr.cache.layer_lengths() == [24, 15, 6]
+    assert [r.cache_len for r in rp] == [r.cache_len for r in ru] == [24] * 12      # layer 0 keeps the budget
+    per_entry = ru[-1].cache_bytes / (3 * 24)                  # K/V bytes of one entry of one layer
+    assert all(p.cache_bytes == (24 + 15 + 6) * per_entry for p in rp)
+    assert rp[-1].cache_bytes / ru[-1].cache_bytes == pytest.approx(45 / 72)
+    assert rp[-1].meta_bytes < ru[-1].meta_bytes               # the statistics shrink with the live sets
+
+
+def test_pyramidkv_cuts_the_prompt_per_layer_then_appends(tiny3):
+    pol = PyramidKV(budget=12, window=2, beta=4)
+    d = Decoding(tiny3, None, PROMPT, cfg(mode="teacher", evict=pol, max_new_tokens=6))
+    recs = list(d)
+    L = len(d.prompt_ids)
+    budgets = pol.layer_budgets(L, 3)
+    assert L >= 2 * (12 - 2) and budgets[0] > budgets[1] > budgets[2]
+    assert d.cache.layer_lengths() == [b + 5 for b in budgets]          # cut once, then 5 appended entries
+    assert recs[0].evicted == L - budgets[0] and sum(r.evicted for r in recs[1:]) == 0
+    full = list(Decoding(tiny3, None, PROMPT, cfg(mode="teacher", max_new_tokens=6)))
+    per_entry = full[0].cache_bytes / (3 * L)
+    assert recs[0].cache_bytes == sum(budgets) * per_entry              # the bytes of what each layer kept

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, EvictView, FullCache, RandomEvict,
+from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, EvictView, FullCache, PyramidKV, RandomEvict,
                             Scissorhands, SlidingWindow, SnapKV, confidence, drawn_stats, pyramid_weights)
 
 V = 1000
@@ -24,7 +24,9 @@ def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
 
 
 def test_registry_names():
-    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv", "scissorhands"}
+    assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv", "scissorhands",
+                                      "pyramidkv"}
+    assert EVICTION_POLICIES["pyramidkv"] is PyramidKV
     assert EVICTION_POLICIES["confkv"] is ConfKV
 
 
@@ -48,6 +50,10 @@ def test_registry_names():
     (lambda: SnapKV(16, window=16), "window"),
     (lambda: Scissorhands(16, 16), "recent"),
     (lambda: SnapKV(32, kernel=4), "kernel"),
+    (lambda: PyramidKV(16, window=16), "window"),
+    (lambda: PyramidKV(32, kernel=4), "kernel"),
+    (lambda: PyramidKV(32, beta=0), "beta"),
+    (lambda: PyramidKV(0), "budget"),
     (lambda: BlockEvict(block_size=0), "block_size"),
     (lambda: BlockEvict(evictable_blocks=0), "evictable_blocks"),
     (lambda: BlockEvict(score="max"), "score"),
@@ -108,18 +114,50 @@ def test_confkv_ranker_ablations():
     assert not ConfKV(attn_weight=0.0).needs_attention and ConfKV().needs_attention
 
 
-def test_pyramid_weights_mean_one_and_change_ranking():
+def test_pyramid_deeper_layers_keep_fewer_each_by_its_own_ranking():
     w = pyramid_weights(30, 0.25)
-    assert float(w.mean()) == pytest.approx(1.0) and float(w[-1] / w[0]) == pytest.approx(0.25)
-    assert bool((w[:-1] > w[1:]).all())
+    assert float(w[0]) == 1.0 and float(w[-1]) == pytest.approx(0.25) and bool((w[:-1] > w[1:]).all())
     n = 40
-    ema = torch.zeros(2, n)
-    ema[0, :20] = 1.0           # layer 0 (shallow) likes the old half, layer 1 the other
+    ema = torch.zeros(3, n)
+    ema[0, :20] = 1.0           # layer 0 (shallow) likes the old half, layers 1 and 2 the newer entries
     ema[1, 20:38] = 1.0
-    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 2, {"acc": ema, "ema": ema, "count": torch.ones(n)})
+    ema[2, 30:38] = 1.0
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 3, {"acc": ema, "ema": ema, "count": torch.ones(n)})
     flat = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0).keep(v)
-    pyr = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True).keep(v)
-    assert all(s < 20 for s in pyr.slots[:-2]) and flat.slots != pyr.slots
+    pyr = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True, pyramid_ratio=0.5).keep(v)
+    assert flat.layers is None and len(flat.slots) == 12
+    assert [len(k) for k in pyr.layers] == [12, 9, 6]           # round(12 · (1, 0.75, 0.5))
+    assert pyr.slots == pyr.layers[0] and pyr.budget == 12
+    assert all(s < 20 for s in pyr.layers[0][:-2])               # each layer keeps what IT attends to
+    assert all(20 <= s < 38 for s in pyr.layers[1][:-2]) and all(30 <= s < 38 for s in pyr.layers[2][:-2])
+    assert all(k[-2:] == (n - 2, n - 1) for k in pyr.layers)     # the protected window on every layer
+    # a ragged view (layers already differ): each layer is ranked over its own slots and positions
+    lp = (tuple(range(n)), tuple(range(0, n, 2)), tuple(range(n - 8, n)))
+    emas = [ema[0], ema[1, list(lp[1])], ema[2, list(lp[2])]]
+    rag = EvictView(1, n, lp[0], CONFIDENT, V, 3, {"acc": emas, "ema": emas, "count": [torch.ones(len(p)) for p in lp]},
+                    layer_positions=lp)
+    k = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True, pyramid_ratio=0.5).keep(rag)
+    assert [len(x) for x in k.layers] == [12, 9, 6]
+    assert all(lp[1][s] >= 20 for s in k.layers[1][:-2])
+    assert ConfKV(tight=4, loose=4, protect=3, pyramidal=True, pyramid_ratio=0.25).keep(v).layers[2] \
+        == (37, 38, 39)                                           # never below the protected window
+
+
+def test_block_eviction_decides_per_layer():
+    """OpenVINO scores and evicts blocks per layer: layers whose scores differ evict different blocks,
+    the same number of them; each layer's choice is layer_evicted over its own acc and count."""
+    bs, n = 2, 2 + 6 * 2 + 2                                   # start 1 block, 6 evictable, recent 1
+    g = torch.Generator().manual_seed(3)
+    acc = torch.rand(3, n, generator=g)
+    count = torch.arange(n, 0, -1).float()
+    v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 3, {"acc": acc, "ema": acc, "count": count})
+    for p in (BlockEvict(bs, 1, 3, 1), BlockEvict(bs, 1, 2, 1, kvcrush=1, score="sum")):
+        k = p.keep(v)
+        want = [p.kept_slots(p.layer_evicted(acc[i], count, n, 1), n) for i in range(3)]
+        assert list(k.layers) == want and k.slots == want[0]
+        assert len({len(x) for x in k.layers}) == 1 and len(set(k.layers)) > 1
+    rot = BlockEvict(bs, 1, 3, 1, rerotate=True).keep(v)          # re-rotation: the same per-layer choice
+    assert rot.rerotate and rot.layers == BlockEvict(bs, 1, 3, 1).keep(v).layers
 
 
 def test_h2o_keeps_heavy_hitters_and_recent():
@@ -351,3 +389,39 @@ def test_scissorhands_drops_the_entries_most_often_below_average():
 
 def test_full_cache_keeps_everything():
     assert FullCache().keep(view(50)).slots == tuple(range(50))
+
+
+def test_pyramidkv_budgets_follow_the_reference_pyramid():
+    """Zefan-Cai/PyramidKV's schedule: lo = (B-w)//β, hi = 2(B-w) - lo (capped at n - w), integer
+    steps down the layers; the layers together keep L·B plus the steps' rounding."""
+    p = PyramidKV(budget=64, window=16, beta=20)
+    b = p.layer_budgets(200, 24)
+    assert b[0] == 94 + 16 and b[1] == 90 + 16 and b[-1] == 94 - 23 * 4 + 16     # lo = 2, hi = 94, step 4
+    assert all(x > y for x, y in zip(b, b[1:])) and sum(b) == 24 * 64
+    assert p.layer_budgets(64, 24) == [64] * 24                                  # n ≤ B: nothing to cut
+    assert p.layer_budgets(90, 24) == [64] * 24                                  # n < 2(B - w): SnapKV's uniform cut
+    capped = p.layer_budgets(100, 4)                                             # hi = 2·48 - 2 = 94 ≥ n - w = 84
+    assert capped == [100, 76, 52, 28]                                           # lo = 96 - 84, step 24
+    assert 7 * 50 < sum(PyramidKV(budget=50, window=8, beta=3).layer_budgets(300, 7)) <= 7 * 50 + 7 * 6 // 2
+    assert PyramidKV(budget=64, window=16).layer_budgets(200, 1) == [64]
+
+
+def test_pyramidkv_cuts_each_layer_by_its_own_window_scores_once():
+    n, w = 60, 4
+    acc = torch.zeros(3, n)
+    acc[0, 5] = acc[1, 30] = acc[2, 50] = 10.0                # each layer's own heavy entry
+    v = EvictView(step=1, length=n, positions=tuple(range(n)), record=CONFIDENT, vocab_size=V, num_layers=3,
+                  attn={"acc": acc, "ema": acc, "count": torch.ones(n)}, first=True)
+    p = PyramidKV(budget=16, window=w, beta=4)
+    k = p.keep(v)
+    budgets = p.layer_budgets(n, 3)
+    assert [len(x) for x in k.layers] == budgets and budgets[0] > budgets[1] > budgets[2]
+    assert k.slots == k.layers[0] and k.budget == 16
+    for layer, heavy in enumerate((5, 30, 50)):
+        assert heavy in k.layers[layer] and k.layers[layer][-w:] == tuple(range(n - w, n))
+        want = SnapKV(16, window=w).layer_keep(acc[layer], n, budgets[layer])
+        assert k.layers[layer] == want
+    assert not {5, 30} & set(k.layers[2])                     # the top layer keeps only its own heavy entry
+    later = EvictView(step=2, length=n, positions=tuple(range(n)), record=CONFIDENT, vocab_size=V, num_layers=3,
+                      attn={"acc": acc, "ema": acc, "count": torch.ones(n)})
+    assert p.keep(later).dropped(n) == [] and p.keep(later).layers is None       # decoding appends

@@ -60,8 +60,7 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
         raise ValueError("rerotate=True needs model= (its rotary embedding gives the rotation)")
     uniform_drop = all(d == drops[0] for d in drops) and mirror.uniform
     if rerotate and not uniform_drop:
-        raise ValueError("rerotate=True moves survivors to consecutive positions, which needs one live set for all "
-                         "layers (the next query has one position); drop the same slots on every layer")
+        _check_rerotate(mirror, drops)
     rope = rope_of(model) if rerotate else None
     t0 = time.perf_counter()
     if not any(drops):
@@ -102,6 +101,23 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
                        tuple(len(d) for d in drops))
 
 
+def _check_rerotate(mirror, drops: list[list[int]]) -> None:
+    """Per-layer drops with re-rotation: every layer's survivors move to the same consecutive positions
+    (the next query has one position), so every layer must keep the same number of entries from the
+    same first position."""
+    after, first = set(), set()
+    for d, live in zip(drops, mirror.lives):
+        gone = set(d)
+        kept = [s for s in range(len(live)) if s not in gone]
+        after.add(len(kept))
+        if kept:
+            first.add(mirror.ledger.position[live[kept[0]]])
+    if len(after) > 1 or len(first) > 1:
+        raise ValueError("rerotate=True moves every layer's survivors to the same consecutive positions (the next "
+                         "query has one position): every layer must keep the same number of entries from the same "
+                         f"first position (kept {sorted(after)} entries from positions {sorted(first)})")
+
+
 @torch.inference_mode()
 def reposition(cache, model, positions: Sequence[int]) -> int:
     """See :meth:`kvlab.cache.KVCache.reposition`."""
@@ -122,27 +138,31 @@ def reposition(cache, model, positions: Sequence[int]) -> int:
 
 
 def move_to(cache, rope, positions: list[int], tick: int) -> int:
-    """Rotate every live entry whose position differs from ``positions[slot]`` there, on every layer
-    (a uniform cache in FP storage); new ledger rows for the moved entries; ``next_position =
-    max(positions) + 1``."""
+    """On every layer, rotate each live entry whose position differs from ``positions[slot]`` there
+    (FP storage; every layer holds ``len(positions)`` entries); one new ledger row per moved (row,
+    new position), shared by the layers that move it alike; ``next_position = max(positions) + 1``.
+    Returns layer 0's moved entries."""
     mirror = cache._mirror
     led = mirror.ledger
-    old = [led.position[r] for r in mirror.live]
-    slots = [s for s, (a, b) in enumerate(zip(old, positions)) if a != b]
-    if slots:
-        delta = [positions[s] - old[s] for s in slots]
-        for i in range(cache._store.num_layers):
-            cache._store.rotate(i, rope, slots, delta)
+    made: dict[tuple[int, int], int] = {}
+    moved = []
+    for i, live in enumerate(mirror.lives):
+        slots = [s for s, r in enumerate(live) if led.position[r] != positions[s]]
+        moved.append(len(slots))
+        if not slots:
+            continue
+        cache._store.rotate(i, rope, slots, [positions[s] - led.position[live[s]] for s in slots])
         for s in slots:
-            r = mirror.live[s]
-            new = led.append([led.token_id[r]], [positions[s]], led.writer[r], led.step[r])[0]
-            mirror.events.append(tick, r, "moved")
-            mirror.events.append(tick, new, "moved_to")
-            for live in mirror.lives:
-                live[s] = new
+            key = (live[s], positions[s])
+            if key not in made:
+                r = live[s]
+                made[key] = led.append([led.token_id[r]], [positions[s]], led.writer[r], led.step[r])[0]
+                mirror.events.append(tick, r, "moved")
+                mirror.events.append(tick, made[key], "moved_to")
+            live[s] = made[key]
     if positions:
         cache.next_position = max(positions) + 1
-    return len(slots)
+    return moved[0] if moved else 0
 
 
 @torch.inference_mode()

@@ -398,7 +398,9 @@ class KVCache:
         ``position_ids``, so RoPE distances stay right) unless ``rerotate=True`` (needs
         ``model`` for its RoPE): then survivors move to consecutive positions from the first
         slot's position on (:meth:`reposition`), like seed 003's ``apply_rotation``, and
-        ``next_position`` becomes the last position + 1 (needs one live set for all layers).
+        ``next_position`` becomes the last position + 1 — on every layer, each its own survivors
+        (per-layer drops must leave every layer the same number of entries from the same first
+        position, so the next query's position fits all of them; ValueError otherwise).
         Validation (ints, distinct, in range, per layer) happens before any tensor is touched.
         """
         return _evict.evict(self, slots, model=model, rerotate=rerotate, layers=layers)

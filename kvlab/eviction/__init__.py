@@ -9,6 +9,7 @@ from .block import BlockEvict
 from .confkv import ConfKV, confidence, pyramid_weights
 from .full import FullCache
 from .h2o import H2O
+from .pyramidkv import PyramidKV
 from .random_evict import RandomEvict
 from .scissorhands import Scissorhands
 from .sliding import SlidingWindow
@@ -23,7 +24,9 @@ EVICTION_POLICIES: dict[str, type] = {
     "block": BlockEvict,
     "snapkv": SnapKV,
     "scissorhands": Scissorhands,
+    "pyramidkv": PyramidKV,
 }
 
-__all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "RandomEvict",
-           "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights", "validate_evict"]
+__all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
+           "RandomEvict", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
+           "validate_evict"]

@@ -221,6 +221,23 @@ def layer_stat(view: EvictView, name: str) -> torch.Tensor:
     return torch.stack(list(stat))                                                # (L, T)
 
 
+def layer_rows(view: EvictView, name: str) -> list[torch.Tensor]:
+    """``view.attn[name]`` as one ``(T_l,)`` tensor per layer, for policies that decide per layer:
+    a per-layer sequence as is, an ``(L, T)`` matrix split into its rows, a ``(T,)`` tensor (one row
+    for all layers) shared."""
+    stat = view.attn[name]
+    if isinstance(stat, torch.Tensor):
+        return list(stat.unbind(0)) if stat.dim() == 2 else [stat] * view.num_layers
+    return list(stat)
+
+
+def per_layer(kept: Sequence[Sequence[int]], **kw) -> Keep:
+    """A per-layer decision (``kept[l]``: layer ``l``'s kept slots) as a :class:`Keep`: ``slots`` are
+    layer 0's, ``layers`` all of them."""
+    layers = tuple(tuple(k) for k in kept)
+    return Keep(layers[0], layers=layers, **kw)
+
+
 def layer_mean(stat: torch.Tensor, cols: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over layers of ``stat`` (L, T) at columns ``cols`` (optionally layer-weighted) -> (len(cols),)."""
     x = stat[:, cols].float()

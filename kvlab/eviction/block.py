@@ -32,13 +32,16 @@ the score evicted, sorted by Hamming distance to the anchor (nearest first, ties
 ``k`` of them at ranks ``0, s, 2s, …`` (``s = ⌊d/k⌋``) are kept — ON TOP of the budget, so the
 cache may hold up to ``max + bs - 1 + k·bs`` entries.
 
-**Layers.** OpenVINO decides per layer. :meth:`BlockEvict.layer_evicted` is that per-layer decision
-(one layer's ``acc`` and ``count`` → evicted block indices); until the cache keeps a live set per
-layer, :meth:`BlockEvict.keep` applies it once to the layer mean of ``acc`` (one decision for all).
+**Layers.** OpenVINO decides per layer, and so does :meth:`BlockEvict.keep`: each layer scores
+its own blocks from its own ``acc`` and ``count`` and evicts its own lowest-scoring ones (KVCrush
+too: indicators, anchor and picks per layer) — :meth:`BlockEvict.layer_evicted` is one layer's
+decision, returned together as ``Keep.layers``. Every layer evicts the same NUMBER of blocks (it
+depends on the length only), so the layers keep equal lengths but different entries.
 
 **Re-rotation** (``rerotate=True``, seed 003 ``apply_rotation``): after an eviction every survivor
-moves to consecutive positions from the first survivor's (slot 0 — the start area — keeps its
-position), and the next query is renumbered to follow the last survivor
+of every layer moves to consecutive positions from the first survivor's (slot 0 — the start area —
+keeps its position; the layers keep equal numbers of entries, so they end at the same position),
+and the next query is renumbered to follow the last survivor
 (:meth:`kvlab.cache.KVCache.evict`). OpenVINO re-bases the block rotation deltas from 0 in the same
 way but keeps the new tokens' positions absolute, so there the next query stands ``evicted``
 positions after the last cached key; in kvlab it stands right after it.
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, layer_stat, nonneg_int, positive_int
+from .base import EvictView, Keep, keep_all, layer_rows, nonneg_int, per_layer, positive_int
 
 SCORES = ("sum", "norm_sum")
 ANCHORS = ("mean", "alternate", "random", "zeros", "ones")
@@ -202,11 +205,12 @@ class BlockEvict:
         return tuple(j for j in range(n) if j not in gone)
 
     def keep(self, view: EvictView) -> Keep:
-        n = view.length
         budget = self.max_cache_size
-        if self.n_evict(n) <= 0:
+        lengths = [len(p) for p in view.layer_positions]
+        if all(self.n_evict(n) <= 0 for n in lengths):
             return keep_all(view, budget=budget, rerotate=False)
-        acc = layer_stat(view, "acc").float().mean(0)             # (T,) one live set for all layers: the layer mean
-        count = layer_stat(view, "count")[0].float()           # (T,)
-        evicted = self.layer_evicted(acc, count, n, view.step)
-        return Keep(self.kept_slots(evicted, n), budget=budget, rerotate=self.rerotate and bool(evicted))
+        accs, counts = layer_rows(view, "acc"), layer_rows(view, "count")       # per layer (T_l,)
+        kept = [self.kept_slots(self.layer_evicted(a.float(), c.float(), n, view.step), n)
+                for a, c, n in zip(accs, counts, lengths)]
+        evicted = any(len(k) < n for k, n in zip(kept, lengths))
+        return per_layer(kept, budget=budget, rerotate=self.rerotate and evicted)

@@ -22,22 +22,25 @@ layer ``l``:
     â_lj = minmax_j(ema_lj)        EMA attention mass, ema ← β·ema + (1-β)·mean_h A[h, j]   (β = ema_decay)
     r̂_j  = minmax_j(pos_j)         recency by original position (newer → larger)
     s_lj = λ·â_lj + (1-λ)·r̂_j       λ = attn_weight (1: attention only, 0: recency only)
-    S_j  = Σ_l w_l s_lj / Σ_l w_l   w_l = 1, or the pyramid below
+    S_j  = (1/L) Σ_l s_lj           one live set for all layers (uniform Conf-KV; the pyramid ranks per layer)
 
 Min–max is over the candidates of each layer (0 where all are equal). If the cache holds more
 than ``B_t`` entries, the newest ``protect`` are kept and the ``B_t - protect`` candidates with the
 largest ``S`` (ties → newer); otherwise nothing is evicted. So the cache grows while steps are
 uncertain (up to ``loose``) and drops to ``tight`` on a confident step: the sawtooth.
 
-**Pyramidal** (``pyramidal=True``): layer ``l`` of ``L`` gets the budget share
+**Pyramidal** (``pyramidal=True``, Conf-KV-L): layer ``l`` of ``L`` keeps its own live set under
+its own budget
 
-    m_l = m_0 · (1 - (1 - ρ)·l/(L-1)),  m_0 = 2 / (1 + ρ)   (mean 1; deepest/shallowest = ρ = pyramid_ratio)
+    B_t^l = max(protect, round(B_t · m_l)),   m_l = 1 - (1 - ρ)·l/(L-1)   (ρ = pyramid_ratio)
 
-kvlab keeps ONE live set for all layers (see :mod:`kvlab.cache.kvcache`: transformers shares one
-attention mask across layers, so ragged layer lengths break multi-token forwards), so the pyramid
-cannot give deep layers fewer entries; it enters as the layer weights ``w_l = m_l`` of the ranker
-(shallow layers, which the pyramid gives more budget, have more say in which entries survive).
-The per-layer memory saving of a true pyramid is NOT realized.
+— the shallowest layer keeps the selected budget ``B_t``, the deepest ``ρ·B_t``; the cache then
+holds about ``(1 + ρ)/2`` of a uniform Conf-KV's entries at the same schedule (the paper's formula
+was lost; it says Conf-KV-L reduces measured peak memory against uniform Conf-KV, which a
+shallowest-layer-keeps-``B_t`` pyramid does). Each layer ranks its own candidates (all of its
+slots but its newest ``protect``) by its own ``s_lj`` (``â`` and ``r̂`` min–max over that layer's
+candidates) and keeps the top ``B_t^l - protect`` plus the protected window (``Keep.layers``).
+The record's ``budget`` signal is ``B_t``; ``cache_len`` is layer 0's length.
 
 **INT8** (``int8_window=W``): entries older than the newest ``W`` are stored as INT8 with
 per-(group, head, channel) scales (:mod:`kvlab.cache.int8`), ``int8_group`` entries at a time.
@@ -49,8 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, layer_stat, minmax, nonneg_int,
-                   positive_int, protected_below, top_slots, unit_float)
+from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, layer_rows, layer_stat, minmax,
+                   nonneg_int, per_layer, positive_int, protected_below, top_slots, unit_float)
 
 MARGIN_CLIP = 10.0
 CONFIDENCE_FROM = ("drawn", "raw")
@@ -69,12 +72,16 @@ def confidence(entropy_bits: float, top1_prob: float, margin: float, vocab_size:
 
 
 def pyramid_weights(num_layers: int, ratio: float) -> torch.Tensor:
-    """``m_l`` (module docstring): linear from ``2/(1+ρ)`` to ``ρ·2/(1+ρ)``, mean 1."""
+    """``m_l`` (module docstring): linear from 1 (shallowest layer) to ``ρ`` (deepest)."""
     if num_layers == 1:
         return torch.ones(1)
-    m0 = 2.0 / (1.0 + ratio)
     l = torch.arange(num_layers, dtype=torch.float32)
-    return m0 * (1.0 - (1.0 - ratio) * l / (num_layers - 1))
+    return 1.0 - (1.0 - ratio) * l / (num_layers - 1)
+
+
+def pyramid_budgets(budget: int, num_layers: int, ratio: float, floor: int) -> list[int]:
+    """Per-layer budgets ``max(floor, round(budget · m_l))`` (module docstring)."""
+    return [max(floor, round(budget * float(m))) for m in pyramid_weights(num_layers, ratio)]
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ class ConfKV:
         c = self.step_confidence(view)
         budget = self.tight if c >= self.gamma else self.loose
         extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
+        if self.pyramidal:
+            return self.keep_layers(view, budget, extra)
         n = view.length
         if n <= budget:
             return keep_all(view, **extra)
@@ -152,7 +161,25 @@ class ConfKV:
             s = self.attn_weight * a + (1.0 - self.attn_weight) * r.to(a.device)
         else:
             s = r.view(1, -1).expand(view.num_layers, -1)
-        w = pyramid_weights(s.shape[0], self.pyramid_ratio) if self.pyramidal else None
-        score = layer_mean(s, list(range(len(cand))), w)
+        score = layer_mean(s, list(range(len(cand))))
         kept = top_slots(score, cand, budget - self.protect)
         return Keep(tuple(kept) + tuple(range(n - self.protect, n)), **extra)
+
+    def layer_kept(self, ema: torch.Tensor | None, positions, budget: int) -> tuple[int, ...]:
+        """One layer's kept slots under ``budget``, from its EMA ``(T_l,)`` and its slots' positions."""
+        n = len(positions)
+        if n <= budget:
+            return tuple(range(n))
+        cand = list(range(n - self.protect))
+        s = minmax(torch.tensor([positions[j] for j in cand], dtype=torch.float32))       # (C,) recency
+        if self.attn_weight > 0:
+            a = minmax(ema[: len(cand)].float())                                           # (C,)
+            s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
+        return tuple(top_slots(s, cand, budget - self.protect)) + tuple(range(n - self.protect, n))
+
+    def keep_layers(self, view: EvictView, budget: int, extra: dict) -> Keep:
+        """Conf-KV-L: every layer under its own pyramid budget (module docstring)."""
+        budgets = pyramid_budgets(budget, view.num_layers, self.pyramid_ratio, self.protect)
+        emas = layer_rows(view, "ema") if self.attn_weight > 0 else [None] * view.num_layers
+        kept = [self.layer_kept(e, p, b) for e, p, b in zip(emas, view.layer_positions, budgets)]
+        return per_layer(kept, **extra)
