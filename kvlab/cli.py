@@ -497,8 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
                    help="refresh: calibration prompts for the entropy/KL thresholds")
-    p.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=2,
-                   help="refresh: prompts timed side by side for the overhead")
+    # 1 prompt (not refresh's 2): the overhead timing is machine-dependent and untracked, and at 2 prompts it was
+    # 17 of the main job's minutes on the 2-core CPU (`python -m kvlab refresh` keeps 2 x 2)
+    p.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=1,
+                   help="refresh: prompts timed side by side for the overhead (python -m kvlab refresh: 2)")
     p.add_argument("--timing-repeats", type=int, default=2, help="refresh: paired timings per prompt and policy")
     _evict_args(p)
     p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=8,
