@@ -153,6 +153,16 @@ def protected_below(protect_name: str, protect: int, budget_name: str, budget: i
                          f"window has to leave room in the budget (lower {protect_name} or raise {budget_name})")
 
 
+def check_observation_window(budget: int, window: int, kernel: int) -> None:
+    """SnapKV-style prompt compression's parameters (SnapKV, PyramidKV): ValueError naming the parameter."""
+    positive_int("budget", budget)
+    positive_int("window", window)
+    protected_below("window", window, "budget", budget)
+    positive_int("kernel", kernel)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel={kernel} must be odd (a centred pool keeps the length)")
+
+
 def validate_evict(policy) -> None:
     """The protocol checks the loop relies on (ValueError naming the attribute)."""
     if not callable(getattr(policy, "keep", None)):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictView, Keep, keep_all, layer_rows, per_layer, positive_int, protected_below
+from .base import EvictView, Keep, check_observation_window, keep_all, layer_rows, per_layer, positive_int
 from .snapkv import SnapKV
 
 
@@ -41,12 +41,7 @@ class PyramidKV:
     ema_decay: float = 0.9        # unused; the cache's EMA needs a β
 
     def __post_init__(self):
-        positive_int("budget", self.budget)
-        positive_int("window", self.window)
-        protected_below("window", self.window, "budget", self.budget)
-        positive_int("kernel", self.kernel)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel={self.kernel} must be odd (a centred pool keeps the length)")
+        check_observation_window(self.budget, self.window, self.kernel)
         positive_int("beta", self.beta)
 
     @property

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import EvictView, Keep, keep_all, layer_stat, positive_int, protected_below, top_slots
+from .base import EvictView, Keep, check_observation_window, keep_all, layer_stat, top_slots
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,7 @@ class SnapKV:
     ema_decay: float = 0.9        # unused; the cache's EMA needs a β
 
     def __post_init__(self):
-        positive_int("budget", self.budget)
-        positive_int("window", self.window)
-        protected_below("window", self.window, "budget", self.budget)
-        positive_int("kernel", self.kernel)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel={self.kernel} must be odd (a centred pool keeps the length)")
+        check_observation_window(self.budget, self.window, self.kernel)
 
     @property
     def needs_attention(self) -> bool:
