@@ -72,7 +72,7 @@ def examples(pair):
 
 
 def _cfg(**kw):
-    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3, topk=16)
+    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3, topk=16, lora_rank=0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -163,16 +163,22 @@ def test_a_few_steps_lower_the_loss_and_the_heldout_kl(pair, examples, tmp_path)
     assert res.log[-1]["heldout_kl"] < before
 
 
-@pytest.mark.parametrize("variant", ["overfill", "refresh-aware"])
-def test_resume_after_interrupt_equals_uninterrupted(pair, examples, tmp_path, variant):
+@pytest.mark.parametrize("variant,lora", [("overfill", 0), ("refresh-aware", 0), ("overfill", 4)])
+def test_resume_after_interrupt_equals_uninterrupted(pair, examples, tmp_path, variant, lora):
+    from kvlab.train.lora import with_lora
+
+    def fresh():      # the student as train_student builds it (LoRA: adapters on the pruned model, the default)
+        lm = make_tiny_lm(seed=1, intermediate_size=48)
+        return with_lora(lm, lora, seed=0) if lora else lm
+
     teacher = pair[0]
-    cfg = _cfg(steps=5)
-    a = make_tiny_lm(seed=1, intermediate_size=48)
+    cfg = _cfg(steps=5, lora_rank=lora)
+    a = fresh()
     train(a, teacher, examples[:-2], examples[-2:], variant, cfg, tmp_path / "a", progress=False)
-    b = make_tiny_lm(seed=1, intermediate_size=48)
+    b = fresh()
     r1 = train(b, teacher, examples[:-2], examples[-2:], variant, cfg, tmp_path / "b", progress=False, stop_after=2)
     assert not r1.finished and (tmp_path / "b" / "ckpt.pt").is_file()
-    c = make_tiny_lm(seed=1, intermediate_size=48)          # a fresh process: weights from the checkpoint
+    c = fresh()                                              # a fresh process: weights from the checkpoint
     r2 = train(c, teacher, examples[:-2], examples[-2:], variant, cfg, tmp_path / "b", progress=False)
     assert r2.finished and [r["step"] for r in r2.log] == [1, 2, 3, 4, 5]
     for (n, pa), (_, pc) in zip(a.model.state_dict().items(), c.model.state_dict().items()):
@@ -295,8 +301,24 @@ def test_full_weight_keys_did_not_move_when_lora_arrived():
     """Adding ``lora_rank`` must not invalidate trained students in users' caches (full weights: same key)."""
     from kvlab.train.config import TrainConfig
 
-    assert TrainConfig().key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
-    assert TrainConfig(lora_rank=8).key("overfill", "h0.20-i0.50", "d464f6799ef6") != "9968c83ee2"
+    full = TrainConfig(lora_rank=0, lr=1e-3)
+    assert full.key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
+    assert full.replace(lora_rank=8).key("overfill", "h0.20-i0.50", "d464f6799ef6") != "9968c83ee2"
+    assert TrainConfig().lora_rank == 16 and TrainConfig().key("overfill", "h0.20-i0.50", "d464f6799ef6") not in (
+        "9968c83ee2", "618500dc49")        # the default is LoRA, seeded adapters (618500dc49: before the seeding)
+
+
+def test_lora_init_depends_on_the_seed_only():
+    from kvlab.train.lora import with_lora
+
+    def adapters(seed, burn):
+        torch.rand(burn)                    # whatever ran before in the process
+        lm = with_lora(make_tiny_lm(seed=1, intermediate_size=48), 4, seed=seed)
+        return [p.detach().clone() for n, p in lm.model.named_parameters() if "lora_" in n]
+
+    a, b, c = adapters(0, 1), adapters(0, 7), adapters(1, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
     with pytest.raises(ValueError, match="--lora-rank"):
         TrainConfig(lora_rank=-1)
 

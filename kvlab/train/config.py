@@ -49,7 +49,7 @@ class TrainConfig:
 
     steps: int = 80                 # optimiser steps
     batch: int = 4                  # examples per step (accumulated one at a time: no padding)
-    lr: float = 1e-3                # AdamW peak, linear warm-up then cosine to 10 %
+    lr: float = 2e-3                # AdamW peak, linear warm-up then cosine to 10 % (full weights: 1e-3)
     warmup: int = 5
     weight_decay: float = 0.0
     ce_weight: float = 0.0          # KL only: measured better than 0.5 (README)
@@ -62,7 +62,8 @@ class TrainConfig:
     refresh_gap: tuple = (16, 64)   # refresh-aware: steps between refresh points, uniform
     refresh_none: float = 0.5       # refresh-aware: share of examples without any refresh
     threads: int = 0                # torch threads (0 = leave torch's setting)
-    lora_rank: int = 0              # 0 = full weights (measured better, README); r > 0 = LoRA rank r (peft)
+    lora_rank: int = 16             # LoRA rank r (peft), merged before saving; 0 = full weights. Measured (README):
+                                    # r 16 / lr 2e-3 reached held-out KL 1.026 against 1.131 for full weights / lr 1e-3
 
     def __post_init__(self):
         for name in ("steps", "batch", "train_prompts", "tokens", "topk", "eval_every"):
@@ -96,6 +97,8 @@ class TrainConfig:
             d.pop("refresh_gap"), d.pop("refresh_none")
         if not d["lora_rank"]:
             d.pop("lora_rank")       # full-weight keys are the ones from before LoRA existed
+        else:
+            d["lora_init"] = "seeded"   # adapters drawn from `seed` (kvlab.train.lora), not the process RNG
         blob = json.dumps({"v": TRAIN_VERSION, "variant": variant, "shape": shape_label, "data": data_key, **d},
                           sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]

@@ -12,14 +12,23 @@ from dataclasses import replace
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def with_lora(student, rank: int):
-    """``student`` (an ``LM``) with its model wrapped in rank-``rank`` LoRA adapters."""
+def with_lora(student, rank: int, seed: int = 0):
+    """``student`` (an ``LM``) with its model wrapped in rank-``rank`` LoRA adapters.
+
+    The adapters' random init (peft: A Kaiming-uniform, B zero) is drawn from a generator seeded with
+    ``seed`` and leaves the global RNG as it was, so the trained weights depend on the training seed
+    only, not on what ran before in the process (e.g. generating the training data)."""
+    import torch
+
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:   # pragma: no cover - peft is a dependency; a stripped env gets the fix
         raise ImportError("--lora-rank needs peft: pip install peft") from e
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(TARGETS), bias="none")
-    return replace(student, model=get_peft_model(student.model, cfg))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(student.model, cfg)
+    return replace(student, model=model)
 
 
 def merged(student):

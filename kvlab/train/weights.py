@@ -44,7 +44,7 @@ def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
 
 def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
     extra = "" if cfg == DEFAULT_TRAIN else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
-    if cfg.lora_rank:
+    if (cfg.lora_rank, cfg.lr) != (DEFAULT_TRAIN.lora_rank, DEFAULT_TRAIN.lr):
         extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"
 
@@ -106,7 +106,7 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
     if cfg.lora_rank:
         from .lora import with_lora
 
-        student = with_lora(student, cfg.lora_rank)
+        student = with_lora(student, cfg.lora_rank, seed=cfg.seed)
     run_dir = cache_dir() / "train" / "runs" / target.name
     key = target.name
     t1 = time.perf_counter()
