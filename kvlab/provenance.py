@@ -29,7 +29,9 @@ from pathlib import Path
 #     per-layer eviction decision (Keep.layers) really evicts per layer; per-layer attention statistics.
 #   2026-11-23.per-layer-decisions: BlockEvict and ConfKV(pyramidal=True) decide per layer (Conf-KV-L's
 #     shallowest layer keeps B, the deepest rho*B); PyramidKV; per-layer re-rotation.
-CODE_VERSION = "2026-11-23.per-layer-decisions"
+#   2026-11-23.per-layer-ranking: H2O, Scissorhands, SnapKV and uniform Conf-KV decide per layer too, each layer
+#     keeping its own top entries by its own attention statistic (per_layer=False: the layer-mean ranking).
+CODE_VERSION = "2026-11-23.per-layer-ranking"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 

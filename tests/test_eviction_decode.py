@@ -112,11 +112,12 @@ def test_refresh_splices_only_live_positions(tiny_teacher, tiny_student, refresh
         d.cache.check()
         if rec.refreshed:
             assert rec.spliced >= 0
-            # every teacher-written live entry equals the teacher cache's entry at that position
-            tc = d.teacher_cache
-            mine = d.cache.slots_at([p for p, w in zip(d.cache.positions, d.cache.writers) if w == "teacher"])
-            theirs = tc.slots_at(list(mine))
-            for layer in range(d.cache.num_layers):
+            # every teacher-written live entry of every layer (H2O decides per layer, so each layer holds
+            # its own entries) equals the teacher cache's entry at that position
+            tc, led = d.teacher_cache, d.cache.ledger
+            for layer, rows in enumerate(d.cache.lives):
+                mine = {led.position[r]: s for s, r in enumerate(rows) if led.writer[r] == "teacher"}
+                theirs = tc.slots_at(list(mine))
                 a, b = d.cache.kv(layer)[0], tc.kv(layer)[0]
                 for p, s in mine.items():
                     if p in theirs:
@@ -137,7 +138,7 @@ def test_bad_evict_policy_refused():
 def test_to_dict_has_evict_only_when_set():
     assert "evict" not in DecodeConfig().to_dict()
     d = DecodeConfig(evict=H2O(32, 8)).to_dict()
-    assert d["evict"] == {"policy": "H2O", "budget": 32, "recent": 8, "ema_decay": 0.9}
+    assert d["evict"] == {"policy": "H2O", "budget": 32, "recent": 8, "ema_decay": 0.9, "per_layer": True}
 
 
 def test_resume_with_eviction(tiny_teacher):

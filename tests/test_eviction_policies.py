@@ -106,11 +106,13 @@ def test_confkv_ranker_ablations():
     v = view(n, CONFIDENT)
     rec = ConfKV(tight=10, loose=20, protect=2, attn_weight=0.0).keep(v)
     assert rec.slots == tuple(range(n - 10, n))                   # recency only = newest
-    att = ConfKV(tight=10, loose=20, protect=2, attn_weight=1.0).keep(v)
+    att = ConfKV(tight=10, loose=20, protect=2, attn_weight=1.0, per_layer=False).keep(v)
     ema = v.attn["ema"][:, : n - 2]
-    score = ((ema - ema.amin(1, keepdim=True)) / (ema.amax(1, keepdim=True) - ema.amin(1, keepdim=True))).mean(0)
-    top = sorted(torch.topk(score, 8).indices.tolist())
-    assert att.slots == tuple(top) + (n - 2, n - 1)
+    norm = (ema - ema.amin(1, keepdim=True)) / (ema.amax(1, keepdim=True) - ema.amin(1, keepdim=True))
+    top = sorted(torch.topk(norm.mean(0), 8).indices.tolist())
+    assert att.slots == tuple(top) + (n - 2, n - 1)               # per_layer=False: the layer mean
+    own = ConfKV(tight=10, loose=20, protect=2, attn_weight=1.0).keep(v)      # default: each layer its own
+    assert own.layers == tuple(tuple(sorted(torch.topk(row, 8).indices.tolist())) + (n - 2, n - 1) for row in norm)
     assert not ConfKV(attn_weight=0.0).needs_attention and ConfKV().needs_attention
 
 
@@ -123,7 +125,7 @@ def test_pyramid_deeper_layers_keep_fewer_each_by_its_own_ranking():
     ema[1, 20:38] = 1.0
     ema[2, 30:38] = 1.0
     v = EvictView(1, n, tuple(range(n)), CONFIDENT, V, 3, {"acc": ema, "ema": ema, "count": torch.ones(n)})
-    flat = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0).keep(v)
+    flat = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, per_layer=False).keep(v)
     pyr = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True, pyramid_ratio=0.5).keep(v)
     assert flat.layers is None and len(flat.slots) == 12
     assert [len(k) for k in pyr.layers] == [12, 9, 6]           # round(12 · (1, 0.75, 0.5))

@@ -27,8 +27,12 @@ Per-layer live sets. Every layer of the cache has its own live list (slot -> led
 attention statistics are per layer: ``attn[name][l]`` is a ``(T_l,)`` tensor over layer ``l``'s
 slots. A policy keeps slots per layer with ``Keep.layers`` (``layers[l]`` = kept slots of layer
 ``l``, indices into that layer's own live list); ``Keep.layers = None`` keeps ``Keep.slots`` on
-every layer. ``view.positions`` / ``view.length`` are layer 0's. A policy that ranks one live set
-for all layers reads a statistic as an ``(L, T)`` matrix with :func:`layer_stat`.
+every layer; with ``layers`` set, ``Keep.slots`` is layer 0's kept slots (:func:`per_layer`).
+``view.positions`` / ``view.length`` are layer 0's. The attention-ranking policies (H2O,
+Scissorhands, SnapKV, PyramidKV, Conf-KV, BlockEvict) decide per layer, each layer by its own
+statistic (:func:`layer_rows`); the ``per_layer=False`` variants of H2O, Scissorhands, SnapKV and
+Conf-KV rank one live set for all layers on the layer mean, reading a statistic as an ``(L, T)``
+matrix with :func:`layer_stat`.
 """
 from __future__ import annotations
 
@@ -147,6 +151,11 @@ def finite_float(name: str, v) -> None:
         raise ValueError(f"{name}={v!r} must be a finite number")
 
 
+def check_bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} must be True or False")
+
+
 def protected_below(protect_name: str, protect: int, budget_name: str, budget: int) -> None:
     if protect >= budget:
         raise ValueError(f"{protect_name}={protect} must be < {budget_name}={budget}: the protected recent "
@@ -246,6 +255,13 @@ def per_layer(kept: Sequence[Sequence[int]], **kw) -> Keep:
     layer 0's, ``layers`` all of them."""
     layers = tuple(tuple(k) for k in kept)
     return Keep(layers[0], layers=layers, **kw)
+
+
+def over_budget(view: EvictView, budget: int, by_layer: bool = True) -> bool:
+    """Some layer holds more than ``budget`` entries (``by_layer=False``: layer 0, the one live set)."""
+    if not by_layer:
+        return view.length > budget
+    return any(len(p) > budget for p in view.layer_positions)
 
 
 def layer_mean(stat: torch.Tensor, cols: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,14 +20,18 @@ peaked one c > 0.99).
 layer ``l``:
 
     â_lj = minmax_j(ema_lj)        EMA attention mass, ema ← β·ema + (1-β)·mean_h A[h, j]   (β = ema_decay)
-    r̂_j  = minmax_j(pos_j)         recency by original position (newer → larger)
-    s_lj = λ·â_lj + (1-λ)·r̂_j       λ = attn_weight (1: attention only, 0: recency only)
-    S_j  = (1/L) Σ_l s_lj           one live set for all layers (uniform Conf-KV; the pyramid ranks per layer)
+    r̂_lj = minmax_j(pos_lj)        recency by original position (newer → larger)
+    s_lj = λ·â_lj + (1-λ)·r̂_lj      λ = attn_weight (1: attention only, 0: recency only)
 
-Min–max is over the candidates of each layer (0 where all are equal). If the cache holds more
-than ``B_t`` entries, the newest ``protect`` are kept and the ``B_t - protect`` candidates with the
-largest ``S`` (ties → newer); otherwise nothing is evicted. So the cache grows while steps are
-uncertain (up to ``loose``) and drops to ``tight`` on a confident step: the sawtooth.
+Min–max is over the candidates of each layer (0 where all are equal; ``pos`` are the positions of
+that layer's own slots). Every layer ranks by its own ``s_lj``, as seed 002 does ("normalized over
+the non-protected candidates in the current layer"): if layer ``l`` holds more than ``B_t``
+entries, its newest ``protect`` are kept and its ``B_t - protect`` candidates with the largest
+``s_lj`` (ties → newer); otherwise nothing is evicted. The layers keep different entries, ``B_t``
+each (``Keep.layers``; ``Keep.slots`` is layer 0's). So the cache grows while steps are uncertain
+(up to ``loose``) and drops to ``tight`` on a confident step: the sawtooth. ``per_layer=False``
+is the earlier one-live-set ranking, kept to measure the difference: the same slots on every layer,
+by ``S_j = (1/L) Σ_l s_lj`` (needs a uniform cache; not with ``pyramidal``).
 
 **Pyramidal** (``pyramidal=True``, Conf-KV-L): layer ``l`` of ``L`` keeps its own live set under
 its own budget
@@ -37,9 +41,8 @@ its own budget
 — the shallowest layer keeps the selected budget ``B_t``, the deepest ``ρ·B_t``; the cache then
 holds about ``(1 + ρ)/2`` of a uniform Conf-KV's entries at the same schedule (the paper's formula
 was lost; it says Conf-KV-L reduces measured peak memory against uniform Conf-KV, which a
-shallowest-layer-keeps-``B_t`` pyramid does). Each layer ranks its own candidates (all of its
-slots but its newest ``protect``) by its own ``s_lj`` (``â`` and ``r̂`` min–max over that layer's
-candidates) and keeps the top ``B_t^l - protect`` plus the protected window (``Keep.layers``).
+shallowest-layer-keeps-``B_t`` pyramid does). Each layer ranks as above and keeps its top
+``B_t^l - protect`` candidates plus the protected window (``Keep.layers``).
 The record's ``budget`` signal is ``B_t``; ``cache_len`` is layer 0's length.
 
 **INT8** (``int8_window=W``): entries older than the newest ``W`` are stored as INT8 with
@@ -52,8 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, drawn_stats, finite_float, keep_all, layer_mean, layer_rows, layer_stat, minmax,
-                   nonneg_int, per_layer, positive_int, protected_below, top_slots, unit_float)
+from .base import (EvictView, Keep, check_bool, drawn_stats, finite_float, keep_all, layer_mean, layer_rows, layer_stat,
+                   minmax, nonneg_int, positive_int, protected_below, top_slots, unit_float)
+from .base import per_layer as layer_decision
 
 MARGIN_CLIP = 10.0
 CONFIDENCE_FROM = ("drawn", "raw")
@@ -103,6 +107,7 @@ class ConfKV:
     int8_window: int | None = None
     int8_group: int = 64
     confidence_from: str = "drawn"
+    per_layer: bool = True
 
     def __post_init__(self):
         unit_float("gamma", self.gamma)
@@ -117,8 +122,11 @@ class ConfKV:
         unit_float("attn_weight", self.attn_weight)
         if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float)) or not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay={self.ema_decay!r} must be in [0, 1)")
-        if not isinstance(self.pyramidal, bool):
-            raise ValueError(f"pyramidal={self.pyramidal!r} must be True or False")
+        check_bool("pyramidal", self.pyramidal)
+        check_bool("per_layer", self.per_layer)
+        if self.pyramidal and not self.per_layer:
+            raise ValueError("per_layer=False ranks one live set for all layers, but pyramidal=True gives every layer "
+                             "its own budget: use per_layer=True with pyramidal=True")
         if isinstance(self.pyramid_ratio, bool) or not isinstance(self.pyramid_ratio, (int, float)) \
                 or not 0 < self.pyramid_ratio <= 1:
             raise ValueError(f"pyramid_ratio={self.pyramid_ratio!r} must be in (0, 1] (deepest/shallowest share)")
@@ -149,7 +157,14 @@ class ConfKV:
         budget = self.tight if c >= self.gamma else self.loose
         extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
         if self.pyramidal:
-            return self.keep_layers(view, budget, extra)
+            return self.keep_layers(view, pyramid_budgets(budget, view.num_layers, self.pyramid_ratio, self.protect),
+                                    extra)
+        if self.per_layer:
+            return self.keep_layers(view, [budget] * view.num_layers, extra)
+        return self.keep_mean(view, budget, extra)
+
+    def keep_mean(self, view: EvictView, budget: int, extra: dict) -> Keep:
+        """``per_layer=False``: one live set for all layers, ranked by ``S_j`` (the layer mean of ``s_lj``)."""
         n = view.length
         if n <= budget:
             return keep_all(view, **extra)
@@ -177,9 +192,11 @@ class ConfKV:
             s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
         return tuple(top_slots(s, cand, budget - self.protect)) + tuple(range(n - self.protect, n))
 
-    def keep_layers(self, view: EvictView, budget: int, extra: dict) -> Keep:
-        """Conf-KV-L: every layer under its own pyramid budget (module docstring)."""
-        budgets = pyramid_budgets(budget, view.num_layers, self.pyramid_ratio, self.protect)
+    def keep_layers(self, view: EvictView, budgets: list[int], extra: dict) -> Keep:
+        """Every layer ``l`` keeps its own top entries by its own ``s_lj`` under ``budgets[l]``
+        (Conf-KV-L's pyramid or the uniform ``B_t``; module docstring)."""
+        if all(len(p) <= b for p, b in zip(view.layer_positions, budgets)):
+            return keep_all(view, **extra)
         emas = layer_rows(view, "ema") if self.attn_weight > 0 else [None] * view.num_layers
         kept = [self.layer_kept(e, p, b) for e, p, b in zip(emas, view.layer_positions, budgets)]
-        return per_layer(kept, **extra)
+        return layer_decision(kept, **extra)

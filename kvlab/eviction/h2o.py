@@ -1,34 +1,56 @@
-"""H2O: heavy hitters (accumulated attention) + a recent window."""
+"""H2O: heavy hitters (accumulated attention) + a recent window, per layer as in the reference."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictView, Keep, keep_all, layer_mean, layer_stat, nonneg_int, positive_int, protected_below, top_slots
+import torch
+
+from .base import (EvictView, Keep, check_bool, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
+                   over_budget, positive_int, protected_below, top_slots)
+from .base import per_layer as layer_decision
 
 
 @dataclass(frozen=True)
 class H2O:
-    """Keep the newest ``recent`` slots and the ``budget - recent`` other slots with the largest
-    accumulated attention ``acc_j = Σ_steps mean_h A[h, j]`` averaged over layers
-    (``attn["acc"]``; ties go to the newer slot). At most ``budget`` entries."""
+    """Over ``budget`` entries, every layer ``l`` keeps its newest ``recent`` slots and the
+    ``budget - recent`` other slots with the largest accumulated attention of that layer,
+    ``acc_lj = Σ_steps mean_h A_l[h, j]`` (``attn["acc"][l]``; ties go to the newer slot), as the
+    H2O reference scores each layer's own attention: the layers keep different entries
+    (``Keep.layers``; ``Keep.slots`` is layer 0's). At most ``budget`` entries per layer.
+
+    ``per_layer=False`` is the earlier one-live-set ranking, kept to measure the difference: the
+    same slots on every layer, by ``acc`` averaged over the layers (needs a uniform cache)."""
 
     budget: int
     recent: int
     ema_decay: float = 0.9        # unused by H2O's ranking; the cache's EMA needs a β
+    per_layer: bool = True
 
     def __post_init__(self):
         positive_int("budget", self.budget)
         nonneg_int("recent", self.recent)
         protected_below("recent", self.recent, "budget", self.budget)
+        check_bool("per_layer", self.per_layer)
 
     @property
     def needs_attention(self) -> bool:
         return True
 
-    def keep(self, view: EvictView) -> Keep:
-        n = view.length
+    def layer_keep(self, acc: torch.Tensor, n: int) -> tuple[int, ...]:
+        """One layer's decision from its ``acc`` ``(n,)``: the slots it keeps."""
         if n <= self.budget:
+            return tuple(range(n))
+        cand = list(range(n - self.recent))
+        kept = top_slots(acc[: n - self.recent].float(), cand, self.budget - self.recent)
+        return tuple(kept) + tuple(range(n - self.recent, n))
+
+    def keep(self, view: EvictView) -> Keep:
+        if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
+        if self.per_layer:
+            kept = [self.layer_keep(acc, len(pos)) for acc, pos in zip(layer_rows(view, "acc"), view.layer_positions)]
+            return layer_decision(kept, budget=self.budget)
+        n = view.length
         cand = list(range(n - self.recent))
         score = layer_mean(layer_stat(view, "acc"), cand)
         kept = top_slots(score, cand, self.budget - self.recent)

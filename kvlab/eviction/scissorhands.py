@@ -3,16 +3,18 @@
 A token that received little attention in the past is taken to stay unimportant. The cache counts,
 per entry and layer, the measured queries that gave it less than the uniform share of their
 head-mean attention (``attn["low"]``: ``Σ_i [ā_ij < 1/T_i]``, ``T_i`` = entries query ``i`` sees;
-``attention_below``). Over ``budget``, the newest ``recent`` slots stay and, of the others, the
-``budget - recent`` with the FEWEST low counts (layer mean; ties → newer) — i.e. the entries most
-often below average go.
+``attention_below``). Over ``budget``, every layer keeps its newest ``recent`` slots and, of its
+others, the ``budget - recent`` with the FEWEST low counts of that layer (ties → newer) — i.e. the
+entries most often below average in that layer go. As in the paper, each layer judges by its own
+attention, so the layers keep different entries (``Keep.layers``; ``Keep.slots`` is layer 0's).
 
 Differences from the paper, stated: the paper counts within a history window of the last ``w``
 steps and drops ``m`` tokens at a time once a buffer fills; here the count runs over the entry's
 whole measured life (``w = ∞``) and the cache is cut to ``budget`` on every over-budget step (the
-matched-memory study's convention for fixed-budget families). One decision for all layers (layer
-mean over the layers' ``attn["low"][l]``, :func:`~kvlab.eviction.base.layer_stat`);
-:meth:`Scissorhands.layer_keep` is one layer's decision.
+matched-memory study's convention for fixed-budget families). Each layer's count is over the
+head mean of its attention. :meth:`Scissorhands.layer_keep` is one layer's decision.
+``per_layer=False`` is the earlier one-live-set ranking (the same slots on every layer, by the
+layer mean of ``low``; needs a uniform cache), kept to measure the difference.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, layer_stat, nonneg_int, positive_int, protected_below, top_slots
+from .base import (EvictView, Keep, check_bool, keep_all, layer_rows, layer_stat, nonneg_int, over_budget,
+                   positive_int, protected_below, top_slots)
+from .base import per_layer as layer_decision
 
 
 @dataclass(frozen=True)
@@ -28,11 +32,13 @@ class Scissorhands:
     budget: int
     recent: int
     ema_decay: float = 0.9        # unused; the cache's EMA needs a β
+    per_layer: bool = True
 
     def __post_init__(self):
         positive_int("budget", self.budget)
         nonneg_int("recent", self.recent)
         protected_below("recent", self.recent, "budget", self.budget)
+        check_bool("per_layer", self.per_layer)
 
     @property
     def needs_attention(self) -> bool:
@@ -51,8 +57,12 @@ class Scissorhands:
         return tuple(kept) + tuple(range(n - self.recent, n))
 
     def keep(self, view: EvictView) -> Keep:
-        n = view.length
-        if n <= self.budget:
+        if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
+        if self.per_layer:
+            kept = [self.layer_keep(low, len(pos), self.budget)
+                    for low, pos in zip(layer_rows(view, "low"), view.layer_positions)]
+            return layer_decision(kept, budget=self.budget)
+        n = view.length
         low = layer_stat(view, "low").float().mean(0)     # (T,) one live set for all layers: the layer mean
         return Keep(self.layer_keep(low, n, self.budget), budget=self.budget)

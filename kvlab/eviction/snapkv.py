@@ -8,9 +8,12 @@ window queries and averaged over heads, then smoothed by a centred average pool 
 (zero padding, ``F.avg_pool1d(kernel, padding=kernel // 2)``). The window itself is always kept; the
 ``budget - window`` other entries with the largest smoothed score stay (ties → newer).
 
-kvpress keeps the top entries per KV head and, for PyramidKV, per layer. :meth:`SnapKV.layer_keep`
-is the per-layer decision (one layer's scores → kept slots); until the cache keeps a live set per
-layer, :meth:`SnapKV.keep` applies it once to the layer mean of the scores.
+Each layer scores and cuts its own entries from its own window attention, as the references do
+(kvpress's presses and SnapKV's ``SnapKVCluster.update_kv`` run inside each layer's attention), so
+the layers keep different entries, ``budget`` each (``Keep.layers``; ``Keep.slots`` is layer
+0's). :meth:`SnapKV.layer_keep` is one layer's decision. The references pick per KV head; here
+each layer ranks the head mean. ``per_layer=False`` is the earlier one-live-set cut (the same
+slots on every layer, by the layer mean of the window mass), kept to measure the difference.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import EvictView, Keep, check_observation_window, keep_all, layer_stat, top_slots
+from .base import (EvictView, Keep, check_bool, check_observation_window, keep_all, layer_rows, layer_stat,
+                   over_budget, top_slots)
+from .base import per_layer as layer_decision
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,11 @@ class SnapKV:
     window: int = 16
     kernel: int = 5
     ema_decay: float = 0.9        # unused; the cache's EMA needs a β
+    per_layer: bool = True
 
     def __post_init__(self):
         check_observation_window(self.budget, self.window, self.kernel)
+        check_bool("per_layer", self.per_layer)
 
     @property
     def needs_attention(self) -> bool:
@@ -55,8 +62,11 @@ class SnapKV:
         return tuple(kept) + tuple(range(n - self.window, n))
 
     def keep(self, view: EvictView) -> Keep:
-        n = view.length
-        if not view.first or n <= self.budget:
+        if not view.first or not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
+        if self.per_layer:
+            kept = [self.layer_keep(acc.float(), len(pos), self.budget)
+                    for acc, pos in zip(layer_rows(view, "acc"), view.layer_positions)]
+            return layer_decision(kept, budget=self.budget)
         acc = layer_stat(view, "acc").float().mean(0)            # (T,) one live set for all layers: the layer mean
-        return Keep(self.layer_keep(acc, n, self.budget), budget=self.budget)
+        return Keep(self.layer_keep(acc, view.length, self.budget), budget=self.budget)
