@@ -238,3 +238,44 @@ def test_per_layer_rerotation_moves_each_layer_like_a_uniform_one(lm3):
     assert torch.isfinite(nxt).all() and c.layer_positions()[0][-1] == 13
     with pytest.raises(ValueError, match="same first position"):
         c.evict([], model=lm3.model, rerotate=True, layers=[[0], [1], [1]])
+
+
+@pytest.mark.parametrize("removed", [[4], [0], [9], [2, 3, 7], [1, 8], list(range(3, 10))])
+def test_buffer_keep_moves_the_smaller_side_and_keeps_order(removed):
+    """BufferLayer.keep: same content as an index_select of the kept slots, whichever side moves;
+    removing the oldest non-sink entry moves the sinks up instead of the whole tail down."""
+    from kvlab.cache.storage import BufferLayer, keep_plan
+
+    n = 10
+    k = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).repeat(1, 2, 1, 3)      # (1, H_kv, T, D)
+    lay = BufferLayer.of(k, -k)
+    idx = torch.tensor([j for j in range(n) if j not in removed])
+    down, up = keep_plan(idx, n)
+    assert (down, up) == (len([j for j in idx.tolist() if j > min(removed)]),
+                          len([j for j in idx.tolist() if j < max(removed)]))
+    lay.keep(idx)
+    torch.testing.assert_close(lay.keys, k.index_select(2, idx))
+    torch.testing.assert_close(lay.values, -k.index_select(2, idx))
+    assert lay.get_seq_length() == len(idx) and lay.s == (n - len(idx) if up < down else 0)
+    if removed == [4]:
+        assert (down, up) == (5, 4)
+
+
+def test_buffer_appends_after_front_evictions_reuse_the_buffer():
+    """A sliding window: evict the oldest entry, append one, many times: the used part walks up the
+    buffer and moves back to column 0 when it reaches the end; content stays right, capacity fixed."""
+    from kvlab.cache.storage import BufferLayer
+
+    lay = BufferLayer.of(torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3))
+    want = []
+    for t in range(300):
+        x = torch.full((1, 2, 1, 3), float(t))
+        lay.update(x, -x)
+        want.append(t)
+        if len(want) > 40:
+            idx = torch.tensor([0] + list(range(2, len(want))))      # 1 sink, drop the oldest after it
+            lay.keep(idx)
+            want = [want[0]] + want[2:]
+        assert lay.keys[0, 0, :, 0].tolist() == [float(w) for w in want]
+        assert lay.values[0, 1, :, 2].tolist() == [-float(w) for w in want]
+    assert lay.capacity == 64

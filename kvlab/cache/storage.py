@@ -24,12 +24,18 @@ MIN_CAPACITY = 64
 
 
 class BufferLayer(DynamicLayer):
-    """One layer's FP entries: ``buf_k`` / ``buf_v`` (1, H_kv, capacity, D), the first ``n`` used;
-    ``keys`` / ``values`` are views of the used part. Capacity doubles when an append overflows."""
+    """One layer's FP entries: ``buf_k`` / ``buf_v`` (1, H_kv, capacity, D), the used part being
+    buffer columns ``[s, s + n)``; ``keys`` / ``values`` are views of it. Appends write after the used
+    part; when the end of the buffer is reached the used part moves back to column 0 (if at most 3/4
+    full) or the capacity doubles. Eviction (:meth:`keep`) moves whichever side of the removed
+    entries is smaller: the entries after the first removed one move down, or the entries before the
+    last removed one move up (and ``s`` grows) — so dropping the oldest non-sink entry of a sliding
+    window moves the few sinks, not the whole window."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.n = 0
+        self.s = 0
         self.buf_k = self.buf_v = None
 
     @classmethod
@@ -48,28 +54,44 @@ class BufferLayer(DynamicLayer):
         k = torch.empty(b, h, capacity, d, dtype=like.dtype, device=like.device)     # (1, H_kv, cap, D)
         v = torch.empty_like(k)
         if self.buf_k is not None and self.n:
-            k[:, :, :self.n] = self.buf_k[:, :, :self.n]
-            v[:, :, :self.n] = self.buf_v[:, :, :self.n]
-        self.buf_k, self.buf_v = k, v
+            k[:, :, :self.n] = self.keys
+            v[:, :, :self.n] = self.values
+        self.buf_k, self.buf_v, self.s = k, v, 0
         self._views()
 
     def _views(self) -> None:
-        self.keys = self.buf_k[:, :, :self.n]
-        self.values = self.buf_v[:, :, :self.n]
+        self.keys = self.buf_k[:, :, self.s:self.s + self.n]
+        self.values = self.buf_v[:, :, self.s:self.s + self.n]
 
     @property
     def capacity(self) -> int:
         return 0 if self.buf_k is None else int(self.buf_k.shape[2])
+
+    def _to_front(self) -> None:
+        """Move the used part to buffer column 0 (in place)."""
+        if self.s:
+            n, s = self.n, self.s
+            src_k, src_v = self.buf_k[:, :, s:s + n], self.buf_v[:, :, s:s + n]
+            if s < n:                                             # overlapping ranges: copy via a temporary
+                src_k, src_v = src_k.clone(), src_v.clone()
+            self.buf_k[:, :, :n] = src_k
+            self.buf_v[:, :, :n] = src_v
+            self.s = 0
+            self._views()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
-        if self.n + m > self.capacity:
-            self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
-        self.buf_k[:, :, self.n:self.n + m] = key_states
-        self.buf_v[:, :, self.n:self.n + m] = value_states
+        if self.s + self.n + m > self.capacity:
+            if 4 * (self.n + m) <= 3 * self.capacity:             # room at the front: at least cap/4 appends away
+                self._to_front()
+            else:
+                self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
+        end = self.s + self.n
+        self.buf_k[:, :, end:end + m] = key_states
+        self.buf_v[:, :, end:end + m] = value_states
         self.n += m
         self._views()
         return self.keys, self.values
@@ -88,18 +110,26 @@ class BufferLayer(DynamicLayer):
             self.is_initialized = True
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
-        self.n = t
+        self.s, self.n = 0, t
         self._views()
 
-    def keep(self, idx: torch.Tensor, first: int | None = None) -> None:
-        """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place: they move down to slots
-        ``0..m-1``. Only the part from the first removed slot on (``first``; computed if None) moves."""
+    def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
+        """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =
+        :func:`keep_plan` ``(idx, n)`` (computed if None)."""
         m = int(idx.numel())
-        first = first_moved(idx) if first is None else first
-        if first < m:                                             # slots before ``first`` stay where they are
-            src = idx[first:].to(self.buf_k.device)
-            self.buf_k[:, :, first:m] = self.buf_k[:, :, src]    # gather into a temporary, then copy down
-            self.buf_v[:, :, first:m] = self.buf_v[:, :, src]
+        down, up = keep_plan(idx, self.n) if plan is None else plan
+        if up < down:       # the `up` entries before the last removed one move up next to the unmoved tail
+            if up:
+                src = idx[:up].to(self.buf_k.device) + self.s
+                dst = self.s + self.n - m
+                self.buf_k[:, :, dst:dst + up] = self.buf_k.index_select(2, src)    # gather, then copy
+                self.buf_v[:, :, dst:dst + up] = self.buf_v.index_select(2, src)
+            self.s += self.n - m
+        elif down:          # the `down` entries after the first removed one move down
+            first = m - down
+            src = idx[first:].to(self.buf_k.device) + self.s
+            self.buf_k[:, :, self.s + first:self.s + m] = self.buf_k.index_select(2, src)
+            self.buf_v[:, :, self.s + first:self.s + m] = self.buf_v.index_select(2, src)
         self.n = m
         self._views()
 
@@ -109,28 +139,31 @@ class BufferLayer(DynamicLayer):
             self._views()
 
     def drop_front(self, m: int) -> None:
-        """Remove the first ``m`` entries (the rest moves down)."""
+        """Remove the first ``m`` entries (no copy: the used part starts ``m`` columns later)."""
         if m:
-            rest = self.n - m
-            self.buf_k[:, :, :rest] = self.buf_k[:, :, m:self.n].clone()
-            self.buf_v[:, :, :rest] = self.buf_v[:, :, m:self.n].clone()
-            self.n = rest
+            self.s += m
+            self.n -= m
             self._views()
 
     def clone_layer(self) -> "BufferLayer":
         lay = BufferLayer()
         if self.is_initialized:
             lay.dtype, lay.device = self.dtype, self.device
-            lay.buf_k, lay.buf_v, lay.n = self.buf_k.clone(), self.buf_v.clone(), self.n
+            lay.buf_k, lay.buf_v, lay.n, lay.s = self.buf_k.clone(), self.buf_v.clone(), self.n, self.s
             lay.is_initialized = True
             lay._views()
         return lay
 
 
-def first_moved(idx: torch.Tensor) -> int:
-    """The first position ``j`` with ``idx[j] != j`` (``len(idx)`` if none): kept slots before it stay put."""
-    moved = (idx != torch.arange(idx.numel())).nonzero()
-    return int(moved[0, 0]) if moved.numel() else int(idx.numel())
+def keep_plan(idx: torch.Tensor, n: int) -> tuple[int, int]:
+    """How many entries each way of keeping slots ``idx`` (sorted, of ``n``) moves: ``(down, up)``.
+    ``down``: the kept entries from the first removed slot on; ``up``: the kept entries before the last
+    removed slot (the rest stays where it is either way)."""
+    m = int(idx.numel())
+    gaps = idx - torch.arange(m)            # removed slots before each kept one: nondecreasing, 0 .. n - m
+    down = m - int((gaps == 0).sum())
+    up = int((gaps < n - m).sum())
+    return down, up
 
 
 class KVStore(Cache):
@@ -268,8 +301,8 @@ class Storage:
         if t_pick:
             src = torch.tensor(t_pick, dtype=torch.long, device=dev)
             dst = torch.tensor([slots[j] - nq for j in t_pick], dtype=torch.long, device=dev)
-            lay.buf_k[:, :, dst, :] = k[:, :, src.to(k.device), :].to(lay.buf_k)
-            lay.buf_v[:, :, dst, :] = v[:, :, src.to(v.device), :].to(lay.buf_v)
+            lay.keys[:, :, dst, :] = k[:, :, src.to(k.device), :].to(lay.buf_k)         # views: in place
+            lay.values[:, :, dst, :] = v[:, :, src.to(v.device), :].to(lay.buf_v)
         if q_pick:
             src = torch.tensor(q_pick, dtype=torch.long, device=k.device)
             dst = torch.tensor([slots[j] for j in q_pick], dtype=torch.long, device=dev)
@@ -290,7 +323,7 @@ class Storage:
 
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
         """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place."""
-        firsts: dict[int, int] = {}                 # per shared keep tensor (layers evicting alike)
+        plans: dict[tuple[int, int], tuple[int, int]] = {}   # per shared keep tensor (layers evicting alike)
         for i, keep_t in enumerate(keeps):
             if keep_t is None:
                 continue
@@ -300,9 +333,10 @@ class Storage:
                 self.int8[i] = self.int8[i].gather(keep_t[keep_t < nq].to(lay.buf_k.device))
                 lay.keep(keep_t[keep_t >= nq] - nq)
             else:
-                if id(keep_t) not in firsts:
-                    firsts[id(keep_t)] = first_moved(keep_t)
-                lay.keep(keep_t, firsts[id(keep_t)])
+                key = (id(keep_t), lay.n)
+                if key not in plans:
+                    plans[key] = keep_plan(keep_t, lay.n)
+                lay.keep(keep_t, plans[key])
 
     def rotate(self, i: int, rope, slots: Sequence[int], delta: Sequence[int]) -> None:
         """Rotate layer ``i``'s post-RoPE keys at ``slots`` (FP storage) by position offsets ``delta``."""
@@ -310,7 +344,7 @@ class Storage:
         dev = lay.buf_k.device
         idx = torch.tensor(list(slots), dtype=torch.long, device=dev)
         d = torch.tensor(list(delta), dtype=torch.long, device=dev)
-        lay.buf_k[:, :, idx, :] = rope.rotate(lay.buf_k[:, :, idx, :], d)               # (1, H_kv, m, D)
+        lay.keys[:, :, idx, :] = rope.rotate(lay.keys[:, :, idx, :], d)                 # (1, H_kv, m, D)
 
     def splice(self, layout, blocks, hook, mode: str) -> int:
         """Rebuild every layer by a surgery ``layout`` (``gather``: one ``cat`` per layer) or by its
