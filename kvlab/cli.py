@@ -243,7 +243,7 @@ def _evict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-reps", type=positive_int("--needle-reps"), default=2,
                    help="evict: keys per grid cell (2: 10 prompts per length, 6 per depth)")
     p.add_argument("--needle-budget", type=positive_int("--needle-budget"), default=128,
-                   help="evict: peak cache entries of every policy in the needle grid")
+                   help="evict: peak cache entries of every policy in the needle grid (PyramidKV: per-layer mean)")
     p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
 
 
@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     _evict_args(p)
     p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=8,
                    help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
-                        "configurations per prompt + 180 needle runs)")
+                        "configurations per prompt + 210 needle runs)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("train-study", help="student variants compared: OverFill vs student alone, refresh, speed, curves")
     _common(p)

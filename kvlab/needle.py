@@ -210,8 +210,9 @@ def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> di
     blocks as fit with ``max + block_size - 1 <= budget`` (OpenVINO's semantics: the cache reaches
     ``max + block_size - 1`` before a whole block goes); SnapKV cuts the prompt to
     ``budget - ANSWER_TOKENS`` entries (observation window ``budget // 8``), so the answer's last step
-    also sees at most ``budget``."""
-    from .eviction import H2O, BlockEvict, ConfKV, SlidingWindow, SnapKV
+    also sees at most ``budget``. PyramidKV keeps the same number *on average over layers* (the same
+    total memory as SnapKV): its lower layers keep more than ``budget``, its upper layers fewer."""
+    from .eviction import H2O, BlockEvict, ConfKV, PyramidKV, SlidingWindow, SnapKV
 
     rec = budget // 4
     rb = max(1, rec // block_size)
@@ -221,4 +222,5 @@ def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> di
             "h2o": H2O(budget=budget, recent=rec),
             "confkv": ConfKV(gamma=gamma, tight=budget // 2, loose=budget, protect=rec),
             "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
-            "snapkv": SnapKV(budget=budget - ANSWER_TOKENS, window=budget // 8)}
+            "snapkv": SnapKV(budget=budget - ANSWER_TOKENS, window=budget // 8),
+            "pyramidkv": PyramidKV(budget=budget - ANSWER_TOKENS, window=budget // 8)}

@@ -273,7 +273,7 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     assert saw[saw.policy == "confkv+overfill+refresh"].refreshed.sum() > 0
     assert saw[saw.policy == "confkv"].evicted.sum() > 0
     nd = tables["evict_needle"]
-    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv"} and len(nd) == 12
+    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv", "pyramidkv"} and len(nd) == 14
     paths = write_evict(tables, tmp_path / "out")
     assert (tmp_path / "out" / "evict_matched.csv").is_file() and paths
     for name in ("evict_sawtooth", "evict_needle"):
@@ -304,3 +304,4 @@ def test_needle_policies_share_one_peak_budget(budget):
     assert b.max_after_eviction <= budget                      # OpenVINO's peak: max + block - 1
     from kvlab.needle import ANSWER_TOKENS
     assert pols["snapkv"].budget + ANSWER_TOKENS <= budget
+    assert pols["pyramidkv"].budget == pols["snapkv"].budget          # same mean entries per layer
