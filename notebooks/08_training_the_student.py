@@ -83,12 +83,18 @@ trained = not missing and not SMOKE
 if missing:
     print("not trained yet:", missing, "→", train_command(missing[0], shape).rsplit(" --prune", 1)[0].replace(
         f"--student {missing[0]}", "--student " + " ".join(missing)) + f" --prune {shape.flag}")
-curves = curves_frame({v: d for v, d in dirs.items() if v not in missing})
-if len(curves):
-    from kvlab.train.plots import train_curves_figure
+curves = curves_frame({v: d for v, d in dirs.items() if v not in missing}) if not SMOKE else None
+if curves is None or not len(curves):
+    from kvlab.train.study import tiny_training_curves
 
-    display(train_curves_figure({"train_curves": curves}))  # noqa: F821  (IPython)
-    display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "heldout_ce"]])  # noqa: F821
+    # Nothing trained here (or smoke mode): the same trainer, 12 steps on tiny random models (seconds).
+    # The embedded pair's curves, from the last `make figures`, are figures/train_curves.png.
+    print("showing a 12-step run of the trainer on tiny random models, not the embedded pair")
+    curves = tiny_training_curves(steps=12)
+from kvlab.train.plots import train_curves_figure
+
+display(train_curves_figure({"train_curves": curves}))  # noqa: F821  (IPython)
+display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "heldout_ce"]])  # noqa: F821
 
 # %% [markdown]
 # ## Baselines before and after training

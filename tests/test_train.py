@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvlab.tiny import make_tiny_lm
+from kvlab.tiny import make_tiny_lm, tiny_examples
 from kvlab.train.config import TrainConfig
 from kvlab.train.data import Example
 from kvlab.train.forward import spliced_cache, student_forward, teacher_cache, token_losses
@@ -43,24 +43,6 @@ def test_near_duplicate_catches_paraphrases_and_passes_other_subjects():
 # --------------------------------------------------------------------------- tiny examples
 
 
-def _examples(teacher, n, seed=0, k=16):
-    """Synthetic examples whose responses and top-k targets come from the tiny teacher itself."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        P = int(torch.randint(4, 9, (1,), generator=g))
-        prompt = torch.randint(3, 128, (P,), generator=g).tolist()
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(12):
-                logits = teacher.model(torch.tensor([ids])).logits[0, -1]
-                ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=g)))
-            lp = teacher.model(torch.tensor([ids])).logits[0, P - 1:-1].log_softmax(-1)   # (R, V)
-        v, ix = lp.topk(k, -1)
-        out.append(Example(f"x{i}", tuple(prompt), tuple(ids[P:]), ix, v))
-    return out
-
-
 @pytest.fixture(scope="module")
 def pair():
     return make_tiny_lm(seed=0), make_tiny_lm(seed=1, intermediate_size=48)
@@ -68,7 +50,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def examples(pair):
-    return _examples(pair[0], 14)
+    return tiny_examples(pair[0], 14)
 
 
 def _cfg(**kw):
@@ -346,3 +328,23 @@ def test_lora_trains_only_adapters_and_merges_into_a_plain_model(pair, examples,
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     changed = [n for n, p in plain.model.named_parameters() if not torch.equal(p, before[n])]
     assert changed and all("proj" in n for n in changed)                      # embeddings/norms untouched
+
+
+def test_tiny_training_curves_are_a_real_short_run():
+    """The notebooks' fallback curves: the trainer on tiny models; loss falls, refresh-aware refreshes,
+    the caller's generator is untouched, and a variant without training is refused by name."""
+    from kvlab.train.study import tiny_training_curves
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    df = tiny_training_curves(("standalone", "refresh-aware"), steps=6)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert list(df["variant"].unique()) == ["standalone", "refresh-aware"]
+    for _, g in df.groupby("variant"):
+        assert list(g["step"]) == list(range(1, 7))
+        assert g["loss"].iloc[-2:].mean() < g["loss"].iloc[:2].mean()
+        assert g["heldout_kl"].notna().sum() == 2
+    assert df.loc[df.variant == "refresh-aware", "refreshed"].sum() > 0
+    assert df.loc[df.variant == "standalone", "refreshed"].sum() == 0
+    with pytest.raises(ValueError, match="variants=\\['pruned'\\]"):
+        tiny_training_curves(("pruned",))

@@ -103,6 +103,40 @@ def curves_frame(paths: dict) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+
+def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), steps: int = 12,
+                         seed: int = 0) -> pd.DataFrame:
+    """Train tiny random students for ``steps`` steps on a tiny teacher's own samples; their logs as
+    :func:`curves_frame` returns them (a seconds-long, real run of the trainer for smoke runs and for
+    machines whose model cache holds no trained students). Leaves torch's global generator alone."""
+    import tempfile
+
+    import torch
+
+    from ..tiny import make_tiny_lm, tiny_examples
+    from .config import TRAINED_VARIANTS, TrainConfig
+    from .trainer import train
+
+    bad = [v for v in variants if v not in TRAINED_VARIANTS]
+    if bad:
+        raise ValueError(f"variants={bad}: only trained variants have curves ({', '.join(TRAINED_VARIANTS)})")
+    if steps < 1:
+        raise ValueError(f"steps={steps}: train at least one step (steps >= 1)")
+    cfg = TrainConfig(steps=steps, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3,
+                      topk=16, lora_rank=0, seed=seed, refresh_gap=(2, 5), refresh_none=0.25)
+    frames = []
+    with torch.random.fork_rng(), tempfile.TemporaryDirectory() as tmp:
+        teacher = make_tiny_lm(seed=seed)
+        examples = tiny_examples(teacher, 16, seed=seed)
+        for v in variants:
+            student = make_tiny_lm(seed=seed + 1, intermediate_size=48)
+            res = train(student, teacher, examples[:-2], examples[-2:], v, cfg, Path(tmp) / v, progress=False)
+            df = pd.DataFrame(res.log)
+            df.insert(0, "variant", v)
+            frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
 STUDY_NOTES = ["`dppl_OF_vs_S`, `dkl_OF_vs_S`: OverFill with this variant's student minus the student alone "
                "(`student_alone`), paired over prompts (same seeds), bootstrap 95 % CI `[_lo, _hi]`; < 0 = OverFill "
                "better.",
