@@ -88,7 +88,8 @@ def test_stored_config_answers_from_disk_without_decoding(pg, monkeypatch):
     def no_decoding(*a, **k):
         raise AssertionError("a stored config must not decode")
 
-    monkeypatch.setattr("kvlab.playground.controller.scored_run", no_decoding)
+    monkeypatch.setattr("kvlab.playground.reader.scored_run", no_decoding)        # every run the playground reads
+    monkeypatch.setattr("kvlab.playground.calibration.scored_run", no_decoding)   # every calibration run
     assert pg.set(T=4)
     assert pg.runner.current is None                      # nothing started in the background
     assert pg.shown.source == "disk" and pg.shown.key == first.key

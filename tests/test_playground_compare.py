@@ -266,10 +266,56 @@ def test_a_trained_student_missing_from_the_cache_is_a_control_error(tiny_teache
     assert p.student_variants == student_variants_offered()
     assert p.set(student="overfill") is False
     assert f"python -m kvlab train-student --student overfill --prune {DEFAULT_SHAPE}" in p.errors["student"]
-    assert list(p._students) == [("pruned", 0.3)]                        # nothing loaded, nothing trained
+    assert p.students.loaded() == (("pruned", 0.3),)                    # nothing loaded, nothing trained
     assert not (tmp_path / "cache").exists()
     assert "student" not in p.check(p.settings.replace(mode="teacher"))    # the teacher alone needs no student
     target = trained_dir("overfill", DEFAULT_SHAPE)
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")                            # it is in the cache now
     assert student_problem("overfill") is None and "student" not in p.check()
+
+
+# ------------------------------------------------------------------ the controller's parts, alone
+
+
+def test_run_reader_answers_from_disk_only_with_the_run_and_its_baseline_stored(tiny_teacher, tiny_student, tmp_path):
+    """RunReader (kvlab.playground.reader) without a Playground: no key before the student is loaded, no
+    disk answer while the baseline is missing, then the stored run and its stored baseline."""
+    from kvlab.playground.reader import RunReader
+    from kvlab.playground.students import StudentPool
+
+    s = Settings(prompt=PROMPTS[0], N=N, policy="periodic", T=4, seed=3)
+    pool = StudentPool(tiny_teacher, {0.3: tiny_student})
+    reader = RunReader(tiny_teacher, StudentPool(tiny_teacher, {}), RunStore(tmp_path))
+    assert reader.key(s) is None and reader.stored(s) is None and reader.from_disk(s, 0.0) is None
+    assert reader.key(s.replace(mode="teacher", policy="none")) is not None     # the teacher needs no student
+    reader = RunReader(tiny_teacher, pool, RunStore(tmp_path))
+    assert reader.from_disk(s, 0.0) is None                                      # nothing stored yet
+    run = reader.scored(s, tiny_student)
+    assert reader.stored(s) == run and reader.from_disk(s, 0.0) is None          # the baseline is not stored
+    base = reader.scored(s.baseline(), tiny_student)
+    sh = reader.from_disk(s, 0.0)
+    assert sh.source == "disk" and sh.result == run and sh.base == base and sh.key == reader.key(s)
+    assert sh.readouts == readouts(run, base, "overfill") and sh.readouts["refreshes"] == 2
+    assert len(sh.tokens) == N and sh.prompt_len == len(tiny_teacher.encode_prompt(PROMPTS[0]))
+
+
+def test_pins_keep_the_newest_distinct_runs():
+    from types import SimpleNamespace
+
+    from kvlab.playground.compare import MAX_PINS, Pins
+
+    pins = Pins()
+    with pytest.raises(ValueError, match="nothing is shown"):
+        pins.pin(None)
+    runs = [SimpleNamespace(key=f"k{i}") for i in range(MAX_PINS + 2)]
+    for r in runs:
+        assert pins.pin(r) is r
+    pins.pin(runs[-1])                                                          # pinned already: nothing changes
+    assert [p.key for p in pins.runs] == [r.key for r in runs[-MAX_PINS:]]      # the oldest dropped first
+    with pytest.raises(ValueError, match="key='k0' is not pinned"):
+        pins.unpin("k0")
+    pins.unpin(runs[-1].key)
+    assert [p.key for p in pins.runs] == [r.key for r in runs[-MAX_PINS:-1]]
+    pins.unpin()
+    assert pins.runs == []
