@@ -322,8 +322,8 @@ def test_view_slider_redraws_readout_with_the_stored_value(pg, tiny_student):
     assert v.policy_rows["k"].layout.display == "" and v.policy_rows["T"].layout.display == "none"
     pg.wait()
     # step-through tab
-    assert v._step_reset()
-    v._step_once()
+    assert v.steps.reset()
+    v.steps.step_once()
     assert "step <b>1</b>" in v.step_info.value and "top-5" in v.step_info.value
     slots = v.stepper.history[-1].live
     assert v.step_map.value.count("class='kvlab-slot ") == len(slots) > 0

@@ -220,9 +220,9 @@ def test_view_plot_details(pg):
     assert page.count("run store") == 1                       # the status line says it once
     assert "one sample, no spread" in v.table.value
     assert "why refreshes fired" in v.why.value and "emitted tokens" in v.why.value
-    assert v._step_reset()
+    assert v.steps.reset()
     for _ in range(4):                                         # periodic T=4: step 4 refreshes
-        v._step_once()
+        v.steps.step_once()
     assert "why: T reached: step 4 is a multiple of T=4" in v.step_info.value and "emitted tokens" in v.step_info.value
 
 
@@ -319,3 +319,20 @@ def test_pins_keep_the_newest_distinct_runs():
     assert [p.key for p in pins.runs] == [r.key for r in runs[-MAX_PINS:-1]]
     pins.unpin()
     assert pins.runs == []
+
+
+def test_render_readouts_table_without_widgets(pg):
+    """kvlab.playground.render builds the panels' HTML from plain values (no ipywidgets): the table shows
+    this run, its baseline, the signed difference and a column per pinned run other than the shown one."""
+    from kvlab.playground.render import spread_html, table_html
+
+    first = pg.pin()
+    assert pg.set(T=2)
+    sh = pg.shown
+    page = table_html(sh, pg.pinned + [sh])                       # the shown run is never its own pin column
+    assert page.count("kvlab-pin-teacher_ppl") == 1 and f"<span class='kvlab-run-key'>{sh.key}</span>" in page
+    ro, base = sh.readouts["teacher_ppl"], sh.base_readouts["teacher_ppl"]
+    assert f"<span class='kvlab-ro-teacher_ppl'>{fmt(ro, 'g3')}</span>" in page
+    assert f"<span class='kvlab-base-teacher_ppl'>{fmt(base, 'g3')}</span>" in page and fmt(ro - base, "+g3") in page
+    assert f"<span class='kvlab-pin-kl'>{fmt(first.readouts['kl'], 'g3')}</span>" in page
+    assert "kvlab-pin-" not in table_html(sh) and spread_html(None) == ""
