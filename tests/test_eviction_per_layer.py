@@ -212,3 +212,35 @@ def test_decode_evicts_per_layer_and_the_cache_stays_consistent(sharp3, name):
     for _ in old:
         old.cache.check()
     assert old.cache.uniform and old.cache.layer_lengths() == [b + grow] * 3
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_ranking_equals_top_slots_per_layer(seed):
+    """top_slots_layers (one sort for all layers) picks exactly what top_slots picks layer by layer,
+    ties (many, from small integer scores) included; ragged lengths fall back to the loop."""
+    from kvlab.eviction.base import top_slots, top_slots_layers
+
+    g = torch.Generator().manual_seed(seed)
+    L = int(torch.randint(1, 6, (1,), generator=g))
+    m = int(torch.randint(1, 40, (1,), generator=g))
+    ragged = seed % 4 == 3
+    rows = [torch.randint(0, 4, (m + (l if ragged else 0),), generator=g).float() for l in range(L)]
+    for k in (0, 1, m // 2, m - 1, m, m + 3):
+        want = [top_slots(r, list(range(r.numel())), k) for r in rows]
+        assert top_slots_layers(rows, k) == want
+
+
+@pytest.mark.parametrize("cls", ["H2O", "Scissorhands"])
+def test_batched_per_layer_decision_equals_layer_keep(cls):
+    """H2O / Scissorhands' batched per-layer decision is layer_keep on every layer."""
+    g = torch.Generator().manual_seed(7)
+    L, n = 4, 30
+    view = make_view([n] * L, seed=7)
+    rows = [torch.randint(0, 5, (n,), generator=g).float() for _ in range(L)]   # many ties
+    stat = "acc" if cls == "H2O" else "low"
+    view = EvictView(**{**view.__dict__, "attn": {**view.attn, stat: rows}})
+    pol = {"H2O": H2O, "Scissorhands": Scissorhands}[cls](budget=12, recent=4)
+    keep = pol.keep(view)
+    args = (lambda r: (r, n)) if cls == "H2O" else (lambda r: (r, n, 12))
+    assert keep.layers == tuple(pol.layer_keep(*args(r)) for r in rows)
+    assert len(set(keep.layers)) > 1          # the layers really differ

@@ -225,6 +225,24 @@ def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
     return sorted(cand[by_slot[order[:k]]].tolist())
 
 
+
+def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
+    """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
+    ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort when every layer
+    has the same ``m`` (the usual case: the same number of entries per layer), else layer by layer."""
+    ms = {int(s.numel()) for s in scores}
+    if len(ms) != 1:
+        return [top_slots(s, list(range(int(s.numel()))), k) for s in scores]
+    m = ms.pop()
+    if k <= 0:
+        return [[] for _ in scores]
+    if k >= m:
+        return [list(range(m)) for _ in scores]
+    x = torch.stack([s.detach().float().cpu() for s in scores]).flip(1)    # (L, m), newer slots first ...
+    order = torch.argsort(x, dim=1, descending=True, stable=True)[:, :k]   # ... among equal scores
+    return (m - 1 - order).sort(dim=1).values.tolist()
+
+
 def layer_stat(view: EvictView, name: str) -> torch.Tensor:
     """``view.attn[name]`` as an ``(L, T)`` matrix, for policies that rank one live set for all layers.
 

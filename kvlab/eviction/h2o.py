@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (EvictView, Keep, check_bool, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
-                   over_budget, positive_int, protected_below, top_slots)
+                   over_budget, positive_int, protected_below, top_slots, top_slots_layers)
 from .base import per_layer as layer_decision
 
 
@@ -48,7 +48,13 @@ class H2O:
         if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
         if self.per_layer:
-            kept = [self.layer_keep(acc, len(pos)) for acc, pos in zip(layer_rows(view, "acc"), view.layer_positions)]
+            ns = [len(pos) for pos in view.layer_positions]
+            if min(ns) > self.budget:     # every layer over budget: one batched ranking (= layer_keep per layer)
+                tops = top_slots_layers([acc[: n - self.recent] for acc, n in zip(layer_rows(view, "acc"), ns)],
+                                        self.budget - self.recent)
+                kept = [tuple(t) + tuple(range(n - self.recent, n)) for t, n in zip(tops, ns)]
+            else:
+                kept = [self.layer_keep(acc, n) for acc, n in zip(layer_rows(view, "acc"), ns)]
             return layer_decision(kept, budget=self.budget)
         n = view.length
         cand = list(range(n - self.recent))
