@@ -70,6 +70,8 @@ print(f"loss terms per token: CE {ce.mean():.3f}, KL {kl.mean():.3f} nats")
 # the logs stored beside the cached weights.
 
 # %%
+import pandas as pd
+
 from kvlab.models import DEFAULT_SHAPE
 from kvlab.prune import PruneShape
 from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
@@ -83,8 +85,8 @@ trained = not missing and not SMOKE
 if missing:
     print("not trained yet:", missing, "→", train_command(missing[0], shape).rsplit(" --prune", 1)[0].replace(
         f"--student {missing[0]}", "--student " + " ".join(missing)) + f" --prune {shape.flag}")
-curves = curves_frame({v: d for v, d in dirs.items() if v not in missing}) if not SMOKE else None
-if curves is None or not len(curves):
+curves = pd.DataFrame() if SMOKE else curves_frame({v: d for v, d in dirs.items() if v not in missing})
+if curves.empty:
     from kvlab.train.study import tiny_training_curves
 
     # Nothing trained here (or smoke mode): the same trainer, 12 steps on tiny random models (seconds).
@@ -119,6 +121,5 @@ if trained:
     rows["after (trained)"], _ = baselines(teacher, of, spec, RunStore(), progress=False, alone=alone)
 else:
     print("NOTE: showing the untrained pair only (smoke mode or students not trained yet)")
-import pandas as pd
 
 pd.concat({k: t.set_index("policy")[["teacher_ppl", "kl", "repeat3"]] for k, t in rows.items()}).round(3)

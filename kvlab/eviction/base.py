@@ -225,7 +225,6 @@ def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
     return sorted(cand[by_slot[order[:k]]].tolist())
 
 
-
 def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
     """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
     ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort when every layer
@@ -241,6 +240,20 @@ def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
     x = torch.stack([s.detach().float().cpu() for s in scores]).flip(1)    # (L, m), newer slots first ...
     order = torch.argsort(x, dim=1, descending=True, stable=True)[:, :k]   # ... among equal scores
     return (m - 1 - order).sort(dim=1).values.tolist()
+
+
+def top_and_recent_layers(scores: Sequence[torch.Tensor], lengths: Sequence[int], budget: int,
+                          recent: int) -> list[tuple[int, ...]]:
+    """Per layer ``l`` holding ``lengths[l]`` entries: every slot when within ``budget``, else its newest
+    ``recent`` slots and the ``budget - recent`` others with the highest ``scores[l]`` (ties: newer) —
+    H2O's and Scissorhands' per-layer rule, with the over-budget layers ranked by one
+    :func:`top_slots_layers` call."""
+    over = [l for l, n in enumerate(lengths) if n > budget]
+    tops = top_slots_layers([scores[l][: lengths[l] - recent] for l in over], budget - recent)
+    kept = [tuple(range(n)) for n in lengths]
+    for l, top in zip(over, tops):
+        kept[l] = tuple(top) + tuple(range(lengths[l] - recent, lengths[l]))
+    return kept
 
 
 def layer_stat(view: EvictView, name: str) -> torch.Tensor:

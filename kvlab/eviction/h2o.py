@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (EvictView, Keep, check_bool, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
-                   over_budget, positive_int, protected_below, top_slots, top_slots_layers)
+                   over_budget, positive_int, protected_below, top_and_recent_layers, top_slots)
 from .base import per_layer as layer_decision
 
 
@@ -48,13 +48,8 @@ class H2O:
         if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
         if self.per_layer:
-            ns = [len(pos) for pos in view.layer_positions]
-            if min(ns) > self.budget:     # every layer over budget: one batched ranking (= layer_keep per layer)
-                tops = top_slots_layers([acc[: n - self.recent] for acc, n in zip(layer_rows(view, "acc"), ns)],
-                                        self.budget - self.recent)
-                kept = [tuple(t) + tuple(range(n - self.recent, n)) for t, n in zip(tops, ns)]
-            else:
-                kept = [self.layer_keep(acc, n) for acc, n in zip(layer_rows(view, "acc"), ns)]
+            kept = top_and_recent_layers(layer_rows(view, "acc"), [len(p) for p in view.layer_positions],
+                                         self.budget, self.recent)
             return layer_decision(kept, budget=self.budget)
         n = view.length
         cand = list(range(n - self.recent))

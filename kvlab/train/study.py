@@ -103,7 +103,6 @@ def curves_frame(paths: dict) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-
 def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), steps: int = 12,
                          seed: int = 0) -> pd.DataFrame:
     """Train tiny random students for ``steps`` steps on a tiny teacher's own samples; their logs as
@@ -120,8 +119,6 @@ def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), s
     bad = [v for v in variants if v not in TRAINED_VARIANTS]
     if bad:
         raise ValueError(f"variants={bad}: only trained variants have curves ({', '.join(TRAINED_VARIANTS)})")
-    if steps < 1:
-        raise ValueError(f"steps={steps}: train at least one step (steps >= 1)")
     cfg = TrainConfig(steps=steps, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3,
                       topk=16, lora_rank=0, seed=seed, refresh_gap=(2, 5), refresh_none=0.25)
     frames = []
