@@ -67,7 +67,9 @@ print(f"loss terms per token: CE {ce.mean():.3f}, KL {kl.mean():.3f} nats")
 # %% [markdown]
 # ## Training curves
 # Loss per step and held-out KL to the teacher (a held-out slice of the training prompts), read from
-# the logs stored beside the cached weights.
+# the logs stored beside the cached weights. Where no student is trained yet, and in smoke mode, the cell
+# instead runs the same trainer for 12 steps on tiny random models and says so: those curves show how
+# to read the plot, not how the embedded pair trains (that is `figures/train_curves.png`).
 
 # %%
 import pandas as pd
