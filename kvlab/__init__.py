@@ -7,21 +7,39 @@ from __future__ import annotations
 
 import importlib
 
-# public name -> the submodule that defines it
+# The public API, in one place: public name -> the module that defines it (loaded on first use).
 _EXPORTS = {
+    # the cache and the loop
     "KVCache": "cache", "Ledger": "cache", "Row": "cache",
-    "IncompatiblePairError": "compat", "kv_compat": "compat",
     "DecodeConfig": "decode", "Decoding": "decode", "Sampling": "decode", "StepRecord": "decode", "Trace": "decode",
     "run": "decode",
-    "repeat_at_n": "metrics", "score": "metrics",
-    "LM": "models", "load_model": "models", "load_pair": "models", "load_student": "models", "load_teacher": "models",
+    # models and the embedded pair
+    "IncompatiblePairError": "core.compat", "kv_compat": "core.compat",
+    "LM": "core.models", "load_model": "core.models", "load_teacher": "core.models",
+    "load_pair": "train.pair", "load_student": "train.pair",
+    "repeat_at_n": "core.metrics", "score": "core.metrics",
+    # refresh policies
+    "EntropyGate": "refresh.policies", "Periodic": "refresh.policies", "ProbeKL": "refresh.policies",
+    "Speculative": "refresh.policies", "MCGate": "uncertainty.mc",
+    # eviction policies
+    "BlockEvict": "eviction", "ConfKV": "eviction", "FullCache": "eviction", "H2O": "eviction",
+    "PyramidKV": "eviction", "RandomEvict": "eviction", "Scissorhands": "eviction", "SlidingWindow": "eviction",
+    "SnapKV": "eviction", "EVICTION_POLICIES": "eviction",
+    # the run store
+    "RunStore": "store", "Store": "store",
 }
+# submodules reachable as attributes: ``from kvlab import results; results.load(...)``
+_MODULES = {"results": "store.results"}
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, *_MODULES]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(f".{_MODULES[name]}", __name__)
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvlab' has no attribute {name!r}")

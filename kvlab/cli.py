@@ -6,17 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-
-def positive_int(name: str):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}")
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer (> 0), got {v}")
-        return v
-    return parse
+from kvlab.studies.args import check_model_args as _check_model_args
+from kvlab.core.args import positive_int
+from kvlab.studies.args import run_spec as _spec
 
 
 def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> None:
@@ -31,7 +23,7 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i for every policy")
     p.add_argument("--teacher", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
-    from .train.command import add_student_arguments
+    from kvlab.train.command import add_student_arguments
 
     add_student_arguments(p)
     p.add_argument("--student-ratio", type=float, default=None,
@@ -44,50 +36,10 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
                         "prefills its own cache from the text (no refresh possible)")
 
 
-def _check_model_args(args) -> None:
-    """Model/device flags, before any model loads (ValueError naming the flag and the fix)."""
-    import math
-
-    from .models import check_model_ref, resolve_device, resolve_dtype
-
-    r = args.student_ratio
-    if r is not None:
-        if math.isnan(r) or not 0.0 <= r < 1.0:
-            raise ValueError(f"--student-ratio={r} must be in [0, 1): the fraction of the embedded student's MLP "
-                             "channels pruned away (e.g. 0.3)")
-    from .train.command import student_choice
-
-    variant, _ = student_choice(args)   # --student variant / --prune shape (ValueError naming the flag)
-    from .train.command import train_choice
-
-    train_choice(args)                  # --train-steps
-    for flag, ref in (("--teacher", args.teacher), ("--student", None if variant else args.student)):
-        if ref is not None:
-            try:
-                check_model_ref(ref)
-            except (ValueError, FileNotFoundError) as e:
-                raise type(e)(f"{flag}: {e}") from None
-    try:
-        resolve_dtype(args.dtype, resolve_device(args.device))
-    except ValueError as e:
-        raise ValueError(f"--device/--dtype: {e}") from None
-
-
-def _spec(args):
-    from .data import load_prompts
-    from .decode import Sampling
-    from .experiment import RunSpec
-
-    _check_model_args(args)
-    rows = load_prompts(args.prompts_file, n=args.prompts)
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling)
-
-
 def _pair(args):
     """(teacher, student): ``--student`` variant at ``--prune`` (trained and cached first if missing)."""
-    from .models import load_pair
-    from .train.command import student_choice, train_choice
+    from kvlab.train.pair import load_pair
+    from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
     if variant is None:
@@ -99,8 +51,8 @@ def _pair(args):
 def _alone_student(args, student):
     """The Student row's model: ``standalone`` at the same shape when the OverFill student is a trained
     embedded variant (OverFill's own baseline), else the same student."""
-    from .models import load_student
-    from .train.command import student_choice, train_choice
+    from kvlab.train.pair import load_student
+    from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
     if variant in (None, "pruned", "standalone"):
@@ -110,8 +62,8 @@ def _alone_student(args, student):
 
 
 def cmd_baselines(args) -> list[Path]:
-    from .baselines import baselines, write_baselines
-    from .figures import render
+    from kvlab.studies.baselines import baselines, write_baselines
+    from kvlab.viz.figures import render
     from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
@@ -126,8 +78,8 @@ def cmd_baselines(args) -> list[Path]:
 
 
 def cmd_mc_sim(args) -> list[Path]:
-    from .figures import render
-    from .mcsim import simulate, write_outputs
+    from kvlab.viz.figures import render
+    from kvlab.uncertainty.mcsim import simulate, write_outputs
 
     result = simulate()
     info = write_outputs(result, args.out)
@@ -138,8 +90,8 @@ def cmd_mc_sim(args) -> list[Path]:
 
 def cmd_mc_real(args) -> list[Path]:
     """Real MC dropout on the student: per-step U / MI / flip vs entropy; correlations as JSON."""
-    from .experiment import write_table
-    from .mc import check_n_passes, check_p, correlation_study
+    from kvlab.studies.experiment import write_table
+    from kvlab.uncertainty.mc import check_n_passes, check_p, correlation_study
 
     check_n_passes(args.passes)
     ps = [check_p(p) for p in args.dropout]
@@ -148,7 +100,7 @@ def cmd_mc_real(args) -> list[Path]:
     traces, table = correlation_study(teacher, student, prompts, ps=ps, tokens=args.tokens, n_passes=args.passes,
                                       sampling=_spec(args).sampling)
     args.out.mkdir(parents=True, exist_ok=True)
-    from .figures import render
+    from kvlab.viz.figures import render
 
     traces.round(6).to_csv(args.out / "mc_real_traces.csv", index=False)
     paths = [args.out / "mc_real_traces.csv"] + list(write_table(table.round(4), args.out, "mc_real_correlations") or [])
@@ -158,14 +110,14 @@ def cmd_mc_real(args) -> list[Path]:
 
 
 def cmd_refresh(args) -> list[Path]:
-    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.refresh_choice)."""
+    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.refresh.choice)."""
     from dataclasses import replace as _replace
 
-    from .data import calibration_file, load_prompts
-    from .figures import render
-    from .forced import forced_table
-    from .refresh_choice import policy_choice, single_policy_tables
-    from .refresh_tables import provenance_table, refresh_tables, write_refresh
+    from kvlab.core.data import calibration_file, load_prompts
+    from kvlab.viz.figures import render
+    from kvlab.refresh.forced import forced_table
+    from kvlab.refresh.choice import policy_choice, single_policy_tables
+    from kvlab.refresh.tables import provenance_table, refresh_tables, write_refresh
     from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
@@ -205,10 +157,10 @@ def cmd_refresh(args) -> list[Path]:
 
 
 def cmd_figures(args) -> list[Path]:
-    from .figures import render_all
+    from kvlab.viz.figures import render_all
 
     if getattr(args, "from_results", False):
-        from .sweep.command import cmd_figures_from_results
+        from kvlab.sweep.command import cmd_figures_from_results
 
         return cmd_figures_from_results(args)
 
@@ -219,7 +171,7 @@ def cmd_figures(args) -> list[Path]:
 
 
 def cmd_sweep(args):
-    from .sweep.command import cmd_sweep as run
+    from kvlab.sweep.command import cmd_sweep as run
 
     return run(args)
 
@@ -234,7 +186,7 @@ def _mc_real_small(args):
 
 
 def _evict_args(p: argparse.ArgumentParser) -> None:
-    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.needle's)."""
+    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
     p.add_argument("--gamma", type=float, default=0.9, help="evict: Conf-KV confidence threshold γ in [0, 1]")
     p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
                    help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
@@ -251,10 +203,10 @@ def cmd_evict(args) -> list[Path]:
     """Eviction experiments: sawtooth figure, matched-memory table, needle-retrieval table."""
     from dataclasses import replace as _replace
 
-    from .evict_plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
-    from .evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
-    from .figures import render
-    from .policies import Periodic
+    from kvlab.eviction.plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
+    from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from kvlab.viz.figures import render
+    from kvlab.refresh.policies import Periodic
     from .store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
@@ -277,9 +229,9 @@ def cmd_evict(args) -> list[Path]:
 
 def cmd_train_missing(args) -> list[Path]:
     """Train (or find cached) every trained variant of the embedded student's shape."""
-    from .train.command import student_choice, train_choice
-    from .train.config import TRAINED_VARIANTS
-    from .train.weights import train_student
+    from kvlab.train.command import student_choice, train_choice
+    from kvlab.train.config import TRAINED_VARIANTS
+    from kvlab.train.weights import train_student
 
     variant, shape = student_choice(args)
     if variant is None:
@@ -290,7 +242,7 @@ def cmd_train_missing(args) -> list[Path]:
 
 
 def cmd_train_study(args) -> list[Path]:
-    from .train.report import train_study
+    from kvlab.train.report import train_study
 
     _check_model_args(args)
     return train_study(args)
@@ -322,9 +274,10 @@ def cmd_all(args) -> list[Path]:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench_decode, bench_mc
-    from .data import load_prompts
-    from .models import load_model, load_student, load_teacher
+    from kvlab.studies.bench import bench_decode, bench_mc
+    from kvlab.core.data import load_prompts
+    from kvlab.core.models import load_model, load_teacher
+    from kvlab.train.pair import load_student
 
     if args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
@@ -336,31 +289,31 @@ def cmd_bench(args) -> None:
                           f"python -m kvlab bench decode --tokens {args.tokens or 64} --repeats {args.repeats} "
                           f"--out {args.out}")
     elif args.what == "surgery":
-        from .bench import bench_surgery
+        from kvlab.studies.bench import bench_surgery
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
     elif args.what == "mc":
-        from .mc import check_n_passes, check_p
+        from kvlab.uncertainty.mc import check_n_passes, check_p
 
         check_n_passes(args.passes), check_p(args.dropout)   # before any model loads
         lm = load_student(device=args.device, dtype=args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         print(json.dumps(bench_mc(lm, prompt, tokens=args.tokens or 64, n_passes=args.passes, p=args.dropout), indent=1))
     elif args.what == "sweep":
-        from .sweep.bench import bench_sweep
+        from kvlab.sweep.bench import bench_sweep
 
         print(bench_sweep(tokens=args.tokens or 16, prompts=args.prompts, device=args.device, dtype=args.dtype))
     elif args.what == "refresh":
-        from .bench import bench_refresh
-        from .models import load_pair
+        from kvlab.studies.bench import bench_refresh
+        from kvlab.train.pair import load_pair
 
         teacher, student = load_pair(device=args.device, dtype=args.dtype)
         prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
     elif args.what == "evict":
-        from .bench import bench_evict
+        from kvlab.studies.bench import bench_evict
 
         if args.cache_len < 64:   # before any model loads
             raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
@@ -385,7 +338,7 @@ POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kap
 
 
 def _refresh_options(p: argparse.ArgumentParser) -> None:
-    """``refresh``: one policy and its parameters (checked in kvlab.refresh_choice), and the timing."""
+    """``refresh``: one policy and its parameters (checked in kvlab.refresh.choice), and the timing."""
     g = p.add_argument_group("one policy (default: the full table of every policy)")
     g.add_argument("--policy", default=None, help="periodic | entropy | probe-kl | speculative | mc")
     g.add_argument("--T", type=int, default=None, help="periodic: refresh every T steps")
@@ -478,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import-runs", type=Path, default=None, metavar="DIR",
                    help="first migrate the per-run JSON files of older kvlab versions in DIR into the run store")
     p.set_defaults(fn=cmd_figures)
-    from .sweep.command import add_sweep_arguments
+    from kvlab.sweep.command import add_sweep_arguments
 
     p = sub.add_parser("sweep", help="run a grid of configs over prompts (resumable; local, processes or Ray)")
     add_sweep_arguments(p)
@@ -511,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(fn=cmd_train_study)
     p = sub.add_parser("train-student", help="train the embedded student variants on the teacher (cached)")
-    from .train.command import add_train_arguments, cmd_train_student
+    from kvlab.train.command import add_train_arguments, cmd_train_student
 
     add_train_arguments(p)
     p.set_defaults(fn=cmd_train_student)

@@ -14,7 +14,7 @@ entries — it lags the last emitted token by one entry. The loop owns positions
 written at position ``L + t - 2`` taken from the cache's ``next_position``, never from its length.
 
 Refresh (overfill only; seed 000 "KV Cache Refresh"). ``DecodeConfig.refresh`` is a policy (see
-:mod:`kvlab.refresh` for the protocol, :mod:`kvlab.policies` for Periodic / EntropyGate / ProbeKL /
+:mod:`kvlab.refresh.base` for the protocol, :mod:`kvlab.refresh.policies` for Periodic / EntropyGate / ProbeKL /
 Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is due, then asks
 ``policy.should_refresh(record)``. A refresh at step ``t`` (never after the last step):
 
@@ -79,9 +79,9 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .cache import KVCache
-from .compat import IncompatiblePairError, kv_compat
-from .eviction.base import EvictView, validate_evict
-from .refresh import PROBES, ProbeContext, policy_dict, validate_policy
+from kvlab.core.compat import IncompatiblePairError, kv_compat
+from kvlab.eviction.base import EvictView, validate_evict
+from kvlab.refresh.base import PROBES, ProbeContext, policy_dict, validate_policy
 
 MODES = ("teacher", "student", "overfill")
 REFRESH_NEXT = ("rerun", "student", "teacher")
@@ -118,7 +118,7 @@ class DecodeConfig:
     chat: bool = True             # apply the tokenizer's chat template to the prompt
     keep_dists: bool = False      # keep every step's full log-distribution (for KL scoring)
     rebuild_student_cache: bool = False  # overfill with an incompatible pair: student prefills from text
-    refresh: Any = None           # a refresh policy (kvlab.policies) or None; overfill only
+    refresh: Any = None           # a refresh policy (kvlab.refresh.policies) or None; overfill only
     refresh_next: str = "rerun"   # who picks the token after a refresh: "rerun" | "student" | "teacher"
     evict: Any = None             # an eviction policy (kvlab.eviction) or None; every mode
 

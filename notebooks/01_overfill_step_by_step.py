@@ -46,13 +46,13 @@ TABLE_TOKENS = 8 if SMOKE else 128      # tokens per run in the table
 # %%
 from IPython.display import Markdown, display
 
-from kvlab import readings
+from kvlab.viz import readings
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 
 # %%
 import kvlab
-from kvlab.models import load_pair
+from kvlab.train.pair import load_pair
 
 teacher, student = load_pair(variant=STUDENT)
 print(teacher.name, "→", student.name)
@@ -69,7 +69,7 @@ print("MLP width:", teacher.config.intermediate_size, "→", student.config.inte
 # the rest.
 
 # %%
-from kvlab.data import load_prompts
+from kvlab.core.data import load_prompts
 
 prompt = load_prompts(n=1)[0]["prompt"]
 print(prompt)
@@ -106,7 +106,7 @@ display(ledger.tail(N_TOKENS + 3))
 display(Markdown(readings.read_ledger(ledger, len(dec.prompt_ids))))
 
 # %%
-from kvlab.plots import plot_cache_writers
+from kvlab.viz.plots import plot_cache_writers
 
 plot_cache_writers(ledger["writer"])
 
@@ -127,10 +127,10 @@ plot_cache_writers(ledger["writer"])
 # Runs are stored by config, so re-running this cell is instant.
 
 # %%
-from kvlab.baselines import baselines
-from kvlab.experiment import RunSpec
+from kvlab.studies.baselines import baselines
+from kvlab.studies.experiment import RunSpec
 from kvlab.store import RunStore
-from kvlab.tableview import show
+from kvlab.viz.tableview import show
 
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=N_PROMPTS)), tokens=TABLE_TOKENS)
 table, per_run = baselines(teacher, student, spec, RunStore(), progress=True)
@@ -143,7 +143,7 @@ view           # every column: view.full
 display(Markdown(readings.read_baselines(table)))
 
 # %%
-from kvlab.plots import baselines_figure
+from kvlab.viz.plots import baselines_figure
 
 baselines_figure({"baselines": table})
 

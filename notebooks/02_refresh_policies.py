@@ -27,7 +27,7 @@
 #
 # This notebook shows one entropy-gated generation, which cache entries come from which model over time,
 # and the blog's refresh tables over a prompt set, each with a computed **How to read this**. All logic is
-# in `kvlab.refresh`, `kvlab.policies`, `kvlab.refresh_tables`, `kvlab.readings`.
+# in `kvlab.refresh.base`, `kvlab.refresh.policies`, `kvlab.refresh.tables`, `kvlab.viz.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -46,17 +46,17 @@ SEED = 0
 # %%
 from IPython.display import Markdown, display
 
-from kvlab import readings
-from kvlab.data import calibration_file, load_prompts
+from kvlab.viz import readings
+from kvlab.core.data import calibration_file, load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
-from kvlab.experiment import RunSpec
-from kvlab.models import load_pair
-from kvlab.plots import plot_entropy_trace, plot_provenance, refresh_pareto_figure
-from kvlab.policies import EntropyGate, Periodic
-from kvlab.refresh import provenance, run_costs
-from kvlab.refresh_tables import calibrate, refresh_tables, timing_note
+from kvlab.studies.experiment import RunSpec
+from kvlab.train.pair import load_pair
+from kvlab.viz.plots import plot_entropy_trace, plot_provenance, refresh_pareto_figure
+from kvlab.refresh.policies import EntropyGate, Periodic
+from kvlab.refresh.base import provenance, run_costs
+from kvlab.refresh.tables import calibrate, refresh_tables, timing_note
 from kvlab.store import RunStore
-from kvlab.tableview import show
+from kvlab.viz.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
@@ -169,11 +169,11 @@ refresh_pareto_figure({"refresh_all": tables["refresh_all"], "refresh_timing": t
 # %% [markdown]
 # ## The mechanism with the tokens held fixed
 # Free-running runs mix two effects: the refresh changes the cache, then the sampled path diverges.
-# `kvlab.forced` fixes the tokens (the teacher's greedy continuation) and only changes who wrote the
+# `kvlab.refresh.forced` fixes the tokens (the teacher's greedy continuation) and only changes who wrote the
 # cache before the student reads the second half teacher-forced.
 
 # %%
-from kvlab.forced import forced_table
+from kvlab.refresh.forced import forced_table
 
 print(f"forced table: {len(spec.prompts)} prompt(s) × 4 cache conditions", flush=True)
 forced, _ = forced_table(teacher, student, spec.prompts, store, tokens=TOKENS, split=TOKENS // 2,

@@ -50,7 +50,7 @@ REFRACTORY = 8 if SMOKE else 32        # the gate's refractory gap
 # %%
 from IPython.display import Markdown, display
 
-from kvlab import readings
+from kvlab.viz import readings
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 
@@ -62,7 +62,7 @@ display(Markdown(readings.smoke_banner(SMOKE)))
 # blog's settings (`mcsim.SimConfig` defaults) are printed with the result.
 
 # %%
-from kvlab import mcsim
+from kvlab.uncertainty import mcsim
 
 sim = mcsim.simulate()
 cfg = sim.config
@@ -92,7 +92,7 @@ display(Markdown(
     f"the drift, so the {sim.config.mcvar_pct:g}th percentile puts τ among their variances and noise crosses it."))
 
 # %%
-from kvlab.tableview import show
+from kvlab.viz.tableview import show
 
 display(show(sim.phase_summary.reset_index(), {"phase": "phase", "steps": "steps", "mean entropy (bits)": "mean_entropy",
                                                "mean MC variance U(t)": "mean_mcvar", "entropy gate fired (share)": "frac_entropy_fire",
@@ -102,7 +102,7 @@ display(Markdown(readings.read_phase_summary(sim.phase_summary)))
 # %% [markdown]
 # ## Part 2 — real MC dropout on the student
 # The embedded student (SmolLM2-135M with part of its MLP channels pruned; the share is printed
-# below) was not trained with dropout, so `kvlab.mc.mc_dropout` *injects* it: forward hooks multiply every decoder layer's
+# below) was not trained with dropout, so `kvlab.uncertainty.mc.mc_dropout` *injects* it: forward hooks multiply every decoder layer's
 # attention and MLP output by an inverted-dropout mask, independently per batch row, and come
 # off on exit (also on error). At a decode step the clean forward drives decoding;
 # `KVCache.probe_last` re-runs the same step as one batch of N on `expand`-ed views of the prefix
@@ -114,9 +114,9 @@ display(Markdown(readings.read_phase_summary(sim.phase_summary)))
 # * `flip` — the fraction of noisy passes whose argmax differs from the clean pass's.
 
 # %%
-from kvlab import mc
-from kvlab.data import load_prompts
-from kvlab.models import load_pair
+from kvlab.uncertainty import mc
+from kvlab.core.data import load_prompts
+from kvlab.train.pair import load_pair
 
 teacher, student = load_pair(variant=STUDENT)
 pruned = 1 - student.config.intermediate_size / teacher.config.intermediate_size
@@ -164,7 +164,7 @@ first[["step", "token", "entropy", "u", "mi", "flip"]].head(12).round(3)
 # (`MCGate.calibrated(...)` does it for one signal; here one calibration run serves all three).
 
 # %%
-from kvlab.data import calibration_file
+from kvlab.core.data import calibration_file
 
 calib = [r["prompt"] for r in load_prompts(calibration_file(), n=CALIB_PROMPTS)]
 taus = mc.calibration_thresholds(teacher, student, percentile=PERCENTILE, prompts=calib, tokens=CALIB_TOKENS,

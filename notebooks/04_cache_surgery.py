@@ -40,10 +40,10 @@ AFTER_TOKENS = 6 if SMOKE else 24      # tokens generated after it
 # %%
 from IPython.display import Markdown, display
 
-from kvlab import readings
+from kvlab.viz import readings
 from kvlab.decode import Decoding
-from kvlab.livemap import live_map_figure
-from kvlab.models import load_teacher
+from kvlab.viz.livemap import live_map_figure
+from kvlab.core.models import load_teacher
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 lm = load_teacher()  # CUDA (bf16) when present, else CPU

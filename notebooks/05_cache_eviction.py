@@ -32,8 +32,8 @@
 #
 # This notebook: (1) one run step by step with the live map shrinking, (2) the confidence trace
 # with γ and the budget switching, (3) the sawtooth of every policy on one prompt, (4) the
-# matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.evict_tables`,
-# `kvlab.needle`, `kvlab.evict_plots`; the readings in `kvlab.readings`.
+# matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.eviction.tables`,
+# `kvlab.eviction.needle`, `kvlab.eviction.plots`; the readings in `kvlab.viz.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -58,18 +58,18 @@ SEED = 0
 # %matplotlib inline
 from IPython.display import Markdown, display
 
-from kvlab import readings
-from kvlab.data import load_prompts
+from kvlab.viz import readings
+from kvlab.core.data import load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
 from kvlab.eviction import ConfKV
-from kvlab.evict_plots import evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
-from kvlab.evict_tables import EvictStudy, NeedleGrid, evict_tables
-from kvlab.experiment import RunSpec
-from kvlab.livemap import live_map_figure
-from kvlab.models import load_pair
-from kvlab.needle import needle_markdown
+from kvlab.eviction.plots import evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
+from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables
+from kvlab.studies.experiment import RunSpec
+from kvlab.viz.livemap import live_map_figure
+from kvlab.train.pair import load_pair
+from kvlab.eviction.needle import needle_markdown
 from kvlab.store import RunStore
-from kvlab.tableview import show
+from kvlab.viz.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU

@@ -43,7 +43,7 @@ TAU_PERCENTILE = 90.0                    # initial τ: this calibrated percentil
 CALIB_PROMPTS = 1 if SMOKE else 2        # calibration prompts (data/calibration.jsonl) for τ/κ percentiles
 PRUNE_RATIO = 0.3                        # the student shown first: the untrained one pruned at this MLP ratio
 PRUNE_RATIOS = (0.3,) if SMOKE else (0.2, 0.3, 0.4, 0.5)   # pruned students offered (pruned on first use)
-# the "student" dropdown also offers the trained variants (kvlab.models.STUDENT_VARIANTS, when present):
+# the "student" dropdown also offers the trained variants (kvlab.core.models.STUDENT_VARIANTS, when present):
 # each loads from the model cache on first use, or the page names the command that trains it
 TAU_STEP = 0.25                          # τ slider step (bits): precompute runs every position
 SEED = 0
@@ -51,8 +51,8 @@ SEED = 0
 # %%
 from transformers.utils import logging as hf_logging
 
-from kvlab.data import calibration_file, load_prompts
-from kvlab.models import load_pair
+from kvlab.core.data import calibration_file, load_prompts
+from kvlab.train.pair import load_pair
 from kvlab.playground import Playground, Range, Settings
 from kvlab.playground.view import PlaygroundView
 from kvlab.store import RunStore

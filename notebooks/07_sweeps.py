@@ -20,7 +20,7 @@
 # over a prompt set and writes one row per finished (config, prompt, seed) into a Parquet results
 # table. It resumes (a rerun skips finished rows), records failing configs as error rows, and runs
 # in this process, in worker processes (`workers=2`) or on Ray (`engine="ray"`) — the same rows
-# either way. Logic: `kvlab.sweep` (spec, engines, runner, tables) and `kvlab.results`.
+# either way. Logic: `kvlab.sweep` (spec, engines, runner, tables) and `kvlab.store.results`.
 # The same grid runs from a shell: `python -m kvlab sweep examples/sweep_refresh.toml`.
 
 # %% tags=["parameters"]
@@ -43,12 +43,12 @@ import tomllib
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from kvlab import readings
-from kvlab.plots import place_labels
-from kvlab.results import Results
+from kvlab.viz import readings
+from kvlab.viz.plots import place_labels
+from kvlab.store.results import Results
 from kvlab.sweep import parse_spec, run_sweep
 from kvlab.sweep.tables import config_summary, pareto_mask
-from kvlab.tableview import show
+from kvlab.viz.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 

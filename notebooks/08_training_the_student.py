@@ -36,7 +36,7 @@
 import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
-SHAPE = None                       # prune shape; None = kvlab.models.DEFAULT_SHAPE
+SHAPE = None                       # prune shape; None = kvlab.core.models.DEFAULT_SHAPE
 N_PROMPTS = 1 if SMOKE else 8      # prompts of the before/after table
 N_TOKENS = 8 if SMOKE else 128     # tokens per run
 
@@ -48,7 +48,7 @@ N_TOKENS = 8 if SMOKE else 128     # tokens per run
 # %%
 import torch
 
-from kvlab.tiny import make_tiny_lm
+from kvlab.core.tiny import make_tiny_lm
 from kvlab.train.data import Example
 from kvlab.train.forward import student_forward, teacher_cache, token_losses
 
@@ -74,8 +74,8 @@ print(f"loss terms per token: CE {ce.mean():.3f}, KL {kl.mean():.3f} nats")
 # %%
 import pandas as pd
 
-from kvlab.models import DEFAULT_SHAPE
-from kvlab.prune import PruneShape
+from kvlab.core.models import DEFAULT_SHAPE
+from kvlab.core.prune import PruneShape
 from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
 from kvlab.train.study import curves_frame
 from kvlab.train.weights import train_command, trained_dir
@@ -107,10 +107,11 @@ display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "
 # **Smoke mode / untrained cache:** only the untrained pair is shown (a note says so).
 
 # %%
-from kvlab.baselines import baselines
-from kvlab.data import load_prompts
-from kvlab.experiment import RunSpec
-from kvlab.models import load_student, load_teacher
+from kvlab.studies.baselines import baselines
+from kvlab.core.data import load_prompts
+from kvlab.studies.experiment import RunSpec
+from kvlab.core.models import load_teacher
+from kvlab.train.pair import load_student
 from kvlab.store import RunStore
 
 teacher = load_teacher()

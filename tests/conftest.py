@@ -7,7 +7,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvlab.tiny import make_tiny_lm  # noqa: E402  (tests import it from here)
+from kvlab.core.tiny import make_tiny_lm  # noqa: E402  (tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +25,6 @@ def tiny_student():
 def real_pair():
     """The embedded teacher and the UNTRAINED pruned student (i0.30; CPU, fp32), built once into the kvlab
     cache dir. Tests never train the full students (CI starts with an empty model cache)."""
-    from kvlab.models import load_pair
+    from kvlab.train.pair import load_pair
 
     return load_pair(device="cpu", variant="pruned", shape="i0.30")

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlab.evict_tables import (capped_mean, invert_capped, matched_table, paired_ci, run_memory, sawtooth_frame,
+from kvlab.eviction.tables import (capped_mean, invert_capped, matched_table, paired_ci, run_memory, sawtooth_frame,
                                 solve_budget)
-from kvlab.needle import (FILLER, INTRO, NEEDLE, QUESTION, build_case, check_grid, digits_correct, is_correct,
+from kvlab.eviction.needle import (FILLER, INTRO, NEEDLE, QUESTION, build_case, check_grid, digits_correct, is_correct,
                           make_cases, parse_key)
 
 # --------------------------------------------------------------------------- solver
@@ -98,7 +98,7 @@ def test_paired_ci_and_matched_table():
 
 
 def test_intervals_refused_below_five_pairs():
-    from kvlab.experiment import ci_text, paired_bootstrap
+    from kvlab.studies.experiment import ci_text, paired_bootstrap
 
     per_run = _per_run()
     few = per_run[per_run.prompt_idx < 4]
@@ -179,7 +179,7 @@ def test_check_grid_names_the_parameter(kw, msg):
 
 
 def test_sawtooth_figure_renders_from_stored_csv(tmp_path):
-    from kvlab.figures import render
+    from kvlab.viz.figures import render
 
     mb = 2 ** 20
     fake = {}
@@ -192,7 +192,7 @@ def test_sawtooth_figure_renders_from_stored_csv(tmp_path):
     assert set(df.policy) == {"full", "confkv"} and df.cache_mb.iloc[0] == pytest.approx(50 * 1000 / mb)
     assert df[df.policy == "confkv"].evicted.sum() > 0
     df.to_csv(tmp_path / "evict_sawtooth.csv", index=False)
-    from kvlab import evict_plots  # noqa: F401  (registers)
+    from kvlab.eviction import plots as evict_plots  # noqa: F401  (registers)
 
     png = render("evict_sawtooth", tmp_path)
     assert png is not None and png.stat().st_size > 10_000
@@ -202,8 +202,8 @@ def test_sawtooth_figure_renders_from_stored_csv(tmp_path):
 
 
 def test_needle_figure_and_markdown_from_table(tmp_path):
-    from kvlab import evict_plots
-    from kvlab.needle import needle_markdown, needle_table
+    from kvlab.eviction import plots as evict_plots
+    from kvlab.eviction.needle import needle_markdown, needle_table
 
     rows = [{"policy": p, "length": n, "depth": d, "rep": 0, "key": "11111", "prompt_tokens": n,
              "answer": "", "correct": float(p == "full" or d == 1.0), "digits": 1.0, "answer_cache_len": 10.0,
@@ -242,11 +242,11 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     """The whole job end to end: matched budgets really match (within tol or one knob step),
     runs are reused from the store on a rerun, every CSV renders into its figure."""
     from kvlab.decode import Sampling
-    from kvlab.evict_tables import EvictStudy, NeedleGrid, evict_tables, write_evict
-    from kvlab.experiment import RunSpec
-    from kvlab import evict_plots  # noqa: F401  (registers)
-    from kvlab.figures import render
-    from kvlab.policies import Periodic
+    from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from kvlab.studies.experiment import RunSpec
+    from kvlab.eviction import plots as evict_plots  # noqa: F401  (registers)
+    from kvlab.viz.figures import render
+    from kvlab.refresh.policies import Periodic
     from kvlab.store import RunStore
 
     spec = RunSpec(prompts=("the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today? " * 2),
@@ -285,7 +285,7 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
 
 
 def test_eviction_rate_counts_only_over_budget_steps():
-    from kvlab.evict_tables import eviction_rate
+    from kvlab.eviction.tables import eviction_rate
 
     steps = {"cache_len": [40, 48, 49, 50, 48, 47], "evicted": [0, 3, 0, 0, 2, 0]}
     # pre-evict lengths 40, 51, 49, 50, 50, 47: over 48 at steps 2-5 (4 steps), evictions at 2 and 5
@@ -295,13 +295,13 @@ def test_eviction_rate_counts_only_over_budget_steps():
 
 @pytest.mark.parametrize("budget", [64, 128, 200])
 def test_needle_policies_share_one_peak_budget(budget):
-    from kvlab.needle import needle_policies
+    from kvlab.eviction.needle import needle_policies
 
     pols = needle_policies(budget)
     assert pols["full"] is None
     assert pols["sliding"].window == budget and pols["h2o"].budget == budget and pols["confkv"].loose == budget
     b = pols["block"]
     assert b.max_after_eviction <= budget                      # OpenVINO's peak: max + block - 1
-    from kvlab.needle import ANSWER_TOKENS
+    from kvlab.eviction.needle import ANSWER_TOKENS
     assert pols["snapkv"].budget + ANSWER_TOKENS <= budget
     assert pols["pyramidkv"].budget == pols["snapkv"].budget          # same mean entries per layer

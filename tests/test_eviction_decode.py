@@ -11,7 +11,7 @@ from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Decoding, Sampling, run
 from kvlab.eviction import (H2O, BlockEvict, ConfKV, FullCache, PyramidKV, RandomEvict, Scissorhands, SlidingWindow,
                             SnapKV)
-from kvlab.policies import Periodic
+from kvlab.refresh.policies import Periodic
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 2
 

@@ -13,7 +13,7 @@ import pytest
 def test_kvlab_figures_display_as_png_without_pyplot():
     from IPython.core.formatters import PNGFormatter
 
-    from kvlab.figbase import new_figure
+    from kvlab.viz.base import new_figure
 
     fig = new_figure(figsize=(2, 1))
     fig.subplots().plot([0, 1], [1, 0])
@@ -23,10 +23,10 @@ def test_kvlab_figures_display_as_png_without_pyplot():
 
 
 def test_registry_has_no_import_circle_and_no_side_effects():
-    code = ("import sys, matplotlib; b = matplotlib.get_backend.__module__; import kvlab.plots; "
-            "assert 'kvlab.figures' not in sys.modules, 'plots imports figures'; "
+    code = ("import sys, matplotlib; b = matplotlib.get_backend.__module__; import kvlab.viz.plots; "
+            "assert 'kvlab.viz.figures' not in sys.modules, 'plots imports figures'; "
             "import kvlab; assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'; "
-            "from kvlab.figures import FIGURES, render; from kvlab.figures import _load_registrations; "
+            "from kvlab.viz.figures import FIGURES, render; from kvlab.viz.figures import _load_registrations; "
             "_load_registrations(); print(sorted(FIGURES))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -51,7 +51,7 @@ def _refresh_tables(n=11):
 
 
 def test_pareto_labels_do_not_overlap_and_legend_is_outside_the_axes():
-    from kvlab.plots import refresh_pareto_figure
+    from kvlab.viz.plots import refresh_pareto_figure
 
     fig = refresh_pareto_figure(_refresh_tables())
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -73,7 +73,7 @@ def test_pareto_labels_do_not_overlap_and_legend_is_outside_the_axes():
 
 
 def test_mc_real_figure_renders_one_row_per_p(tmp_path):
-    from kvlab.figures import render
+    from kvlab.viz.figures import render
 
     rng = np.random.default_rng(1)
     tr = pd.DataFrame({"p": np.repeat([0.05, 0.1], 20), "entropy": rng.random(40), "u": rng.random(40),
@@ -83,7 +83,7 @@ def test_mc_real_figure_renders_one_row_per_p(tmp_path):
     tr.to_csv(tmp_path / "mc_real_traces.csv", index=False)
     corr.to_csv(tmp_path / "mc_real_correlations.csv", index=False)
     assert render("mc_real", tmp_path).is_file()
-    from kvlab.plots import mc_real_figure
+    from kvlab.viz.plots import mc_real_figure
 
     fig = mc_real_figure({"mc_real_traces": tr, "mc_real_correlations": corr})
     assert len(fig.axes) == 6 and fig.axes[4].get_title() == "p=0.1: r = +0.40"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.forced import condition_caches, forced_kl, forced_table
+from kvlab.refresh.forced import condition_caches, forced_kl, forced_table
 from kvlab.store import RunStore
 
 

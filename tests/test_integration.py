@@ -51,7 +51,7 @@ def test_baselines_cli_end_to_end(tmp_path):
         assert col in timing
     assert (out / "baselines.md").is_file() and (out / "baselines.png").is_file()
     assert (out / "baselines_timing.png").is_file()
-    from kvlab.results import Store
+    from kvlab.store.results import Store
 
     n_runs = len(Store(runs).ok_keys())
     assert n_runs == 3 and len(Store(runs).load()) == 3

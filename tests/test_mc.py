@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab import mc
+from kvlab.uncertainty import mc
 from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.mc import MCGate, mc_dropout, mc_signals, mc_step
+from kvlab.uncertainty.mc import MCGate, mc_dropout, mc_signals, mc_step
 
 
 def _snapshot(cache: KVCache):
@@ -259,7 +259,7 @@ def test_replay_gate_matches_seed_count_triggers():
     """On a plain series, replaying MCGate equals the seed's count_triggers (M=probe_every)."""
     import pandas as pd
 
-    from kvlab.mcsim import count_triggers
+    from kvlab.uncertainty.mcsim import count_triggers
 
     rng = np.random.default_rng(3)
     series = rng.random(200)
@@ -343,7 +343,8 @@ def test_calibration_is_the_percentile_of_the_traces(tiny_teacher, tiny_student)
     (["mc-real", "--passes", "0"], "n_passes"),
 ])
 def test_cli_bad_mc_input_fails_before_loading_models(argv, needle, capsys, monkeypatch):
-    from kvlab import cli, models
+    from kvlab import cli
+    from kvlab.train import pair as models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before validation")
@@ -357,7 +358,7 @@ def test_cli_bad_mc_input_fails_before_loading_models(argv, needle, capsys, monk
 def test_mcgate_runs_in_the_refresh_loop(tiny_teacher, tiny_student):
     """The "mc" probe is registered and the decode loop drives MCGate through the generic protocol."""
     from kvlab import run
-    from kvlab.refresh import PROBES, run_costs
+    from kvlab.refresh.base import PROBES, run_costs
 
     assert "mc" in PROBES
     gate = MCGate(threshold=-1.0, signal="mi", probe_every=3, refractory=0, n_passes=2, dropout_p=0.2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab.decode import Sampling, Trace, DecodeConfig, token_stats
-from kvlab.metrics import kl_rows, repeat_at_n, score
+from kvlab.core.metrics import kl_rows, repeat_at_n, score
 
 from conftest import make_tiny_lm
 
@@ -95,7 +95,7 @@ def test_kl_excludes_teacher_chosen_steps():
 def test_kl_on_refreshed_run_counts_student_steps_only(tiny_teacher, tiny_student):
     """OverFill + refresh_next="teacher": step 1 and every post-refresh step are teacher-chosen."""
     from kvlab import run
-    from kvlab.policies import Periodic
+    from kvlab.refresh.policies import Periodic
 
     tr = run(tiny_teacher, tiny_student, "hello world", mode="overfill", max_new_tokens=16, keep_dists=True,
              refresh=Periodic(4), refresh_next="teacher", sampling=Sampling(0.8, 1.0, 3))
@@ -147,10 +147,10 @@ def test_every_written_table_states_its_kl(tmp_path):
     """Tables with KL columns say which steps they average; the forced table says its own meaning."""
     import pandas as pd
 
-    from kvlab import provenance
-    from kvlab.forced import FORCED_NOTE
-    from kvlab.metrics import KL_ALL_NOTE, KL_NOTE
-    from kvlab.refresh_tables import write_refresh
+    from kvlab.store import provenance
+    from kvlab.refresh.forced import FORCED_NOTE
+    from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE
+    from kvlab.refresh.tables import write_refresh
 
     tables = {"refresh_methods": pd.DataFrame({"policy": ["none"], "kl": [0.5], "kl_all": [0.49]}),
               "refresh_forced": pd.DataFrame({"condition": ["overfill"], "kl": [0.4]}),

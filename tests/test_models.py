@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvlab import kv_compat
-from kvlab import models
-from kvlab.models import load_model, resolve_device, resolve_dtype
-from kvlab.prune import prune_lm
+from kvlab.core import models
+from kvlab.core.models import load_model, resolve_device, resolve_dtype
+from kvlab.core.prune import prune_lm
 from conftest import make_tiny_lm
 
 

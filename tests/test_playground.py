@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.experiment import run_config, scored_run
-from kvlab.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+from kvlab.studies.experiment import run_config, scored_run
+from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
 from kvlab.playground import Playground, Settings, Stepper, check, decode_config
 from kvlab.playground.controller import fmt
 from kvlab.playground.settings import Range, percentile_of

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.experiment import scored_run
+from kvlab.studies.experiment import scored_run
 from kvlab.playground import Playground, Settings, Stepper, decode_config
 from kvlab.playground.controller import fmt, nice_range, readouts
 from kvlab.playground.settings import refresh_policy
@@ -73,7 +73,7 @@ def test_spread_is_mean_and_paired_ci_over_prompts_and_seeds(pg, tiny_teacher, t
     for prompt in PROMPTS[:3]:
         for seed in (3, 4):
             samp = Sampling(temperature=0.7, top_p=0.9, seed=seed)
-            from kvlab.policies import Periodic
+            from kvlab.refresh.policies import Periodic
             r = scored_run(tiny_teacher, tiny_student, prompt, DecodeConfig(mode="overfill", max_new_tokens=N, sampling=samp,
                                                                             refresh=Periodic(4)), direct)
             b = scored_run(tiny_teacher, tiny_student, prompt, DecodeConfig(mode="overfill", max_new_tokens=N, sampling=samp),
@@ -231,7 +231,7 @@ def test_view_plot_details(pg):
 
 def test_the_playground_switches_students(tiny_teacher, tiny_student, tmp_path):
     from kvlab.playground.controller import load_variant
-    from kvlab.tiny import make_tiny_lm
+    from kvlab.core.tiny import make_tiny_lm
 
     other = make_tiny_lm(seed=2, intermediate_size=48)
     p = Playground(tiny_teacher, students={0.3: tiny_student, "standalone": other}, store=RunStore(tmp_path),
@@ -253,7 +253,7 @@ def test_a_trained_student_missing_from_the_cache_is_a_control_error(tiny_teache
                                                                     monkeypatch):
     """The playground never trains: choosing a trained variant the model cache lacks marks the "student"
     control with the train-student command and loads nothing; once it is in the cache the choice is fine."""
-    from kvlab.models import DEFAULT_SHAPE
+    from kvlab.core.models import DEFAULT_SHAPE
     from kvlab.playground.students import student_problem, student_variants_offered
     from kvlab.train.weights import trained_dir
 

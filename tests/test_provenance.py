@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvlab import provenance
+from kvlab.store import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_git_commit_in_checkout():
 def test_no_git_outside_a_checkout(tmp_path):
     """A copy of the package outside any checkout: git_commit() is None, nothing raises."""
     shutil.copytree(ROOT / "kvlab", tmp_path / "kvlab", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("from kvlab import provenance as p; assert p.git_commit() is None and p.git_dirty() is None; "
+    code = ("from kvlab.store import provenance as p; assert p.git_commit() is None and p.git_dirty() is None; "
             "assert p.source_root() is None; print(p.source_label())")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})

@@ -1,4 +1,4 @@
-"""kvlab.prune keeps MLP channels by importance: a random choice of channels must do worse."""
+"""kvlab.core.prune keeps MLP channels by importance: a random choice of channels must do worse."""
 from __future__ import annotations
 
 import copy
@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from kvlab.data import calibration_file, load_prompts
-from kvlab.metrics import kl_rows
-from kvlab.models import LM
-from kvlab.prune import prune_lm, prune_mlp
+from kvlab.core.data import calibration_file, load_prompts
+from kvlab.core.metrics import kl_rows
+from kvlab.core.models import LM
+from kvlab.core.prune import prune_lm, prune_mlp
 
 from conftest import make_tiny_lm
 
@@ -54,7 +54,7 @@ def test_importance_pruning_beats_random_channels_tiny():
 @pytest.mark.integration
 def test_importance_pruning_beats_random_channels_real(real_pair):
     """The embedded teacher at the default ratio: the pruned student is far closer than random channels."""
-    from kvlab.models import DEFAULT_PRUNE
+    from kvlab.core.models import DEFAULT_PRUNE
 
     teacher, _ = real_pair
     prompts = [r["prompt"] for r in load_prompts(calibration_file())]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
-from kvlab.refresh_choice import _build, policy_choice
+from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+from kvlab.refresh.choice import _build, policy_choice
 
 
 @pytest.mark.parametrize("policy, kw, expected", [
@@ -65,7 +65,7 @@ def test_refresh_cli_rejects_bad_policy_before_work(args, needle, tmp_path, caps
 
 
 def test_incompatible_pair_error_names_the_cli_flag():
-    from kvlab.compat import Compat, IncompatiblePairError, Mismatch
+    from kvlab.core.compat import Compat, IncompatiblePairError, Mismatch
 
     err = IncompatiblePairError(Compat((Mismatch("num_key_value_heads", 2, 4),)))
     assert "--rebuild-student-cache" in str(err) and "rebuild_student_cache=True" in str(err)
@@ -73,7 +73,7 @@ def test_incompatible_pair_error_names_the_cli_flag():
 
 def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
     """--rebuild-student-cache turns on DecodeConfig.rebuild_student_cache for the OverFill baseline."""
-    from kvlab import baselines as b
+    from kvlab.studies import baselines as b
     from kvlab import cli
 
     seen = {}
@@ -97,9 +97,9 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
                                                      "passes": 2}, None)])
 def test_single_policy_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path, policy, kw, nxt):
     from kvlab.decode import Sampling
-    from kvlab.experiment import RunSpec
-    from kvlab.refresh_choice import single_policy_tables
-    from kvlab.refresh_tables import write_refresh
+    from kvlab.studies.experiment import RunSpec
+    from kvlab.refresh.choice import single_policy_tables
+    from kvlab.refresh.tables import write_refresh
     from kvlab.store import RunStore
 
     samp = Sampling(0.7, 0.9, 0)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvlab import provenance
-from kvlab.data import load_prompts
+from kvlab.store import provenance
+from kvlab.core.data import load_prompts
 from kvlab.store import RunStore, default_root
 
 
@@ -123,14 +123,17 @@ def test_cli_rejects_bad_input_before_work(args, needle, tmp_path):
     ["baselines", "--teacher", "./no-such-folder"],
 ])
 def test_cli_validates_model_args_before_any_model_loads(argv, tmp_path, monkeypatch, capsys):
-    import kvlab.models as models
+    import kvlab.core.models as models
+    import kvlab.train.pair as pair
     from kvlab import cli
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the arguments were validated")
 
-    for name in ("load_pair", "load_teacher", "load_student", "load_model"):
+    for name in ("load_teacher", "load_model"):
         monkeypatch.setattr(models, name, boom)
+    for name in ("load_pair", "load_student"):
+        monkeypatch.setattr(pair, name, boom)
     assert cli.main([*argv, "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]) == 2
     assert "error: --" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()

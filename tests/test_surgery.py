@@ -469,7 +469,7 @@ def test_real_model_surgery(real_pair):
 
 
 def test_live_map_figure(lm2):
-    from kvlab.livemap import live_map_figure
+    from kvlab.viz.livemap import live_map_figure
 
     c, _ = KVCache.prefill(lm2.model, [5, 9, 13, 21], writer="t")
     before = list(c.live)
@@ -481,7 +481,7 @@ def test_live_map_figure(lm2):
 
 
 def test_bench_surgery_tiny(lm2):
-    from kvlab.bench import bench_surgery
+    from kvlab.studies.bench import bench_surgery
 
     out = bench_surgery(lm2, cache_len=64, pairs=4, repeats=1)
     assert out["identical"] is True

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.results import CodeVersionMismatch, Store, load
+from kvlab.store.results import CodeVersionMismatch, Store, load
 from kvlab.sweep import SpecError, load_spec, parse_spec, run_sweep
 from kvlab.sweep.task import execute
 
@@ -125,7 +125,7 @@ def test_cli_flags_build_the_same_grid():
 
 def test_student_axis_defaults_old_key_and_flags():
     from kvlab.cli import build_parser
-    from kvlab.models import DEFAULT_SHAPE, DEFAULT_VARIANT
+    from kvlab.core.models import DEFAULT_SHAPE, DEFAULT_VARIANT
     from kvlab.sweep.command import spec_from_args
     from kvlab.sweep.students import StudentChoice
 
@@ -225,7 +225,7 @@ def test_a_pair_that_fails_to_load_fails_only_its_tasks(tmp_path):
 
 
 def test_rows_name_the_embedded_student_from_its_fingerprint():
-    from kvlab.runrows import config_columns
+    from kvlab.store.rows import config_columns
     from kvlab.train.config import TRAINED_VARIANTS
     from kvlab.train.weights import trained_name
 
@@ -287,7 +287,7 @@ def test_compaction_survives_columns_of_mixed_kinds(tmp_path):
 
 
 def test_old_json_runs_migrate_into_the_store(tmp_path):
-    from kvlab import provenance
+    from kvlab.store import provenance
 
     old = tmp_path / "old"
     old.mkdir()
@@ -398,7 +398,7 @@ def test_rows_of_another_code_version_are_refused(tmp_path):
 def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
     """A run made by a table, then asked for by a sweep and by the playground: computed once,
     one row, tagged with the sweep."""
-    from kvlab.experiment import RunSpec, run_policies, stored_config
+    from kvlab.studies.experiment import RunSpec, run_policies, stored_config
     from kvlab.playground import Playground, Settings, decode_config
     from kvlab.playground.settings import sampling_of
     from kvlab.sweep.task import tiny_pair
@@ -436,8 +436,8 @@ def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
 def test_a_cpu_run_is_not_reused_for_a_gpu_request(tmp_path, monkeypatch):
     import torch
 
-    from kvlab.experiment import stored_config
-    from kvlab.models import LM
+    from kvlab.studies.experiment import stored_config
+    from kvlab.core.models import LM
     from kvlab.sweep.runner import key_tasks, pending
 
     spec = parse_spec(grid(run={"modes": ["overfill"]}, refresh={}))
@@ -487,8 +487,8 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_tables_from_store_rows_match_the_tables(tmp_path):
-    from kvlab.baselines import baselines
-    from kvlab.experiment import RunSpec
+    from kvlab.studies.baselines import baselines
+    from kvlab.studies.experiment import RunSpec
     from kvlab.sweep.tables import write_from_results
     from kvlab.sweep.task import tiny_pair
 

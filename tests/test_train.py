@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvlab.tiny import make_tiny_lm, tiny_examples
+from kvlab.core.tiny import make_tiny_lm, tiny_examples
 from kvlab.train.config import TrainConfig
 from kvlab.train.data import Example
 from kvlab.train.forward import spliced_cache, student_forward, teacher_cache, token_losses
@@ -185,8 +185,8 @@ def test_same_seed_same_weights_other_seed_other_batches(pair, examples, tmp_pat
 
 
 def test_hidden_and_mlp_pruning_keeps_the_kv_geometry(pair):
-    from kvlab.compat import kv_compat
-    from kvlab.prune import PruneShape, prune_lm
+    from kvlab.core.compat import kv_compat
+    from kvlab.core.prune import PruneShape, prune_lm
 
     teacher = pair[0]
     lm = make_tiny_lm(seed=0)
@@ -210,7 +210,7 @@ def test_hidden_and_mlp_pruning_keeps_the_kv_geometry(pair):
 
 @pytest.mark.parametrize("spec", ["h1.5,i0.45", "i-0.1", "x0.3", "", "h0.45,i1.0"])
 def test_bad_prune_shape_names_the_flag(spec):
-    from kvlab.prune import PruneShape
+    from kvlab.core.prune import PruneShape
 
     with pytest.raises(ValueError, match="--prune"):
         PruneShape.parse(spec)
@@ -221,7 +221,7 @@ def test_bad_prune_shape_names_the_flag(spec):
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    import kvlab.models as models
+    import kvlab.core.models as models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the arguments were checked")
@@ -254,7 +254,7 @@ def test_bad_arguments_fail_before_any_model_loads(argv, flag, no_model_loads, c
 
 
 def test_missing_trained_student_raises_naming_the_command(tmp_path, monkeypatch, no_model_loads):
-    from kvlab.models import load_pair, load_student
+    from kvlab.train.pair import load_pair, load_student
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="python -m kvlab train-student --student overfill --prune h0.45,i0.45"):

@@ -1,7 +1,7 @@
 """The playground's calibrations: where a threshold falls among the signals of calibration runs.
 
 τ (student entropy, bits) and κ (KL, nats) are read against no-refresh OverFill runs on the calibration
-prompts (:func:`kvlab.refresh_tables.calibrate`); the MC gate's threshold against every MC signal of
+prompts (:func:`kvlab.refresh.tables.calibrate`); the MC gate's threshold against every MC signal of
 no-refresh runs probed at every step. All of them are stored runs, so a calibration is computed once per
 student (and MC pass count / dropout p) and read from the run store afterwards.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..experiment import run_config, scored_run
+from kvlab.studies.experiment import run_config, scored_run
 from .settings import Range, Settings, check, percentile_of
 from .students import StudentPool
 
@@ -42,17 +42,17 @@ class Calibrator:
         return student.fingerprint in self._cal
 
     def calibration(self, student, compute: bool = True):
-        """τ/κ calibration (kvlab.refresh_tables.calibrate) for ``student``: student entropy and KL over
+        """τ/κ calibration (kvlab.refresh.tables.calibrate) for ``student``: student entropy and KL over
         no-refresh OverFill runs on the calibration prompts. Without ``compute``, only if it is in memory
         or every run is already stored (else None)."""
-        from ..experiment import RunSpec
-        from ..refresh_tables import calibrate
+        from kvlab.studies.experiment import RunSpec
+        from kvlab.refresh.tables import calibrate
 
         fp = student.fingerprint
         if fp not in self._cal:
             spec = RunSpec(prompts=self.prompts, tokens=self.tokens, sampling=self.sampling)
             if not compute:
-                from ..decode import DecodeConfig
+                from kvlab.decode import DecodeConfig
                 for i, p in enumerate(spec.prompts):
                     cfg = DecodeConfig(mode="overfill", max_new_tokens=spec.tokens, sampling=spec.sampling_for(i),
                                        keep_dists=True)
@@ -87,8 +87,8 @@ class Calibrator:
         no-refresh OverFill runs on the calibration prompts, probed at every step with ``s``'s pass
         count and dropout p (stored runs: an MC gate whose threshold never fires). Without ``compute``,
         only if in memory or every run is stored (else None)."""
-        from ..decode import DecodeConfig
-        from ..mc import MCGate, SIGNALS
+        from kvlab.decode import DecodeConfig
+        from kvlab.uncertainty.mc import MCGate, SIGNALS
 
         student = self.students.get(s) if compute else self.students.if_loaded(replace(s, mode="overfill"))
         if student is None:

@@ -3,7 +3,7 @@
 :class:`Playground` holds the current :class:`~kvlab.playground.settings.Settings`. :meth:`Playground.set`
 changes controls: bad values are reported per control (``errors``) and the last good result stays;
 good ones are looked up in the :class:`~kvlab.store.RunStore` by their full config (the same key
-:func:`kvlab.experiment.scored_run` stores under) and answered from disk, or started as a live run
+:func:`kvlab.studies.experiment.scored_run` stores under) and answered from disk, or started as a live run
 on a background thread that streams :class:`LivePoint` events while it decodes. A newer change
 cancels the run in flight; a cancelled run stores nothing, and only the newest request is ever
 shown. Views subscribe with :meth:`Playground.subscribe`.
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from ..store import RunStore
+from kvlab.store import RunStore
 from .calibration import MC_NEVER, MC_PERCENTILE, Calibrator, nice_range
 from .checks import SettingsChecker
 from .compare import MAX_PINS, Pins, check_repeats
@@ -40,8 +40,8 @@ from .students import StudentPool, load_variant
 class Playground:
     """Controller of the playground (see the module docstring).
 
-    ``teacher``: an :class:`~kvlab.models.LM`. Students per prune ratio come from ``students`` (a
-    dict ``ratio -> LM`` or a callable ``ratio -> LM``; default: :func:`kvlab.models.load_student`,
+    ``teacher``: an :class:`~kvlab.core.models.LM`. Students per prune ratio come from ``students`` (a
+    dict ``ratio -> LM`` or a callable ``ratio -> LM``; default: :func:`kvlab.train.pair.load_student`,
     pruning on first use), plus ``student`` for the initial ratio. ``store``: the run store (default
     ``$KVLAB_RUNS`` or ``runs/``). ``prompts``: the prompt list offered (default ``data/prompts.jsonl``).
     ``calib_prompts`` / ``calib_tokens``: the no-refresh OverFill runs whose student entropy and KL
@@ -54,8 +54,8 @@ class Playground:
                  calib_sampling=None, ranges: dict | None = None, prune_ratios=None, student_variants=None,
                  background: bool = True,
                  gate: ModelGate | None = None):
-        from ..data import load_prompts
-        from ..decode import Sampling
+        from kvlab.core.data import load_prompts
+        from kvlab.decode import Sampling
 
         self.teacher = teacher
         self.store = store if store is not None else RunStore()
@@ -68,7 +68,7 @@ class Playground:
         self.prune_ratios = self.students.prune_ratios
         self.student_variants = self.students.variants
         if calib_prompts is None:
-            from ..data import calibration_file
+            from kvlab.core.data import calibration_file
             calib_prompts = [r["prompt"] for r in load_prompts(calibration_file(), n=2)]
         self.calib = Calibrator(teacher, self.students, self.store, self.ranges, calib_prompts,
                                 calib_tokens or self.settings.N,
@@ -118,7 +118,7 @@ class Playground:
     def student_for(self, s: Settings | float):
         """The student of settings ``s`` (its variant, and prune ratio for the pruned one; a bare number
         is a prune ratio of the pruned student), loaded on first use: ``students(variant, ratio)`` when
-        a factory was given, else :func:`kvlab.models.load_student` (a trained variant must be in the
+        a factory was given, else :func:`kvlab.train.pair.load_student` (a trained variant must be in the
         model cache: ``python -m kvlab train-student`` builds it)."""
         return self.students.get(s)
 
@@ -264,7 +264,7 @@ class Playground:
 
     def time_vs_baseline(self, repeats: int = 3):
         """Time the current configuration against its baseline back to back
-        (:func:`kvlab.refresh_tables.paired_timing`: same prompt and seed, order alternating, one
+        (:func:`kvlab.refresh.tables.paired_timing`: same prompt and seed, order alternating, one
         warm-up; the baseline is also timed against itself, the noise floor) in the background; a
         "timing" event carries ``{"settings", "overhead_pct", "q25", "q75", "pairs", "noise_pct", "tps"}``.
         Not read from the store: times belong to this machine, now. Returns the job."""

@@ -36,9 +36,9 @@ def main(argv=None) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from ..data import calibration_file, load_prompts
-    from ..models import load_pair
-    from ..store import RunStore
+    from kvlab.core.data import calibration_file, load_prompts
+    from kvlab.train.pair import load_pair
+    from kvlab.store import RunStore
     from . import Playground, Settings
 
     hf_logging.disable_progress_bar()

@@ -2,7 +2,7 @@
 setting, a run answered from the store or decoded now (and stored), and the :class:`~kvlab.playground.shown.Shown`
 built from a run and its baseline.
 
-Runs are keyed by their full config, the key :func:`kvlab.experiment.scored_run` stores under, so a run
+Runs are keyed by their full config, the key :func:`kvlab.studies.experiment.scored_run` stores under, so a run
 made by a table, a sweep or the playground is the same row.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..experiment import run_config, scored_run
-from ..store import run_key
+from kvlab.studies.experiment import run_config, scored_run
+from kvlab.store import run_key
 from .settings import Settings, decode_config, refresh_policy
 from .shown import Shown, readouts
 from .students import StudentPool

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 
-from ..experiment import MIN_PAIRS
+from kvlab.studies.experiment import MIN_PAIRS
 from .shown import READOUTS, Shown, fmt
 from .spread import Spread
 from .why import PPL_NOTE

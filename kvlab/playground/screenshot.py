@@ -28,7 +28,7 @@ def main(argv=None) -> Path:
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
-    from ..store import default_root
+    from kvlab.store import default_root
 
     runs = Path(args.runs).expanduser() if args.runs else default_root()
     out = Path(args.out)

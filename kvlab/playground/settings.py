@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, fields, replace
 
-from ..decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
+from kvlab.decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
 
 POLICIES = ("none", "periodic", "entropy", "probe_kl", "speculative", "mc")
 POLICY_LABELS = {"none": "none", "periodic": "periodic (T, W)", "entropy": "entropy gate (τ)",
@@ -96,7 +96,7 @@ class Settings:
     mc_passes: int = 8                 # MC gate: noisy student passes per probe
     mc_p: float = 0.1                  # MC gate: dropout probability of those passes
     refresh_next: str = "rerun"        # who picks the token after a refresh
-    student: str = "pruned"            # student variant (kvlab.models.STUDENT_VARIANTS; "pruned" = untrained)
+    student: str = "pruned"            # student variant (kvlab.core.models.STUDENT_VARIANTS; "pruned" = untrained)
     prune_ratio: float = 0.3           # pruned student: teacher with this fraction of MLP channels pruned
     N: int = 64                        # new tokens
     sampling: str = "sample"           # greedy | sample
@@ -271,8 +271,8 @@ def _control_of(message: str) -> str:
 
 
 def refresh_policy(s: Settings):
-    """The :mod:`kvlab.policies` object of ``s`` (None for 'none')."""
-    from ..policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+    """The :mod:`kvlab.refresh.policies` object of ``s`` (None for 'none')."""
+    from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
 
     W = s.W or None
     if s.policy == "none":
@@ -296,7 +296,7 @@ def eviction_policies() -> dict:
     """``kvlab.eviction.EVICTION_POLICIES`` without "full" (the playground's no-eviction choice), or ``{}``
     when the eviction package is not there."""
     try:
-        from ..eviction import EVICTION_POLICIES
+        from kvlab.eviction import EVICTION_POLICIES
     except ImportError:
         return {}
     return {k: v for k, v in EVICTION_POLICIES.items() if k != NO_EVICTION}

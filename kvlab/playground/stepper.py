@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..decode import Decoding, StepRecord
+from kvlab.decode import Decoding, StepRecord
 from .settings import Settings, decode_config
 from .why import reason
 

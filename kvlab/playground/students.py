@@ -1,10 +1,10 @@
 """The playground's student switch: which students the "student" dropdown offers, how one loads, and
 what is wrong with a choice before anything loads.
 
-The dropdown offers :data:`kvlab.models.STUDENT_VARIANTS`: ``pruned`` (the untrained student, at the
+The dropdown offers :data:`kvlab.core.models.STUDENT_VARIANTS`: ``pruned`` (the untrained student, at the
 prune ratio of the "student prune" control) and the trained variants at the trained default shape
-(:data:`kvlab.models.DEFAULT_SHAPE`), loaded from the model cache as :func:`kvlab.models.load_pair`
-loads them (:func:`kvlab.models.load_student`; the playground already holds its teacher). The
+(:data:`kvlab.core.models.DEFAULT_SHAPE`), loaded from the model cache as :func:`kvlab.train.pair.load_pair`
+loads them (:func:`kvlab.train.pair.load_student`; the playground already holds its teacher). The
 playground never trains: :func:`student_problem` names the ``python -m kvlab train-student`` command
 of a trained variant the cache lacks, so the choice is refused as a control error and no job starts.
 :class:`StudentPool` holds the students a playground has loaded.
@@ -17,8 +17,8 @@ from .settings import PRUNED, Settings
 
 
 def student_variants_offered() -> tuple:
-    """``kvlab.models.STUDENT_VARIANTS``: what the "student" dropdown offers."""
-    from ..models import STUDENT_VARIANTS
+    """``kvlab.core.models.STUDENT_VARIANTS``: what the "student" dropdown offers."""
+    from kvlab.core.models import STUDENT_VARIANTS
 
     return tuple(STUDENT_VARIANTS)
 
@@ -37,14 +37,14 @@ def student_key(s) -> tuple:
 
 @lru_cache(maxsize=None)
 def _trained_name(variant: str) -> str:
-    from ..models import DEFAULT_SHAPE
-    from ..train.weights import trained_name
+    from kvlab.core.models import DEFAULT_SHAPE
+    from kvlab.train.weights import trained_name
 
     return trained_name(variant, DEFAULT_SHAPE)       # it hashes the training data: once per session
 
 
 def _trained_dir(variant: str):
-    from ..models import cache_dir
+    from kvlab.core.models import cache_dir
 
     return cache_dir() / "models" / _trained_name(variant)
 
@@ -52,9 +52,9 @@ def _trained_dir(variant: str):
 def student_problem(variant: str) -> str | None:
     """Why ``variant`` cannot be loaded now (unknown, or trained but not in the model cache: the message
     names the training command), else None. Loads nothing."""
-    from ..models import DEFAULT_SHAPE
-    from ..train.config import TRAINED_VARIANTS
-    from ..train.weights import train_command
+    from kvlab.core.models import DEFAULT_SHAPE
+    from kvlab.train.config import TRAINED_VARIANTS
+    from kvlab.train.weights import train_command
 
     if variant not in student_variants_offered():
         return f"student={variant!r} must be one of {student_variants_offered()}"
@@ -67,8 +67,8 @@ def student_problem(variant: str) -> str | None:
 def load_variant(variant: str, ratio: float | None, device=None, dtype=None):
     """The student ``variant``: the pruned one at MLP ``ratio``, or a trained one at the default shape
     from the model cache (never trained here: a missing one raises, naming the training command)."""
-    from ..models import load_student
-    from ..prune import PruneShape
+    from kvlab.train.pair import load_student
+    from kvlab.core.prune import PruneShape
 
     if variant not in student_variants_offered():
         raise ValueError(f"student={variant!r} must be one of {student_variants_offered()}")

@@ -1,5 +1,5 @@
 """Sweeps: a grid of decode configs over a prompt set, run resumably on this machine or on Ray,
-every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.results`).
+every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.store.results`).
 
 * :mod:`.spec` — the grid spec (TOML / flags) → configs → tasks with idempotent row ids
 * :mod:`.families` — which policy families a grid can sweep (registries)

@@ -40,7 +40,7 @@ def bench_grid(tokens: int = 16, prompts: int = 4, models: str = "embedded", dev
 
 
 def _measure(engine, spec, warm, root: Path) -> dict:
-    from ..results import Results
+    from kvlab.store.results import Results
     from .runner import run_sweep
 
     t0 = time.perf_counter()

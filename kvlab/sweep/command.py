@@ -25,7 +25,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: overfill; trained ones must be in the model cache: python -m kvlab train-student); "
                         "or one hub id / model folder (= models.student)")
     g.add_argument("--prune", nargs="+", default=None, metavar="SHAPE",
-                   help="prune shape(s) of the embedded student, e.g. h0.20,i0.50 (default kvlab.models.DEFAULT_SHAPE)")
+                   help="prune shape(s) of the embedded student, e.g. h0.20,i0.50 (default kvlab.core.models.DEFAULT_SHAPE)")
     g.add_argument("--student-ratio", type=float, nargs="+", default=None,
                    help="old flag: the untrained student at these MLP ratio(s) (= --student pruned --prune iR)")
     g.add_argument("--repeats", type=int, default=None, help="seeds per (config, prompt)")
@@ -70,7 +70,7 @@ def overrides(args) -> dict:
     put("run", "student_ratio", args.student_ratio)
     put("run", "prune", args.prune)
     if args.student is not None:
-        from ..train.config import STUDENT_VARIANTS
+        from kvlab.train.config import STUDENT_VARIANTS
 
         if len(args.student) == 1 and args.student[0] not in STUDENT_VARIANTS and (
                 "/" in args.student[0] or Path(args.student[0]).expanduser().exists()):
@@ -108,7 +108,7 @@ def spec_from_args(args):
 
 
 def cmd_sweep(args):
-    from ..results import Store
+    from kvlab.store.results import Store
     from .engines import LocalEngine
     from .runner import key_tasks, pending, run_sweep
 
@@ -158,7 +158,7 @@ def cmd_sweep(args):
 
 
 def cmd_figures_from_results(args):
-    from ..results import Store
+    from kvlab.store.results import Store
     from .tables import write_from_results
 
     store = Store(args.runs)

@@ -204,7 +204,7 @@ def check_address(address: str, timeout: float = 5.0) -> None:
 def runtime_env() -> dict:
     """What Ray ships to every node: this kvlab package (so nodes need not have it installed, and
     run exactly the driver's code). Its dependencies must be on the nodes (see the README)."""
-    from ..provenance import PACKAGE_DIR
+    from kvlab.store.provenance import PACKAGE_DIR
 
     return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"],
             "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}

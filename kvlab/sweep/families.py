@@ -12,8 +12,8 @@ from typing import Callable
 
 
 def refresh_registry() -> dict[str, type]:
-    """Refresh policies (:mod:`kvlab.policies`) by family name."""
-    from ..policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+    """Refresh policies (:mod:`kvlab.refresh.policies`) by family name."""
+    from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
 
     return {"periodic": Periodic, "entropy": EntropyGate, "probe_kl": ProbeKL, "speculative": Speculative,
             "mc": MCGate}
@@ -22,7 +22,7 @@ def refresh_registry() -> dict[str, type]:
 def evict_registry() -> dict[str, type]:
     """Eviction policies (``kvlab.eviction.EVICTION_POLICIES``); empty where that package is absent."""
     try:
-        from ..eviction import EVICTION_POLICIES
+        from kvlab.eviction import EVICTION_POLICIES
     except ImportError:
         return {}
     return dict(EVICTION_POLICIES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from ..results import CodeVersionMismatch, Store
+from kvlab.store.results import CodeVersionMismatch, Store
 from .engines import make_engine
 from .spec import GridSpec, Task
 from .task import execute
@@ -47,7 +47,7 @@ def group(task: Task) -> tuple:
 
 def load_error_key(task: Task) -> str:
     """The run-store key of a task whose models failed to load (its run key needs their fingerprints)."""
-    from ..results import run_key
+    from kvlab.store.results import run_key
 
     return run_key({"kind": "load_error", "task_id": task.task_id})
 
@@ -59,9 +59,9 @@ def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
     ``{"error": ...}`` as its probe and its tasks :func:`load_error_key`. Returns (tasks, probes)."""
     import traceback
 
-    from ..experiment import stored_config
-    from ..provenance import CODE_VERSION
-    from ..results import run_key
+    from kvlab.studies.experiment import stored_config
+    from kvlab.store.provenance import CODE_VERSION
+    from kvlab.store.results import run_key
 
     probes = {}
     out = []
@@ -116,8 +116,8 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
     never trains. A pair that fails to load fails its own tasks only (error rows)."""
     from tqdm.auto import tqdm
 
-    from ..experiment import stored_config
-    from ..runrows import config_columns
+    from kvlab.studies.experiment import stored_config
+    from kvlab.store.rows import config_columns
     from .students import check_trained
     from .task import student_columns
 

@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
+from kvlab.decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
 from .families import SECTIONS, parameters, required
 from .students import StudentChoice, parse_students
+from .values import SpecError, _check_keys, _err, expand_values
 
 REPEAT_STRIDE = 10_000      # seed of (prompt i, repeat r) = seed + i + REPEAT_STRIDE * r
 DEFAULT_PROMPTS = 8
@@ -64,62 +65,6 @@ RUN_KEYS = ("modes", "tokens", "student", "prune", "student_ratio", "repeats", "
 SAMPLING_KEYS = ("temperature", "top_p", "seed")
 MODEL_KEYS = ("kind", "teacher", "student", "device", "dtype")
 MODEL_KINDS = ("embedded", "tiny")
-
-
-class SpecError(ValueError):
-    """A grid spec is invalid; the message names the key and the fix."""
-
-
-def _err(key: str, msg: str) -> SpecError:
-    return SpecError(f"grid spec key {key!r}: {msg}")
-
-
-def _check_keys(table, allowed, where: str) -> None:
-    if not isinstance(table, dict):
-        raise _err(where, f"must be a table, got {type(table).__name__}")
-    for k in table:
-        if k not in allowed:
-            raise _err(f"{where}.{k}" if where else k, f"unknown key; allowed here: {', '.join(allowed)}")
-
-
-def expand_values(value, key: str) -> list:
-    """A scalar, a list, or a range table ``{start, stop, step}`` (stop inclusive) / ``{start, stop, num}``."""
-    if isinstance(value, dict):
-        _check_keys(value, ("start", "stop", "step", "num"), key)
-        if "start" not in value or "stop" not in value or ("step" in value) == ("num" in value):
-            raise _err(key, "a range needs start, stop and exactly one of step or num, "
-                            "e.g. {start = 4, stop = 8, step = 1}")
-        a, b = value["start"], value["stop"]
-        for k in ("start", "stop"):
-            if isinstance(value[k], bool) or not isinstance(value[k], (int, float)):
-                raise _err(f"{key}.{k}", f"must be a number, got {value[k]!r}")
-        if "num" in value:
-            n = value["num"]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise _err(f"{key}.num", f"must be a positive int, got {n!r}")
-            if n == 1:
-                return [a]
-            vals = [round(a + (b - a) * i / (n - 1), 10) for i in range(n)]
-            if isinstance(a, int) and isinstance(b, int) and all(float(v).is_integer() for v in vals):
-                return [int(v) for v in vals]      # integer endpoints, integer points: keep ints
-            return vals
-        s = value["step"]
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or s == 0 or not math.isfinite(s) or (b - a) * s < 0:
-            raise _err(f"{key}.step", f"step={s!r} must be non-zero and go from start={a} towards stop={b}")
-        n = int(math.floor((b - a) / s + 1e-9)) + 1
-        if all(isinstance(x, int) for x in (a, b, s)):
-            return [a + i * s for i in range(n)]
-        return [round(a + i * s, 10) for i in range(n)]
-    if isinstance(value, list):
-        if not value:
-            raise _err(key, "an empty list gives an empty grid; give at least one value")
-        out = []
-        for i, v in enumerate(value):
-            if isinstance(v, (dict, list)):
-                raise _err(f"{key}[{i}]", "list items must be scalars")
-            out.append(v)
-        return out
-    return [value]
 
 
 @dataclass(frozen=True)
@@ -204,7 +149,7 @@ class Config:
                **(self.student.columns() if self.student is not None else {"student_ratio": None}),
                "temperature": self.temperature, "top_p": self.top_p,
                "refresh_next": self.refresh_next if self.choice("refresh") is not None else ""}
-        from ..refresh import policy_dict
+        from kvlab.refresh.base import policy_dict
 
         for name in SECTIONS:
             c = self.choice(name)
@@ -280,7 +225,7 @@ class GridSpec:
         return out
 
     def tasks(self) -> list[Task]:
-        from ..provenance import CODE_VERSION
+        from kvlab.store.provenance import CODE_VERSION
 
         tasks = []
         for cfg in self.configs():
@@ -360,7 +305,7 @@ def _policies(section: str, table) -> list[PolicyChoice]:
 
 def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") -> GridSpec:
     """A :class:`GridSpec` from a TOML-shaped dict (validated; prompts read)."""
-    from ..data import load_prompts, prompts_file
+    from kvlab.core.data import load_prompts, prompts_file
 
     _check_keys(data, TOP_KEYS, "")
     prompts_t, run_t = data.get("prompts", {}), data.get("run", {})
@@ -391,7 +336,7 @@ def parse_spec(data: dict, base_dir: Path | None = None, name: str = "sweep") ->
         raise _err("models.kind", "'tiny' builds its own models; drop models.teacher / models.student")
     students = parse_students(run_t, kind, models.student)
     if models.device is not None:
-        from ..models import resolve_device
+        from kvlab.core.models import resolve_device
 
         try:
             resolve_device(models.device)

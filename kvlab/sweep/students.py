@@ -2,8 +2,8 @@
 
 In a grid spec's ``[run]`` table (both optional, both may be lists, which sweeps them)::
 
-    student = ["pruned", "overfill"]   # kvlab.models.STUDENT_VARIANTS (default: the trained default, overfill)
-    prune = "h0.20,i0.50"              # prune shape(s) of the embedded student (default: kvlab.models.DEFAULT_SHAPE)
+    student = ["pruned", "overfill"]   # kvlab.core.models.STUDENT_VARIANTS (default: the trained default, overfill)
+    prune = "h0.20,i0.50"              # prune shape(s) of the embedded student (default: kvlab.core.models.DEFAULT_SHAPE)
     student_ratio = 0.30               # old key, still read: = student "pruned", prune "i0.30"
 
 CLI: ``--student V [V ...]`` and ``--prune S [S ...]`` (``--student-ratio`` is the old flag).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS, TRAINED_VARIANTS
+from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS, TRAINED_VARIANTS
 
 PRUNED = "pruned"
 TINY_SHAPE = "i0.30"          # the tiny student's MLP ratio the sweep machinery always used
@@ -33,7 +33,7 @@ class StudentChoice:
 
     @property
     def prune(self):
-        from ..prune import PruneShape
+        from kvlab.core.prune import PruneShape
 
         return PruneShape.parse(self.shape)
 
@@ -52,13 +52,13 @@ class StudentChoice:
 
 
 def _err(key: str, msg: str):
-    from .spec import SpecError
+    from .values import SpecError
 
     return SpecError(f"grid spec key {key!r}: {msg}")
 
 
 def _shape_flag(value, key: str) -> str:
-    from ..prune import PruneShape
+    from kvlab.core.prune import PruneShape
 
     if isinstance(value, bool) or not isinstance(value, str):
         raise _err(key, f"must be a prune shape string like 'h0.45,i0.45' or 'i0.3', got {value!r}")
@@ -71,7 +71,7 @@ def _shape_flag(value, key: str) -> str:
 def parse_students(run: dict, kind: str, custom_student: str | None) -> tuple:
     """The student axis of a ``[run]`` table: a tuple of :class:`StudentChoice` (``(None,)`` when
     ``[models] student`` names the student model). Raises ``SpecError`` naming the key."""
-    from .spec import expand_values
+    from .values import expand_values
 
     given = [k for k in ("student", "prune", "student_ratio") if k in run]
     if custom_student is not None:
@@ -93,7 +93,7 @@ def parse_students(run: dict, kind: str, custom_student: str | None) -> tuple:
         if any(v != PRUNED for v in variants):
             raise _err("run.student_ratio", f"prunes the untrained student only; with run.student = {variants!r} "
                                             "use run.prune instead (CLI --prune iR), e.g. prune = 'i0.30'")
-        from ..prune import PruneShape
+        from kvlab.core.prune import PruneShape
 
         shapes = [PruneShape(0.0, float(r)).flag for r in ratios]
     else:
@@ -120,7 +120,7 @@ def missing_trained(students, kind: str = "embedded") -> list[StudentChoice]:
     """The trained students of ``students`` the model cache lacks (no model loads; nothing is trained)."""
     if kind != "embedded":
         return []
-    from ..train.weights import trained_dir
+    from kvlab.train.weights import trained_dir
 
     return [c for c in students if c is not None and c.variant in TRAINED_VARIANTS
             and not (trained_dir(c.variant, c.shape) / "config.json").is_file()]
@@ -129,8 +129,8 @@ def missing_trained(students, kind: str = "embedded") -> list[StudentChoice]:
 def check_trained(spec) -> None:
     """Raise ``FileNotFoundError`` naming the ``python -m kvlab train-student`` command of every trained
     student ``spec`` needs that the model cache lacks — before any engine starts (a sweep never trains)."""
-    from ..models import cache_dir
-    from ..train.weights import train_command
+    from kvlab.core.models import cache_dir
+    from kvlab.train.weights import train_command
 
     missing = missing_trained(spec.students, spec.models.kind)
     if missing:

@@ -2,7 +2,7 @@
 
 One big sweep (on a cluster, say) regenerates ``baselines``, ``refresh_periodic/entropy/methods``
 and the Pareto figure: rows are turned into the per-run frames the table functions of
-:mod:`kvlab.baselines` and :mod:`kvlab.refresh_tables` already take.
+:mod:`kvlab.studies.baselines` and :mod:`kvlab.refresh.tables` already take.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..experiment import COSTS, METRICS
+from kvlab.studies.experiment import COSTS, METRICS
 
 # A table compares runs of one setting; rows of other settings go to other tables.
 SETTING = ["max_new_tokens", "temperature", "top_p", "teacher_fp", "student_fp"]
@@ -24,7 +24,7 @@ def usable(rows: pd.DataFrame, where: str | None = None) -> pd.DataFrame:
     optionally filtered by a pandas ``query``. Error rows, other kinds of runs (forced KL, needle)
     and rows of older code versions are dropped; the store holds one row per run, so nothing needs
     de-duplicating."""
-    from ..provenance import CODE_VERSION
+    from kvlab.store.provenance import CODE_VERSION
 
     if not len(rows):
         return rows
@@ -92,7 +92,7 @@ def _complete(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    from ..baselines import baselines_table
+    from kvlab.studies.baselines import baselines_table
 
     df = no_evict(df)
     base = df[df["refresh"].fillna("none") == "none"] if "refresh" in df else df
@@ -104,7 +104,7 @@ def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] |
 
 
 def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
-    from ..refresh_tables import tables_from_runs
+    from kvlab.refresh.tables import tables_from_runs
 
     df = no_evict(df)
     of = df[df["mode"] == "overfill"]
@@ -126,7 +126,7 @@ def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
 
 
 def kl_notes_for(df: pd.DataFrame) -> list[str]:
-    from ..experiment import kl_notes
+    from kvlab.studies.experiment import kl_notes
 
     return kl_notes(df)
 
@@ -135,10 +135,10 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     """Write ``baselines`` and ``refresh_*`` tables + their figures from results rows into ``out``,
     and ``sweep_configs`` (:func:`config_summary`: every config of every family, eviction included).
     Returns (paths, a note saying which rows were used)."""
-    from ..baselines import write_baselines
-    from ..figures import render
-    from ..plots import baselines_figure  # noqa: F401  (registers the figures)
-    from ..refresh_tables import write_refresh
+    from kvlab.studies.baselines import write_baselines
+    from kvlab.viz.figures import render
+    from kvlab.viz.plots import baselines_figure  # noqa: F401  (registers the figures)
+    from kvlab.refresh.tables import write_refresh
 
     df = usable(rows, where)
     if not len(df):
@@ -154,7 +154,7 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     if r is not None:
         paths += write_refresh(r, out)
         paths.append(render("refresh_pareto", out))
-    from ..experiment import write_table
+    from kvlab.studies.experiment import write_table
 
     summary = config_summary(df)
     paths += write_table(summary.round(6), out, "sweep_configs", notes=[
@@ -182,7 +182,7 @@ def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
 
     No latency overhead *between* configs is computed here: rows of a sweep are timed on different
     workers, machines and moments, and a ratio of such times measures the machine, not the policy
-    (issue 12). Wall-clock overhead comes from :func:`kvlab.refresh_tables.paired_timing`, which
+    (issue 12). Wall-clock overhead comes from :func:`kvlab.refresh.tables.paired_timing`, which
     times each policy and its reference interleaved in one process."""
     df = usable(rows)
     if not len(df):

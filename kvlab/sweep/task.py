@@ -1,9 +1,9 @@
 """Running one sweep task in a worker: load (once per process) the pair, run + score it with
-:func:`kvlab.experiment.scored_run` (the same code the tables use), hand the outcome back.
+:func:`kvlab.studies.experiment.scored_run` (the same code the tables use), hand the outcome back.
 
 Workers never touch a store (on a cluster a store path would be node-local): the driver keys every
 task with the fingerprints a :func:`probe` reported, skips what the run store holds, and stores
-what workers return (:meth:`kvlab.results.Store.put`, which refuses another code version).
+what workers return (:meth:`kvlab.store.results.Store.put`, which refuses another code version).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def tiny_pair(ratio: float | None = 0.3, seed: int = 0):
     benchmarks of the sweep machinery; deterministic across processes, no files)."""
     import torch
 
-    from ..tiny import make_tiny_lm
+    from kvlab.core.tiny import make_tiny_lm
 
     ratio = 0.3 if ratio is None else ratio
     with torch.random.fork_rng(devices=[]):          # leave the caller's generator alone
@@ -38,7 +38,7 @@ def load_models(models: ModelSpec, student: StudentChoice | None):
     the ``train-student`` command)."""
     if models.kind == "tiny":
         return tiny_pair(None if student is None else student.ratio)
-    from ..models import load_pair
+    from kvlab.train.pair import load_pair
 
     if student is None:
         return load_pair(models.teacher, models.student, device=models.device, dtype=models.dtype)
@@ -78,7 +78,7 @@ class NullStore:
 
 def provenance_meta() -> dict:
     """This process's provenance (what a stored run records as ``meta``)."""
-    from ..provenance import stamp
+    from kvlab.store.provenance import stamp
 
     return {**stamp(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -98,7 +98,7 @@ def pair_bytes(teacher, student) -> int:
 def probe(models: ModelSpec, student_choice: StudentChoice | None, pairs: PairCache) -> dict:
     """Load (once per process) the pair of ``(models, student_choice)`` and say what the driver needs
     before it submits runs: the fingerprints that key them, this process's code version, the pair's size."""
-    from ..provenance import CODE_VERSION
+    from kvlab.store.provenance import CODE_VERSION
 
     teacher, student = pairs.get(models, student_choice)
     return {"teacher": teacher.fingerprint, "student": student.fingerprint, "code_version": CODE_VERSION,
@@ -108,9 +108,9 @@ def probe(models: ModelSpec, student_choice: StudentChoice | None, pairs: PairCa
 def execute(task: Task, pairs: PairCache, engine: str = "local", worker: str = "") -> dict:
     """Run one task in this process (no store: the driver stores what this returns); never raises
     for the task's own failure (``status == "error"`` instead). Returns the *outcome*: ``task_id``,
-    ``status``, ``config`` / ``result`` / ``meta`` (for :meth:`kvlab.results.Store.put`), ``extra``
+    ``status``, ``config`` / ``result`` / ``meta`` (for :meth:`kvlab.store.results.Store.put`), ``extra``
     (how it ran: engine, worker, load_s, wall_s, started_at, device) and ``error``."""
-    from ..experiment import scored_run, stored_config
+    from kvlab.studies.experiment import scored_run, stored_config
 
     started = time.time()
     t0 = time.perf_counter()

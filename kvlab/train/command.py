@@ -24,7 +24,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
 def student_choice(args):
     """``(variant, shape)`` of the embedded student from ``args`` (``variant`` None: --student is a model
     ref, checked by the caller). ``--student-ratio R`` (old flag) = ``--student pruned --prune iR``."""
-    from ..models import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS, check_student
+    from kvlab.core.models import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS
+    from kvlab.train.pair import check_student
 
     ref = getattr(args, "student", None)
     ratio = getattr(args, "student_ratio", None)
@@ -64,12 +65,12 @@ def train_choice(args):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import positive_int
+    from kvlab.core.args import positive_int
     from .config import DEFAULT_TRAIN as D
 
     p.add_argument("--student", nargs="+", default=["standalone", "overfill", "refresh-aware"],
                    help="variant(s) to train: standalone | overfill | refresh-aware")
-    p.add_argument("--prune", default=None, help="prune shape, e.g. h0.45,i0.45 (default kvlab.models.DEFAULT_SHAPE)")
+    p.add_argument("--prune", default=None, help="prune shape, e.g. h0.45,i0.45 (default kvlab.core.models.DEFAULT_SHAPE)")
     p.add_argument("--steps", type=int, default=D.steps, help="optimiser steps (> 0)")
     p.add_argument("--batch", type=int, default=D.batch, help="examples per step")
     p.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
@@ -98,7 +99,8 @@ def train_config(args):
 
 def cmd_train_student(args) -> list:
     """Train every ``--student`` variant at ``--prune`` (cached: a second call returns at once)."""
-    from ..models import DEFAULT_SHAPE, check_student, resolve_device
+    from kvlab.core.models import DEFAULT_SHAPE, resolve_device
+    from kvlab.train.pair import check_student
     from .config import TRAINED_VARIANTS
     from .weights import train_student
 

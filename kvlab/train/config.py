@@ -2,7 +2,7 @@
 
 ``TRAIN_VERSION`` versions the *training* code: bump it when a change alters trained weights
 (data, forward, loss, optimiser, schedule). It is deliberately separate from
-``kvlab.provenance.CODE_VERSION``, which other parts bump for decode/scoring changes that do not
+``kvlab.store.provenance.CODE_VERSION``, which other parts bump for decode/scoring changes that do not
 change what a trained student is; trained weights stay cached across those.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ _NAME = re.compile(r"-(" + "|".join(map(re.escape, STUDENT_VARIANTS)) + r")-((?:
 
 def student_of_name(name) -> tuple[str, str] | None:
     """``(variant, prune flag)`` of an embedded student from its model-cache folder name (or a fingerprint
-    ``name@hash``), as :func:`kvlab.models.pruned_student_path` / :func:`kvlab.train.weights.trained_name`
+    ``name@hash``), as :func:`kvlab.core.models.pruned_student_path` / :func:`kvlab.train.weights.trained_name`
     write it (``…-overfill-h0.20-i0.50-t<key>``, ``…-pruned-i0.30-c<digest>``); None for any other model."""
     m = _NAME.search(str(name or ""))
     return None if m is None else (m.group(1), m.group(2).replace("-", ","))

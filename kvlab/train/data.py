@@ -40,7 +40,7 @@ def data_key(prompts: list[dict], teacher_name: str, tokens: int, topk: int, see
 
 
 def _data_dir(key: str) -> Path:
-    from ..models import cache_dir
+    from kvlab.core.models import cache_dir
 
     return cache_dir() / "train" / f"data-{key}"
 
@@ -121,7 +121,7 @@ def load_train_prompts(n: int | None = None, path=None) -> list[dict]:
     """``n`` rows of ``data/train_prompts.jsonl`` (all if None), a fixed seeded selection."""
     import random
 
-    from ..data import load_prompts
+    from kvlab.core.data import load_prompts
     from .prompts import train_prompts_file
 
     rows = load_prompts(path if path is not None else train_prompts_file())

@@ -46,7 +46,7 @@ class SplicedLayer(DynamicLayer):
 
 def teacher_cache(teacher, ids):
     """The frozen teacher's prefill of ``ids`` as a kvlab cache (every entry written by ``T``)."""
-    from ..cache import KVCache
+    from kvlab.cache import KVCache
 
     with torch.inference_mode():
         cache, _ = KVCache.prefill(teacher.model, list(ids), writer="T")

@@ -1,7 +1,7 @@
-"""The training-curves figure (registered in :mod:`kvlab.figbase`, rendered by :mod:`kvlab.figures`)."""
+"""The training-curves figure (registered in :mod:`kvlab.viz.base`, rendered by :mod:`kvlab.viz.figures`)."""
 from __future__ import annotations
 
-from ..figbase import figure, new_figure
+from kvlab.viz.base import figure, new_figure
 
 COLORS = {"standalone": "#1f77b4", "overfill": "#d62728", "refresh-aware": "#2ca02c"}
 

@@ -217,14 +217,14 @@ def build_train_prompts(exclude: list[str]) -> list[dict]:
 
 
 def train_prompts_file() -> Path:
-    from ..data import DATA_DIR
+    from kvlab.core.data import DATA_DIR
 
     return DATA_DIR / "train_prompts.jsonl"
 
 
 def excluded_prompts() -> list[str]:
     """The evaluation and calibration prompts: never trained on."""
-    from ..data import calibration_file, load_prompts, prompts_file
+    from kvlab.core.data import calibration_file, load_prompts, prompts_file
 
     return [r["prompt"] for f in (prompts_file(), calibration_file()) for r in load_prompts(f)]
 

@@ -8,11 +8,12 @@ def train_study(args, T: int = 27) -> list[Path]:
     """Tables ``train_study`` / ``train_speed`` / ``train_curves`` and the ``train_curves`` figure in ``args.out``."""
     import pandas as pd
 
-    from ..cli import _spec
-    from ..experiment import write_table
-    from ..figures import render
-    from ..models import load_student, load_teacher
-    from ..store import RunStore
+    from kvlab.studies.args import run_spec as _spec
+    from kvlab.studies.experiment import write_table
+    from kvlab.viz.figures import render
+    from kvlab.core.models import load_teacher
+    from kvlab.train.pair import load_student
+    from kvlab.store import RunStore
     from .command import student_choice, train_choice
     from .study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
     from .weights import trained_dir

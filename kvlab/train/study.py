@@ -1,6 +1,6 @@
 """The training study: every student variant side by side on the evaluation prompts.
 
-Runs (all through :func:`kvlab.experiment.run_policies`, so they are stored and reused):
+Runs (all through :func:`kvlab.studies.experiment.run_policies`, so they are stored and reused):
 OverFill with each variant's student (no refresh, and with ``Periodic(T)`` refresh), and the
 student alone for ``pruned`` and ``standalone``. Tables:
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..decode import DecodeConfig
-from ..experiment import RunSpec, paired_bootstrap, run_policies, write_table
-from ..policies import Periodic
+from kvlab.decode import DecodeConfig
+from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, write_table
+from kvlab.refresh.policies import Periodic
 
 VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 
@@ -112,7 +112,7 @@ def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), s
 
     import torch
 
-    from ..tiny import make_tiny_lm, tiny_examples
+    from kvlab.core.tiny import make_tiny_lm, tiny_examples
     from .config import TRAINED_VARIANTS, TrainConfig
     from .trainer import train
 

