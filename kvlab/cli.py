@@ -270,7 +270,14 @@ def cmd_all(args) -> list[Path]:
         print(f"== {name}", flush=True)
         paths += fn(args)
     paths += cmd_figures(args)
+    paths += cmd_docs(args)        # last: README.md and docs/ quote the tables just written
     return paths
+
+
+def cmd_docs(args) -> list[Path]:
+    from kvlab.viz.docs import cmd_docs as run
+
+    return run(args)
 
 
 def cmd_bench(args) -> None:
@@ -460,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
                         "configurations per prompt + 210 needle runs)")
     p.set_defaults(fn=cmd_all)
+    p = sub.add_parser("docs", help="regenerate the numbers quoted in README.md and docs/ from figures/*.csv")
+    p.add_argument("--out", type=Path, default=Path("figures"), help="the tables (only the project's figures/)")
+    p.add_argument("--check", action="store_true", help="only check: fail when a quoted number disagrees")
+    p.set_defaults(fn=cmd_docs)
     p = sub.add_parser("train-study", help="student variants compared: OverFill vs student alone, refresh, speed, curves")
     _common(p)
     p.set_defaults(fn=cmd_train_study)
