@@ -6,8 +6,8 @@ and leaves everything else byte for byte:
 * ``<!-- kvlab:table NAME -->`` … ``<!-- /kvlab:table -->`` — the table view ``NAME`` of :data:`VIEWS`
   (a handful of columns of one CSV with plain headers, every row, in the CSV's order);
 * ``<!-- kvlab:value CSV ROW COLUMNS [digits=N] -->`` … ``<!-- /kvlab:value -->`` — one number inline.
-  ``ROW`` selects one row: a value of the CSV's first column (``periodic_T27``), or ``col=value`` pairs
-  joined by ``&`` (``p=0.1``); ``COLUMNS`` is one column (the value), two joined by ``,`` (``mean ± std``) or
+  ``ROW`` selects one row: a value of the CSV's first column (``periodic_T27``), ``col=value`` pairs
+  joined by ``&`` (``p=0.1``), or ``#i`` for the i-th row; ``COLUMNS`` is one column (the value), two joined by ``,`` (``mean ± std``) or
   three (``d [lo, hi]``, a paired difference with its 95 % interval).
 
 Views select columns by name, so a table that gains columns or rows needs no change here; a column or row a
@@ -143,6 +143,24 @@ def _needle(figures: Path) -> str:
     return "\n".join(lines) + "\n\n*Generated from `figures/evict_needle.csv` (exact-match accuracy).*"
 
 
+def _train_heldout(figures: Path) -> str:
+    """Each trained variant's held-out KL (teacher-forced, its own forward) before and after training."""
+    df = read(figures, "train_curves")
+    for c in ("variant", "step", "heldout_kl", "seconds"):
+        if c not in df.columns:
+            raise DocsError(f"figures/train_curves.csv has no column {c!r}")
+    lines = ["| variant | steps | held-out KL, first evaluation | held-out KL, last | time in steps (min) |",
+             "|---|---|---|---|---|"]
+    for var, g in df.groupby("variant", sort=False):
+        ev = g.dropna(subset=["heldout_kl"]).sort_values("step")
+        if ev.empty:
+            continue
+        lines.append(f"| {var} | {int(g['step'].max())} | {fmt(float(ev['heldout_kl'].iloc[0]))} (step "
+                     f"{int(ev['step'].iloc[0])}) | {fmt(float(ev['heldout_kl'].iloc[-1]))} | "
+                     f"{fmt(float(g['seconds'].sum()) / 60, 1)} |")
+    return "\n".join(lines) + "\n\n*Generated from `figures/train_curves.csv`.*"
+
+
 def _key_results(figures: Path) -> str:
     """README's small table: one line per method, each number from its own table."""
     rows = []
@@ -227,6 +245,7 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
                                                                            "d_kl_vs_confkv_hi")),
         ("teacher-PPL", "teacher_ppl"), ("repeat@3", "repeat3")]),
     "evict_needle": _needle,
+    "train_heldout": _train_heldout,
     "key_results": _key_results,
 }
 
@@ -240,7 +259,11 @@ def read(figures: Path, name: str) -> pd.DataFrame:
 
 
 def pick(df: pd.DataFrame, row: str, csv: str) -> pd.Series:
-    """The one row ``row`` names: a first-column value, or ``col=value&col=value``."""
+    """The one row ``row`` names: a first-column value, ``col=value&col=value``, or ``#i`` (the i-th row)."""
+    if row.startswith("#") and row[1:].isdigit():
+        if int(row[1:]) >= len(df):
+            raise DocsError(f"figures/{csv}.csv has {len(df)} rows, no row {row}")
+        return df.iloc[int(row[1:])]
     conds = [c.split("=", 1) for c in row.split("&")] if "=" in row else [(df.columns[0], row)]
     mask = pd.Series(True, index=df.index)
     for col, val in conds:
