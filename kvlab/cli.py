@@ -186,7 +186,7 @@ def _mc_real_small(args):
 
 
 def _evict_args(p: argparse.ArgumentParser) -> None:
-    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
+    """Options of the eviction job, shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
     p.add_argument("--gamma", type=float, default=0.9, help="evict: Conf-KV confidence threshold γ in [0, 1]")
     p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
                    help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")

@@ -1,4 +1,4 @@
-"""The eviction-policy protocol shared by the decode loop and the policies (issue 9).
+"""The eviction-policy protocol shared by the decode loop and the policies.
 
 An eviction policy is a frozen dataclass that decides only, with one method::
 

@@ -1,4 +1,4 @@
-"""Passkey retrieval ("needle in a haystack") under KV-cache eviction (issue 9, seed 002 "NIAH").
+"""Passkey retrieval ("needle in a haystack") under KV-cache eviction (seed 002 "NIAH").
 
 The task is the classic passkey prompt (Mohtashami & Jaggi, 2023): an instruction, repeated
 filler sentences, one needle sentence ``"The pass key is 71432. Remember it. 71432 is the pass

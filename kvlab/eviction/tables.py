@@ -1,4 +1,4 @@
-"""Eviction experiments on stored runs (issue 9 item 6): the sawtooth trace and the matched-memory table.
+"""Eviction experiments on stored runs: the sawtooth trace and the matched-memory table.
 
 **Matched memory.** Conf-KV's memory is not a knob: it is what its confidence schedule does on the
 prompts. So Conf-KV runs first and its achieved mean KV bytes (mean over steps of

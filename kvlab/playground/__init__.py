@@ -1,4 +1,4 @@
-"""The interactive playground (issue 11): plain-Python logic here, a thin ipywidgets view in
+"""The interactive playground: plain-Python logic here, a thin ipywidgets view in
 :mod:`kvlab.playground.view` (imported on demand, it needs ipywidgets + plotly).
 
 * :class:`Playground` — settings in, stored/streamed runs and readouts out (background runner,

@@ -1,4 +1,4 @@
-"""Why a refresh fired, and what a readout can and cannot see (issue 15).
+"""Why a refresh fired, and what a readout can and cannot see.
 
 The refresh policy says it itself (``policy.explain(record)``, beside ``should_refresh``); here the
 records are rebuilt from a stored run's step columns, so the Explore tab can list the reasons of a
