@@ -291,7 +291,7 @@ def cmd_bench(args) -> None:
         prompt = load_prompts(n=1)[0]["prompt"]
         res = bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats)
         print(json.dumps(res, indent=1))
-        if args.out is not None:     # the file the README quotes (`bench decode --out figures`)
+        if args.out is not None:     # decode_bench_timing.jsonl (untracked, like every timing)
             _append_bench(args.out / "decode_bench_timing.jsonl", res,
                           f"python -m kvlab bench decode --tokens {args.tokens or 64} --repeats {args.repeats} "
                           f"--out {args.out}")
@@ -328,7 +328,7 @@ def cmd_bench(args) -> None:
         res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
         print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
         print(_evict_bench_table(res))
-        if args.out is not None:     # the file the README quotes (`bench evict --out figures`)
+        if args.out is not None:     # evict_bench_timing.{json,md} (untracked, like every timing)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "evict_bench_timing.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
             cmd = (f"python -m kvlab bench evict --cache-len {args.cache_len} --tokens {args.tokens or 16} "
@@ -372,7 +372,7 @@ def _refresh_options(p: argparse.ArgumentParser) -> None:
                    help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
 def _append_bench(path: Path, res: dict, cmd: str) -> None:
     """Append one benchmark result (with its command and UTC time) as a JSON line: repeated runs
-    accumulate, so the README can quote every run of a noisy benchmark."""
+    accumulate, so every run of a noisy benchmark can be compared."""
     import datetime
 
     path.parent.mkdir(parents=True, exist_ok=True)

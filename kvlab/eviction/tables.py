@@ -160,7 +160,7 @@ class EvictStudy:
     γ = 0.9, not the paper's 0.7: on the embedded SmolLM2-135M-Instruct (T = 0.7 sampling) 69 % of
     steps score ≥ 0.7 and uncertain streaks last 1.5 steps on average (max 4), so Conf-KV sits at
     its tight budget; at 0.9, 61 % of steps are uncertain, streaks average 2.5 (max 13) and the
-    sawtooth is visible (README, "Eviction experiments")."""
+    sawtooth is visible (docs/eviction.md, "Conf-KV")."""
 
     gamma: float = 0.9
     tight: int = 48

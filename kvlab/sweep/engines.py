@@ -203,7 +203,7 @@ def check_address(address: str, timeout: float = 5.0) -> None:
 
 def runtime_env() -> dict:
     """What Ray ships to every node: this kvlab package (so nodes need not have it installed, and
-    run exactly the driver's code). Its dependencies must be on the nodes (see the README)."""
+    run exactly the driver's code). Its dependencies must be on the nodes (docs/sweeps_and_store.md, "Ray on a cluster")."""
     from kvlab.store.provenance import PACKAGE_DIR
 
     return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"],
