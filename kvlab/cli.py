@@ -1,4 +1,6 @@
-"""``python -m kvlab <command>``: the main job, its pieces, and the benchmarks."""
+"""``python -m kvlab <command>``: the main job, its pieces, and the benchmarks. Parses arguments, checks them
+before any model loads, and calls the packages that do the work; writes only through them (tables and figures
+under ``--out``, runs in the run store, the docs' generated numbers)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""Which code and which machine produced a result.
+"""Which code and which machine produced a result: the version, commit and machine every stored run and every
+table carries. Reads the git checkout and the platform; writes nothing.
 
 * :data:`CODE_VERSION` — bumped by hand whenever decoding or scoring semantics change (what a
   stored run means). The run store keys runs by it, so a bump invalidates every stored run.
