@@ -1,4 +1,5 @@
-"""The decode loop: one generator, one frozen :class:`StepRecord` per token.
+"""The decode loop: one generator, one frozen :class:`StepRecord` per token. It edits caches only through
+:mod:`kvlab.cache`, asks policies (which decide, never mutate) and probes what to do, and writes no files.
 
 Modes (seed 000, "The OverFill Algorithm"):
 
