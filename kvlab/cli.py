@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "configurations per prompt + 210 needle runs)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("docs", help="regenerate the numbers quoted in README.md and docs/ from figures/*.csv")
-    p.add_argument("--out", type=Path, default=Path("figures"), help="the tables (only the project's figures/)")
+    p.add_argument("--out", type=Path, default=None, help="the tables (default and only choice: the project's figures/)")
     p.add_argument("--check", action="store_true", help="only check: fail when a quoted number disagrees")
     p.set_defaults(fn=cmd_docs)
     p = sub.add_parser("train-study", help="student variants compared: OverFill vs student alone, refresh, speed, curves")
