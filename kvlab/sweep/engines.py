@@ -1,4 +1,5 @@
 """Where tasks run: in this process, in worker processes, or on Ray actors.
+Engines start and stop their own workers (processes or Ray actors); only the driver writes the run store.
 
 Every engine has the same three calls: :meth:`probe` (load a pair in a worker, report its
 fingerprints, code version and size — what the driver keys runs with), :meth:`run` (run tasks, hand

@@ -1,4 +1,5 @@
 """The blog's tables and figures from results rows (``python -m kvlab figures --from-results``).
+Reads result rows; writes tables and figures under ``--out``.
 
 One big sweep (on a cluster, say) regenerates ``baselines``, ``refresh_periodic/entropy/methods``
 and the Pareto figure: rows are turned into the per-run frames the table functions of
