@@ -1,4 +1,6 @@
 """Real Monte-Carlo dropout on any HF student (seed 000, "Future Work (Monte Carlo Dropout)").
+It adds forward hooks to a model only inside a ``with`` block that removes them, and probes a cache without changing
+it (``KVCache.probe_last``).
 
 The embedded student has no active dropout, so it is *injected* at inference: forward hooks on
 each decoder layer's attention and MLP sub-layers multiply their outputs by an inverted-dropout
