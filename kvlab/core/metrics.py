@@ -1,4 +1,5 @@
 """Scoring a generation (seed 000, "Scoring" and "Variational lens").
+Functions of logits and tokens (plus one teacher forward); nothing is written.
 
 Teacher-PPL alone rewards repetition loops (a looping student can score a *lower* PPL than the
 teacher), so every table reports the mean per-step ``KL(p_T || q)`` — the blog's "mismatch"

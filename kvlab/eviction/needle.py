@@ -1,4 +1,5 @@
 """Passkey retrieval ("needle in a haystack") under KV-cache eviction (seed 002 "NIAH").
+Its runs go through the run store; the tables are returned to the caller that writes them.
 
 The task is the classic passkey prompt (Mohtashami & Jaggi, 2023): an instruction, repeated
 filler sentences, one needle sentence ``"The pass key is 71432. Remember it. 71432 is the pass

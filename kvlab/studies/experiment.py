@@ -1,4 +1,5 @@
 """Running and storing decode runs over a prompt set: the building block of every table.
+It writes runs into the run store and tables (CSV + Markdown) where it is told.
 
 A *run* is one generation scored by the teacher. Its config (model fingerprints, prompt,
 decode settings, policy) keys it in the run store (:class:`kvlab.store.results.Store`, also importable as
