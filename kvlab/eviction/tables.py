@@ -1,4 +1,4 @@
-"""Eviction experiments on stored runs: the sawtooth trace and the matched-memory table.
+"""Eviction experiments on stored runs (issue 9 item 6): the sawtooth trace and the matched-memory table.
 
 **Matched memory.** Conf-KV's memory is not a knob: it is what its confidence schedule does on the
 prompts. So Conf-KV runs first and its achieved mean KV bytes (mean over steps of
@@ -160,7 +160,7 @@ class EvictStudy:
     γ = 0.9, not the paper's 0.7: on the embedded SmolLM2-135M-Instruct (T = 0.7 sampling) 69 % of
     steps score ≥ 0.7 and uncertain streaks last 1.5 steps on average (max 4), so Conf-KV sits at
     its tight budget; at 0.9, 61 % of steps are uncertain, streaks average 2.5 (max 13) and the
-    sawtooth is visible (docs/eviction.md, "Conf-KV")."""
+    sawtooth is visible (README, "Eviction experiments")."""
 
     gamma: float = 0.9
     tight: int = 48
