@@ -124,21 +124,24 @@ class View:
 
 
 def _needle(figures: Path) -> str:
-    """Passkey accuracy per policy and context length (mean over depths and keys, weighted by ``n``)."""
+    """Passkey accuracy per policy and context length (mean over depths and keys, weighted by ``n``); one row per
+    (setting, policy) when the table has a ``setting`` column."""
     df = read(figures, "evict_needle")
     for c in ("policy", "length", "accuracy", "n"):
         if c not in df.columns:
             raise DocsError(f"figures/evict_needle.csv has no column {c!r}")
+    keys = ["setting", "policy"] if "setting" in df.columns else ["policy"]
     df = df.assign(hits=df["accuracy"] * df["n"])
-    by = df.groupby(["policy", "length"], sort=False)[["hits", "n"]].sum()
+    by = df.groupby(keys + ["length"], sort=False)[["hits", "n"]].sum()
     acc = (by["hits"] / by["n"]).unstack("length")
-    total = df.groupby("policy", sort=False)[["hits", "n"]].sum()
+    total = df.groupby(keys, sort=False)[["hits", "n"]].sum()
     lengths = sorted(acc.columns)
-    head = ["policy"] + [f"{int(L)} tokens" for L in lengths] + ["all", "prompts"]
+    head = keys + [f"{int(L)} tokens" for L in lengths] + ["all", "prompts"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for pol in dict.fromkeys(df["policy"]):
-        cells = [pol] + [fmt(acc.loc[pol, L], 2) for L in lengths]
-        cells += [fmt(total.loc[pol, "hits"] / total.loc[pol, "n"], 2), str(int(total.loc[pol, "n"]))]
+    for key in total.index:
+        k = key if isinstance(key, tuple) else (key,)
+        cells = [str(x) for x in k] + [fmt(acc.loc[key, L], 2) for L in lengths]
+        cells += [fmt(total.loc[key, "hits"] / total.loc[key, "n"], 2), str(int(total.loc[key, "n"]))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n*Generated from `figures/evict_needle.csv` (exact-match accuracy).*"
 
@@ -192,10 +195,13 @@ def _key_results(figures: Path) -> str:
                          "KL to full cache " + one("evict_matched", pol, "kl"), "evict_matched"))
     nd = read(figures, "evict_needle")
     if {"policy", "accuracy", "n"} <= set(nd.columns):
+        label = "Passkey retrieval under eviction (exact match)"
+        if "setting" in nd.columns:                       # one setting: the table's first
+            first = nd["setting"].iloc[0]
+            nd, label = nd[nd["setting"] == first], f"{label}, {first} setting"
         acc = (nd["accuracy"] * nd["n"]).groupby(nd["policy"]).sum() / nd["n"].groupby(nd["policy"]).sum()
         got = [p for p in ("full", "block", "sliding", "confkv") if p in acc.index]
-        rows.append(("Passkey retrieval with a 128-entry cache (exact match)",
-                     ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
+        rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
     lines = ["| what | result | table |", "|---|---|---|"]
     lines += [f"| {a} | {b} | [`{c}`](figures/{c}.md) |" for a, b, c in rows]
     return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
