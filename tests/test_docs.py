@@ -73,6 +73,16 @@ def test_new_columns_and_rows_need_no_change(tmp_path):
     assert out.count("\n| ") == len(df)                # every row (the header opens the block)
 
 
+def test_needle_table_with_settings(tmp_path):
+    """The passkey table may gain a `setting` column: one row per (setting, policy), each from its own runs."""
+    df = pd.read_csv(ROOT / "figures" / "evict_needle.csv")
+    both = pd.concat([df.assign(setting="prefill"), df.assign(setting="streamed", accuracy=0.0)])
+    both.to_csv(tmp_path / "evict_needle.csv", index=False)
+    out = docs.render_view("evict_needle", tmp_path)
+    assert out.splitlines()[0].startswith("| setting | policy |")
+    assert "| prefill | full | 1.00 |" in out and "| streamed | full | 0.00 |" in out
+
+
 def test_a_missing_column_or_row_is_named(tmp_path):
     df = pd.read_csv(ROOT / "figures" / "refresh_periodic.csv").drop(columns=["d_kl_hi"])
     df.to_csv(tmp_path / "refresh_periodic.csv", index=False)
