@@ -41,6 +41,17 @@ def test_docs_quote_their_numbers_through_markers():
         assert t.count("<!-- kvlab:value ") == t.count("<!-- /kvlab:value -->"), p
 
 
+def test_no_result_is_typed_outside_the_generated_blocks():
+    """Measured values look like 0.938, 1.03×, ± 0.3 or [−0.12, +0.31]; outside generated blocks and code the pages
+    hold settings (T = 0.7, 95 %) and the papers' figures, never such a result."""
+    result = re.compile(r"\d\.\d{3}|\d×|±\s*\d|\[[-+−]?\d+\.\d+,\s*[-+−]?\d+\.\d+\]")
+    for p in docs.doc_files(ROOT):
+        t = docs.VALUE.sub("", docs.BLOCK.sub("", p.read_text()))
+        t = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", t, flags=re.S))
+        hits = [t[max(0, m.start() - 30):m.end() + 10] for m in result.finditer(t)]
+        assert not hits, f"{p.name}: a typed result outside a generated block: {hits}"
+
+
 def test_a_wrong_number_is_rewritten_and_detected(tmp_path):
     md = ("Periodic T=27: <!-- kvlab:value refresh_periodic periodic_T27 d_kl,d_kl_lo,d_kl_hi -->"
           "-0.156 [-0.253, -0.042]<!-- /kvlab:value -->.\n\n"

@@ -313,7 +313,7 @@ def render_value(args: str, figures: Path = FIGURES) -> str:
     for c in spec:
         if c not in df.columns:
             raise DocsError(f"figures/{csv}.csv has no column {c!r} (marker kvlab:value {args})")
-    return cell(pick(df, row, csv), spec[0] if len(spec) == 1 else tuple(spec), digits)
+    return cell(pick(df, row, csv), spec[0] if len(spec) == 1 else tuple(spec), digits, whole_columns(df))
 
 
 def fill(text: str, figures: Path = FIGURES, where: str = "") -> str:
