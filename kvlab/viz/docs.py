@@ -4,7 +4,8 @@ A Markdown file marks each generated part; :func:`fill` rewrites what lies betwe
 and leaves everything else byte for byte:
 
 * ``<!-- kvlab:table NAME -->`` … ``<!-- /kvlab:table -->`` — the table view ``NAME`` of :data:`VIEWS`
-  (a handful of columns of one CSV with plain headers, every row, in the CSV's order);
+  (a handful of columns of one CSV with plain headers, every row, in the CSV's order); ``md:TABLE`` instead
+  of a view name includes ``figures/TABLE.md`` as its job wrote it (a new table needs no view);
 * ``<!-- kvlab:value CSV ROW COLUMNS [digits=N] -->`` … ``<!-- /kvlab:value -->`` — one number inline.
   ``ROW`` selects one row: a value of the CSV's first column (``periodic_T27``), ``col=value`` pairs
   joined by ``&`` (``p=0.1``), or ``#i`` for the i-th row; ``COLUMNS`` is one column (the value), two joined by ``,`` (``mean ± std``) or
@@ -287,11 +288,16 @@ def pick(df: pd.DataFrame, row: str, csv: str) -> pd.Series:
 
 
 # ----------------------------------------------------------------------------------------------- markers
-BLOCK = re.compile(r"(<!-- kvlab:table (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /kvlab:table -->)", re.S)
+BLOCK = re.compile(r"(<!-- kvlab:table (?P<name>(?:md:)?[\w-]+) -->\n)(?P<body>.*?)(<!-- /kvlab:table -->)", re.S)
 VALUE = re.compile(r"(<!-- kvlab:value (?P<args>[^>]*?) -->)(?P<body>.*?)(<!-- /kvlab:value -->)", re.S)
 
 
 def render_view(name: str, figures: Path = FIGURES) -> str:
+    if name.startswith("md:"):                      # a table's own Markdown, as its job wrote it
+        path = Path(figures) / f"{name[3:]}.md"
+        if not path.exists():
+            raise DocsError(f"{path} does not exist: run `make figures` (or the job that writes {name[3:]}) first")
+        return path.read_text().strip()
     if name not in VIEWS:
         raise DocsError(f"no table view {name!r}; known: {', '.join(VIEWS)}")
     v = VIEWS[name]
