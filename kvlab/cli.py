@@ -172,6 +172,12 @@ def cmd_figures(args) -> list[Path]:
     return paths
 
 
+def cmd_docs(args) -> list[Path]:
+    from kvlab.viz.docs import cmd_docs as run
+
+    return run(args)
+
+
 def cmd_sweep(args):
     from kvlab.sweep.command import cmd_sweep as run
 
@@ -274,12 +280,6 @@ def cmd_all(args) -> list[Path]:
     paths += cmd_figures(args)
     paths += cmd_docs(args)        # last: README.md and docs/ quote the tables just written
     return paths
-
-
-def cmd_docs(args) -> list[Path]:
-    from kvlab.viz.docs import cmd_docs as run
-
-    return run(args)
 
 
 def cmd_bench(args) -> None:

@@ -116,7 +116,8 @@ def test_cli_check_passes_and_docs_is_a_step_of_all():
     from kvlab import cli
 
     src = Path(cli.__file__).read_text()
-    body = src[src.index("def cmd_all"):src.index("def cmd_docs")]
+    start = src.index("def cmd_all")
+    body = src[start:src.index("\ndef ", start + 1)]
     assert "cmd_docs(args)" in body                     # `make figures` = `python -m kvlab all` regenerates them
 
 
