@@ -171,29 +171,26 @@ def test_readme_example_is_short():
 
 @pytest.mark.integration
 def test_readme_example_runs(tmp_path):
-    """Runs README's example as written, on the real teacher, except the student: the README loads the trained
-    default student, which `make figures` trains (minutes of CPU) and CI's empty model cache lacks, so this test
-    swaps in the untrained pruned student the other real-pair tests use (`load_pair(variant="pruned",
-    shape="i0.30")`, built from the teacher in seconds). Everything else — the refresh and eviction policies,
-    the loop, the trace — runs exactly as printed."""
+    """Runs README's example as written, on the real pair. The README loads the trained default student, which
+    `make figures` trains (minutes of CPU); where the model cache lacks it (CI starts empty) the example stops
+    with the error naming `python -m kvlab train-student`, and the test then runs it again with the untrained
+    pruned student the other real-pair tests use (`load_pair(variant="pruned", shape="i0.30")`, built from the
+    teacher in seconds). Everything else — the refresh and eviction policies, the loop, the trace — runs exactly
+    as printed."""
     code = _readme_example()
     assert code.count("kvlab.load_pair()") == 1
-    code = code.replace("kvlab.load_pair()", 'kvlab.load_pair(device="cpu", variant="pruned", shape="i0.30")')
     script = tmp_path / "example.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    def run(src: str):
+        script.write_text(src)
+        return subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    out = run(code)
+    if out.returncode != 0 and "train-student" in out.stderr:
+        out = run(code.replace("kvlab.load_pair()", 'kvlab.load_pair(device="cpu", variant="pruned", shape="i0.30")'))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert any("refreshed" in ln and "cache_len" in ln for ln in lines)     # the trace frame's header
     assert "True" in out.stdout                                            # a refresh fired
     writers = lines[-1]
     assert set(writers) <= {"t", "s"} and "t" in writers                   # the live map's writers
-
-
-def test_a_table_markdown_is_included_as_written():
-    md = "<!-- kvlab:table md:refresh_calibration -->\n<!-- /kvlab:table -->\n"
-    out = docs.fill(md)
-    assert (ROOT / "figures" / "refresh_calibration.md").read_text().strip() in out
-    assert docs.fill(out) == out
-    with pytest.raises(docs.DocsError, match="does not exist"):
-        docs.fill("<!-- kvlab:table md:nosuch -->\n<!-- /kvlab:table -->\n")
