@@ -1,4 +1,5 @@
 """kvlab — a research workbench for what happens to the KV cache while an LLM decodes.
+Importing it loads no model and touches nothing.
 
 The public names below load on first use (PEP 562), so ``import kvlab`` and ``python -m kvlab --help``
 do not import torch or transformers.

@@ -1,3 +1,4 @@
+"""``python -m kvlab``: runs :func:`kvlab.cli.main` and exits with its status. Touches nothing itself."""
 import sys
 
 from .cli import main

@@ -1,4 +1,6 @@
-"""``python -m kvlab <command>``: the main job, its pieces, and the benchmarks."""
+"""``python -m kvlab <command>``: the main job, its pieces, and the benchmarks. Parses arguments, checks them
+before any model loads, and calls the packages that do the work; writes only through them (tables and figures
+under ``--out``, runs in the run store, the docs' generated numbers)."""
 from __future__ import annotations
 
 import argparse
@@ -170,6 +172,12 @@ def cmd_figures(args) -> list[Path]:
     return paths
 
 
+def cmd_docs(args) -> list[Path]:
+    from kvlab.viz.docs import cmd_docs as run
+
+    return run(args)
+
+
 def cmd_sweep(args):
     from kvlab.sweep.command import cmd_sweep as run
 
@@ -186,7 +194,7 @@ def _mc_real_small(args):
 
 
 def _evict_args(p: argparse.ArgumentParser) -> None:
-    """Options of the eviction job (issue 9), shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
+    """Options of the eviction job, shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
     p.add_argument("--gamma", type=float, default=0.9, help="evict: Conf-KV confidence threshold γ in [0, 1]")
     p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
                    help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
@@ -270,6 +278,7 @@ def cmd_all(args) -> list[Path]:
         print(f"== {name}", flush=True)
         paths += fn(args)
     paths += cmd_figures(args)
+    paths += cmd_docs(args)        # last: README.md and docs/ quote the tables just written
     return paths
 
 
@@ -284,7 +293,7 @@ def cmd_bench(args) -> None:
         prompt = load_prompts(n=1)[0]["prompt"]
         res = bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats)
         print(json.dumps(res, indent=1))
-        if args.out is not None:     # the file the README quotes (`bench decode --out figures`)
+        if args.out is not None:     # decode_bench_timing.jsonl (untracked, like every timing)
             _append_bench(args.out / "decode_bench_timing.jsonl", res,
                           f"python -m kvlab bench decode --tokens {args.tokens or 64} --repeats {args.repeats} "
                           f"--out {args.out}")
@@ -321,7 +330,7 @@ def cmd_bench(args) -> None:
         res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
         print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
         print(_evict_bench_table(res))
-        if args.out is not None:     # the file the README quotes (`bench evict --out figures`)
+        if args.out is not None:     # evict_bench_timing.{json,md} (untracked, like every timing)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "evict_bench_timing.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
             cmd = (f"python -m kvlab bench evict --cache-len {args.cache_len} --tokens {args.tokens or 16} "
@@ -365,7 +374,7 @@ def _refresh_options(p: argparse.ArgumentParser) -> None:
                    help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
 def _append_bench(path: Path, res: dict, cmd: str) -> None:
     """Append one benchmark result (with its command and UTC time) as a JSON line: repeated runs
-    accumulate, so the README can quote every run of a noisy benchmark."""
+    accumulate, so every run of a noisy benchmark can be compared."""
     import datetime
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -460,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
                         "configurations per prompt + 210 needle runs)")
     p.set_defaults(fn=cmd_all)
+    p = sub.add_parser("docs", help="regenerate the numbers quoted in README.md and docs/ from figures/*.csv")
+    p.add_argument("--out", type=Path, default=None, help="the tables (default and only choice: the project's figures/)")
+    p.add_argument("--check", action="store_true", help="only check: fail when a quoted number disagrees")
+    p.set_defaults(fn=cmd_docs)
     p = sub.add_parser("train-study", help="student variants compared: OverFill vs student alone, refresh, speed, curves")
     _common(p)
     p.set_defaults(fn=cmd_train_study)

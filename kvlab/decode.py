@@ -1,4 +1,5 @@
-"""The decode loop: one generator, one frozen :class:`StepRecord` per token.
+"""The decode loop: one generator, one frozen :class:`StepRecord` per token. It edits caches only through
+:mod:`kvlab.cache`, asks policies (which decide, never mutate) and probes what to do, and writes no files.
 
 Modes (seed 000, "The OverFill Algorithm"):
 
@@ -49,7 +50,7 @@ Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is
    After a refresh the student cache equals the teacher cache over the rewritten entries, entry by
    entry, and the ledger says ``writer="teacher"`` there; ``record.spliced`` counts them.
 
-Eviction (issue 9; every mode). ``DecodeConfig.evict`` is an eviction policy (:mod:`kvlab.eviction`;
+Eviction (every mode). ``DecodeConfig.evict`` is an eviction policy (:mod:`kvlab.eviction`;
 protocol in :mod:`kvlab.eviction.base`). Its phase runs last in each step, after the refresh: the
 policy sees the decoding cache (``x, y_<t``, or ``x, y_≤t`` after a ``"teacher"``/``"student"``
 refresh) and the step's record, returns the slots to keep, and the cache removes the rest

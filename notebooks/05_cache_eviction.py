@@ -45,7 +45,7 @@ STUDENT = "pruned" if SMOKE else "overfill"
 PROMPTS = 1 if SMOKE else 8            # prompts of the matched-memory table (< 5: no interval)
 TOKENS = 24 if SMOKE else 128          # new tokens per run
 STEP_TOKENS = 24 if SMOKE else 96      # the single run stepped through
-GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see README)
+GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see docs/eviction.md)
 # Budgets in cache entries. The same in smoke mode: the loose budget must hold the whole prompt (~70
 # tokens with the chat template) or the prompt is gone at the first eviction, and every row degenerates.
 TIGHT, LOOSE, PROTECT = 48, 112, 16

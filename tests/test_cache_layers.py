@@ -1,4 +1,4 @@
-"""Per-layer live sets (issue 18 item 1): every layer keeps its own entries, and a ragged cache
+"""Per-layer live sets: every layer keeps its own entries, and a ragged cache
 computes what an uncached forward computes when each layer sees only its kept tokens."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Eviction experiments (issue 9 items 6-8): matched-budget solver, needle task, tables, figures, CLI."""
+"""Eviction experiments: matched-budget solver, needle task, tables, figures, CLI."""
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,4 @@
-"""Eviction as a cache operation (issue 9): evict, RoPE re-rotation, INT8 storage, attention mass."""
+"""Eviction as a cache operation: evict, RoPE re-rotation, INT8 storage, attention mass."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Eviction in the decode loop (issue 9) and the ledger == cache invariant under any mix of edits."""
+"""Eviction in the decode loop and the ledger == cache invariant under any mix of edits."""
 from __future__ import annotations
 
 import pytest

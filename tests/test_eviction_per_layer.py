@@ -1,4 +1,4 @@
-"""Per-layer ranking (issue 18): H2O, Scissorhands, SnapKV and uniform Conf-KV decide per layer — every
+"""Per-layer ranking: H2O, Scissorhands, SnapKV and uniform Conf-KV decide per layer — every
 layer keeps its own top entries by its own statistic plus its own newest window — and ``per_layer=False``
 keeps the earlier layer-mean decision (one live set). The expected decisions are recomputed here from
 the view alone (sort by score, ties → newer slot), not through the policies' helpers."""

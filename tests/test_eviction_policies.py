@@ -1,4 +1,4 @@
-"""Eviction policies (issue 9): validation, budgets, protected windows, block areas; pure decisions."""
+"""Eviction policies: validation, budgets, protected windows, block areas; pure decisions."""
 from __future__ import annotations
 
 from types import SimpleNamespace

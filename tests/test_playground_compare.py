@@ -1,4 +1,4 @@
-"""The playground's issue-16 behaviour without a browser (tiny models): honest ratios (no cross-run
+"""The playground's comparison features without a browser (tiny models): honest ratios (no cross-run
 timing), spread over prompts × seeds, calibrated MC threshold, Conf-KV γ / H2O recent window, pins and
 overlay, PNG + CSV export, why a refresh fired, and the plot details."""
 from __future__ import annotations
@@ -226,7 +226,7 @@ def test_view_plot_details(pg):
     assert "why: T reached: step 4 is a multiple of T=4" in v.step_info.value and "emitted tokens" in v.step_info.value
 
 
-# ------------------------------------------------------------------ the student switch (issue 17)
+# ------------------------------------------------------------------ the student switch (a trained variant per run)
 
 
 def test_the_playground_switches_students(tiny_teacher, tiny_student, tmp_path):

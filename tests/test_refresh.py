@@ -103,7 +103,7 @@ def test_every_slot_up_to_the_frontier_is_teacher_written(tiny_teacher, tiny_stu
 
 
 def test_periodic6_writer_pattern_has_no_student_boundary_entries(tiny_teacher, tiny_student):
-    """The regression of issue 8: rerun used to leave every boundary entry student-written (TTTTTsTTTTTs)."""
+    """Regression: "rerun" must not leave every boundary entry student-written (TTTTTsTTTTTs)."""
     pats = {}
     for nxt in NEXT:
         d = Decoding(tiny_teacher, tiny_student, PROMPT, _cfg(Periodic(6), nxt, n=19))

@@ -1,4 +1,4 @@
-"""Cache surgery (issue 5, seed 004 "Step 4"): coupled delete/insert/replace_pair/add ticks on KVCache.
+"""Cache surgery (seed 004 "Step 4"): coupled delete/insert/replace_pair/add ticks on KVCache.
 
 The pure-Python reference below is the seed's sequential algorithm written out literally (sort
 descending, list.pop / slice-insert, appends last) on a list of (token, position) pairs; the

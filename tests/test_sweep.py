@@ -590,7 +590,7 @@ def test_pareto_summary(tmp_path):
     run_sweep(spec, store=tmp_path, progress=False)
     s = config_summary(load(tmp_path)).set_index("policy")
     assert list(s.index) == [c.policy for c in spec.configs()] and (s.n_runs == 2).all()
-    assert "overhead_pct" not in s.columns       # no latency ratio across separately timed rows (issue 12)
+    assert "overhead_pct" not in s.columns       # no latency ratio across separately timed rows (it would measure the machine)
     assert s.loc["overfill", "teacher_pct"] == 0 and s.loc["periodic_T2", "teacher_pct"] > 0 and s.loc["teacher", "teacher_tokens_per_token"] == 5 / 6
     # N=6: T=2 refreshes after steps 2, 4 (Δ = 2 + 2 teacher tokens), T=4 after step 4 (Δ = 4)
     assert (s.loc["periodic_T2", "refreshes"], s.loc["periodic_T4", "refreshes"]) == (2, 1)

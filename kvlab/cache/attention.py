@@ -1,4 +1,6 @@
 """Attention mass of one forward, from its queries and the cached keys (no attention forward is patched).
+Its hooks sit on a model only while a forward measures attention; it reads queries and keys and changes no cache
+tensor.
 
 :class:`QueryCapture` is a context manager that registers removable hooks for ONE forward: a
 forward hook on each attention module's query projection (``q_norm`` when the module has one,

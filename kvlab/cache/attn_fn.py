@@ -1,4 +1,6 @@
 """The ``"kvlab"`` attention function: every layer attends over its OWN cached keys (per-layer live sets).
+Registered through transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (no forward is patched); it
+reads a layer's keys and values and writes nothing.
 
 transformers builds one attention mask per forward, sized from layer 0's cache length
 (``masking_utils.create_causal_mask`` asks ``past_key_values.get_mask_sizes(q_len, 0)``), and

@@ -1,4 +1,6 @@
-"""Eviction, RoPE re-rotation and INT8 demotion of cache entries (issue 9; seed 002, seed 003).
+"""Eviction, RoPE re-rotation and INT8 demotion of cache entries (seed 002 Conf-KV, seed 003 block eviction).
+Part of the cache module: each operation changes a cache's tensors, live maps and statistics in one call, or
+nothing.
 
 Each operation validates first, then edits storage (:mod:`.storage`), mirror (:mod:`.mirror`) and
 attention statistics (:mod:`.stats`) in one call. Re-rotation (:func:`reposition`) moves entries

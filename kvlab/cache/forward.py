@@ -1,4 +1,5 @@
 """Model forwards over a :class:`~kvlab.cache.KVCache`: append (prefill / decode step) and the probe.
+Part of the cache module: a forward appends to tensors and live maps together; the probe leaves the cache as it was.
 
 :func:`forward` runs the model over the cache's storage, then records the new entries in the
 mirror and the attention statistics; on any error it rolls all three back, so the cache is as it

@@ -1,4 +1,5 @@
 """Per-entry attention statistics of a :class:`~kvlab.cache.KVCache`, for eviction policies.
+Part of the cache module: only the statistics tensors, edited in the same call as the cache's other edits.
 
 :class:`AttnStats` keeps, per layer and live entry of that layer, the accumulated attention mass
 (H2O), its EMA (Conf-KV) and how many measured forwards saw the entry (NORM_SUM). Layer ``l``'s

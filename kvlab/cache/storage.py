@@ -1,5 +1,6 @@
 """K/V storage of a :class:`~kvlab.cache.KVCache`: per layer, a preallocated full-precision buffer
 plus INT8 entries.
+Only :class:`Storage` reads or writes the K/V tensors; it knows no tokens or positions.
 
 Each layer holds its own entries in slot order (layers may hold different numbers: per-layer live
 sets): the oldest ``int8_len(i)`` of them in an :class:`~kvlab.cache.int8.Int8Layer`, the rest in a

@@ -1,4 +1,6 @@
 """Cache surgery (seed 004, "Step 4"): one tick of delete / insert / replace_pair / add actions.
+Part of the cache module: a tick changes tensors and live map together, or, failing after validation, rebuilds the
+cache from its live map.
 
 :func:`apply` validates the whole action list (:func:`~kvlab.cache.plan.plan_actions`), computes
 the K/V of every new block over its original left context (reads only), then cuts storage and

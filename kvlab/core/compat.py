@@ -1,4 +1,5 @@
 """KV compatibility of two models: can one's cache be handed to the other?
+Reads the two models' configs only; touches no weights, caches or files.
 
 Seed 000: passing KV across models is dimensionally valid only if attention geometry and
 positional encoding match (tokenizer, heads, head size, layers, RoPE parameters).

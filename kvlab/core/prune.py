@@ -1,4 +1,6 @@
 """Minitron/OverFill-style width pruning: the embedded student's shape.
+Works on a model in memory: it reads calibration activations through forward hooks it removes again and prunes
+the model in place; saving it is the caller's (kvlab.core.models.pruned_student_path).
 
 A :class:`PruneShape` removes a fraction of the MLP intermediate channels (``i``) and of the hidden
 (embedding) channels (``h``), e.g. ``h0.45,i0.45`` — OverFill's ``pruned-h0.45-i0.45``. Importance is

@@ -1,4 +1,5 @@
 """Tiny random-config Llama models: fast, offline stand-ins for the embedded pair.
+Builds models in memory from a seed; reads and writes no files.
 
 Unit tests use them (``tests/conftest.py``), and so does a sweep grid with ``models = "tiny"``.
 They share the KV geometry whatever their MLP width, so a tiny teacher and a narrower tiny student

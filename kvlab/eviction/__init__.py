@@ -1,4 +1,4 @@
-"""Cache-eviction policies (issue 9): frozen dataclasses that decide only, one file each.
+"""Cache-eviction policies: frozen dataclasses that decide only, one file each.
 
 The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``ema_decay`` /
 ``rerotate`` attributes) is in :mod:`kvlab.eviction.base`; the decode loop applies decisions

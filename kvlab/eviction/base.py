@@ -1,4 +1,5 @@
-"""The eviction-policy protocol shared by the decode loop and the policies (issue 9).
+"""The eviction-policy protocol shared by the decode loop and the policies.
+Decisions and checks only: nothing here edits a cache.
 
 An eviction policy is a frozen dataclass that decides only, with one method::
 

@@ -1,4 +1,6 @@
 """Block-wise eviction with OpenVINO GenAI's semantics (seed 003; ``cache_eviction.cpp``, ``kvcrush.cpp``).
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache (``KVCache.evict``) removes and
+re-rotates.
 
 The cache is cut, by slot, into three areas of whole blocks of ``bs = block_size`` entries:
 

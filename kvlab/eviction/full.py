@@ -1,4 +1,6 @@
-"""Full cache: never evicts (the reference every eviction policy is compared with)."""
+"""Full cache: never evicts (the reference every eviction policy is compared with).
+A policy decides only; this one keeps everything.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

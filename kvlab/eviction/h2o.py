@@ -1,4 +1,6 @@
-"""H2O: heavy hitters (accumulated attention) + a recent window, per layer as in the reference."""
+"""H2O: heavy hitters (accumulated attention) + a recent window, per layer as in the reference.
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
-"""Passkey retrieval ("needle in a haystack") under KV-cache eviction (issue 9, seed 002 "NIAH").
+"""Passkey retrieval ("needle in a haystack") under KV-cache eviction (seed 002 "NIAH").
+Its runs go through the run store; the tables are returned to the caller that writes them.
 
 The task is the classic passkey prompt (Mohtashami & Jaggi, 2023): an instruction, repeated
 filler sentences, one needle sentence ``"The pass key is 71432. Remember it. 71432 is the pass
@@ -6,8 +7,8 @@ key."`` at a chosen depth, and the question ``"What is the pass key? The pass ke
 completes it greedily; the answer is the first run of digits in the completion (:func:`parse_key`)
 and counts only if it equals the key exactly.
 
-Format choice, measured on the embedded SmolLM2-135M-Instruct with the full cache (README,
-"Eviction experiments"): the raw completion prompt (``chat=False``) retrieves the key at every
+Format choice, measured on the embedded SmolLM2-135M-Instruct with the full cache (docs/eviction.md,
+"Passkey retrieval"): the raw completion prompt (``chat=False``) retrieves the key at every
 depth up to ~1k prompt tokens; with the chat template the model restates the question and needs
 many more tokens; at 2k–4k tokens the full cache already misses some depths. The default grid
 therefore stays at 256–1,024 tokens, where the full cache succeeds, so that a miss under eviction

@@ -1,4 +1,5 @@
 """PyramidKV (Cai et al., 2024; a Conf-KV seed-002 baseline): prompt compression with per-layer budgets.
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
 
 Like :class:`~kvlab.eviction.snapkv.SnapKV` it acts once, on the run's first step (the cache holds
 the prefill, ``view.first``), and decoding then appends without eviction. Each layer scores the

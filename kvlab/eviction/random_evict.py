@@ -1,4 +1,6 @@
-"""Random eviction at a matched rate: the Conf-KV paper's isolation control."""
+"""Random eviction at a matched rate: the Conf-KV paper's isolation control.
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Scissorhands (Liu et al., NeurIPS 2023; a Conf-KV seed-002 baseline): persistence of importance.
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
 
 A token that received little attention in the past is taken to stay unimportant. The cache counts,
 per entry and layer, the measured queries that gave it less than the uniform share of their

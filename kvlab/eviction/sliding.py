@@ -1,4 +1,6 @@
-"""Sliding window with attention sinks (StreamingLLM)."""
+"""Sliding window with attention sinks (StreamingLLM): keep the first few entries and the newest ones, a fixed
+budget with no attention statistics. A policy decides only: it reads an ``EvictView`` and returns a ``Keep``;
+the cache (``KVCache.evict``) removes the rest."""
 from __future__ import annotations
 
 from dataclasses import dataclass

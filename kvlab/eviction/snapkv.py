@@ -1,4 +1,5 @@
 """SnapKV (prompt compression; Conf-KV's seed 002 baseline), with NVIDIA kvpress's conventions.
+A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
 
 Once, on the run's first step (the cache holds the prefill, ``view.first``), a prompt longer than
 ``budget`` is cut to ``budget`` entries; decoding then appends without further eviction. Scores

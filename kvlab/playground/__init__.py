@@ -1,5 +1,6 @@
-"""The interactive playground (issue 11): plain-Python logic here, a thin ipywidgets view in
-:mod:`kvlab.playground.view` (imported on demand, it needs ipywidgets + plotly).
+"""The interactive playground: plain-Python logic here, a thin ipywidgets view in
+:mod:`kvlab.playground.view` (imported on demand, it needs ipywidgets + plotly). It writes runs into the run
+store (keyed like the tables' runs) and, on export, files under ``./playground-exports/``.
 
 * :class:`Playground` — settings in, stored/streamed runs and readouts out (background runner,
   cancellation, precompute over a slider's range).

@@ -1,5 +1,6 @@
 """Serve the playground page with Voilà and drive it in Debian's chromium (Playwright): shared by the
 browser test and :mod:`kvlab.playground.screenshot`.
+It starts and stops (by process group) the Voilà server it launched, and writes only into the folders it is given.
 
 Needs ``voila``, ``playwright`` (its Python package only: the browser is the system's chromium,
 ``apt-get install -y chromium``) and ``jupytext``.

@@ -1,4 +1,5 @@
 """The playground's calibrations: where a threshold falls among the signals of calibration runs.
+Reads and writes only the run store (calibration runs are stored runs).
 
 τ (student entropy, bits) and κ (KL, nats) are read against no-refresh OverFill runs on the calibration
 prompts (:func:`kvlab.refresh.tables.calibrate`); the MC gate's threshold against every MC signal of

@@ -1,5 +1,7 @@
 """Comparing runs in the playground: runs pinned for overlay (:class:`Pins`) and the current
 configuration timed back to back against its baseline (:func:`time_vs_baseline`).
+
+Keeps pins in memory; the timing decodes without storing anything.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Measure the playground's responsiveness on the embedded pair (kernel side, with the widget view attached).
+Writes runs only into the run store it is given (default: a fresh temporary one) and prints its measurements.
 
     python -m kvlab.playground.measure [--tokens 64] [--positions 3] [--repeats 10] [--runs DIR]
 

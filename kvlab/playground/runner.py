@@ -1,4 +1,5 @@
 """Background work for the playground: one job at a time, a newer job cancels the older one.
+Owns one background thread; it touches no files.
 
 A job is a function ``fn(job)`` run on a worker thread; it calls ``job.check()`` between decode
 steps (raising :class:`Cancelled` once the job was superseded). :class:`ModelGate` lets the

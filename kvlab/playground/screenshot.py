@@ -1,6 +1,7 @@
 """Refresh ``figures/playground.png``: serve the playground page (Voilà), open it in chromium, pin the
 first run, move τ once (so the picture shows a run, its baseline and a pinned run overlaid), and
 screenshot the page.
+Writes the PNG it is asked for and runs into the run store; it starts and stops its own Voilà server.
 
     python -m kvlab.playground.screenshot [--out figures/playground.png] [--smoke] [--runs DIR]
 

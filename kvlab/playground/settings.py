@@ -1,5 +1,6 @@
 """What the playground's controls hold: one frozen :class:`Settings`, checked control by control,
 turned into a :class:`~kvlab.decode.DecodeConfig`.
+Frozen values and checks; it touches nothing.
 
 A :class:`Settings` may hold bad values (that is what a user typed); :func:`check` returns
 ``{control: message}`` for every bad one, and :func:`decode_config` builds the config of a good one.

@@ -1,4 +1,5 @@
 """Step-through decoding: one :class:`~kvlab.decode.Decoding`, stepped a token at a time.
+Holds the decoding in memory; it stores nothing.
 
 Each :meth:`Stepper.step` returns a :class:`StepView`: the chosen token, the top-5 candidates of
 the distribution it was drawn from, entropy, cache length, whether a refresh fired (and how many

@@ -1,5 +1,6 @@
 """The playground's student switch: which students the "student" dropdown offers, how one loads, and
 what is wrong with a choice before anything loads.
+Loads students from the model cache; never trains or writes one.
 
 The dropdown offers :data:`kvlab.core.models.STUDENT_VARIANTS`: ``pruned`` (the untrained student, at the
 prune ratio of the "student prune" control) and the trained variants at the trained default shape

@@ -1,5 +1,6 @@
 """The playground's widgets: a thin ipywidgets + plotly ``FigureWidget`` view over
 :class:`~kvlab.playground.Playground` (all logic lives there and in :class:`~kvlab.playground.Stepper`).
+Widgets only: no model, cache or file is touched here.
 
 ``PlaygroundView(pg).widget`` is the whole app (an "Explore" tab and a "Step through" tab); display it
 in a notebook or serve the notebook with Voilà (``make playground``). Plots are updated in place.

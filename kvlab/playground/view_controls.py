@@ -1,5 +1,6 @@
 """The playground's control column (ipywidgets): one widget per setting with its error line
 (:class:`ControlPanel`), and the "precompute a slider's whole range" row (:class:`PrecomputeRow`).
+Widgets only: no model, cache or file is touched here.
 
 Every control calls :meth:`Playground.set <kvlab.playground.Playground.set>`; rows of settings the current
 policy, mode, sampling or eviction does not use are hidden. DOM classes ``kvlab-<control>`` and

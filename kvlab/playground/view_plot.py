@@ -1,5 +1,6 @@
 """The Explore tab's plot (plotly ``FigureWidget``): entropy per step, cache length, and the live cache's
 provenance strip, for the shown run, its baseline and the pinned runs; streamed points while a run decodes.
+Widgets only: no model, cache or file is touched here.
 
 The figure is the page's one ``FigureWidget`` (its trace indices: ``T_*``), updated in place, always on the
 kernel's loop (:func:`on_kernel_loop`).

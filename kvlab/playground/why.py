@@ -1,4 +1,5 @@
-"""Why a refresh fired, and what a readout can and cannot see (issue 15).
+"""Why a refresh fired, and what a readout can and cannot see: plain strings for the playground's Explore and
+Step-through tabs, from live records or a stored run's step columns. Reads runs; writes nothing.
 
 The refresh policy says it itself (``policy.explain(record)``, beside ``should_refresh``); here the
 records are rebuilt from a stored run's step columns, so the Explore tab can list the reasons of a

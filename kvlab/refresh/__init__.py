@@ -6,5 +6,7 @@
 * :mod:`.tables` — the blog's refresh tables from stored runs
 * :mod:`.forced` — the teacher-forced study: does a teacher-written cache help, tokens held fixed?
 
+Policies and probes decide and measure; the decode loop and the cache module act on them. Only the tables and
+the forced study write: runs into the run store, tables and figures under ``--out``.
 Nothing is imported here: ``from kvlab.refresh.policies import Periodic`` (or ``kvlab.Periodic``).
 """

@@ -1,4 +1,6 @@
 """Refresh machinery shared by the decode loop and the policies (seed 000, "KV Cache Refresh").
+Policies decide only; probes may advance the teacher's own cache, never the decoding cache; splices are the loop's,
+through the cache module.
 
 A refresh policy is a small frozen object with one decision method::
 

@@ -1,4 +1,5 @@
 """One refresh policy chosen by name and parameters (``python -m kvlab refresh --policy ...``).
+Builds a policy from flags before any model loads; it touches nothing.
 
 :func:`policy_choice` validates the name, which parameters belong to it and their values before
 any model loads (``ValueError`` naming the flag and the fix); :func:`single_policy_tables` runs

@@ -1,4 +1,6 @@
 """Teacher-forced refresh study: does a teacher-written cache help the student, tokens held fixed?
+Its runs go through the run store; the tables are returned to the caller (``python -m kvlab refresh``) that writes
+them.
 
 Free-running comparisons mix two effects: a refresh changes the cache, and then the student's
 sampled path diverges. Here the tokens are fixed — the teacher's greedy continuation ``y`` of the

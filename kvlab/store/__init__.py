@@ -1,11 +1,11 @@
 """The run store: every finished run of kvlab, one key each (:mod:`.results`), its rows (:mod:`.rows`),
 its provenance (:mod:`.provenance`) and a reader for older JSON runs (:mod:`.legacy`).
 
-There is one store: :class:`kvlab.store.results.Store` (``RunStore`` here is the same class, kept so
-``RunStore()`` / ``store.get_or_run`` / ``store.get`` keep working). Earlier versions kept every run
-as ``<config key>.<context key>.json`` in the store root; :func:`read_json_runs` still reads those
-files so :meth:`kvlab.store.results.Store.import_json` (``python -m kvlab store import``) can migrate
-them. Nothing writes them any more.
+There is one store: :class:`kvlab.store.results.Store` (``RunStore`` here is the same class). Only this
+package writes under the store's root (``$KVLAB_RUNS``, else the project's ``runs/``). Per-run JSON files
+(``<config key>.<context key>.json``) are read only, by :func:`read_json_runs`, so
+:meth:`kvlab.store.results.Store.import_json` (``python -m kvlab figures --from-results --import-runs DIR``)
+can migrate them.
 """
 from __future__ import annotations
 

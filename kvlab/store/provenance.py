@@ -1,4 +1,5 @@
-"""Which code and which machine produced a result.
+"""Which code and which machine produced a result: the version, commit and machine every stored run and every
+table carries. Reads the git checkout and the platform; writes nothing.
 
 * :data:`CODE_VERSION` — bumped by hand whenever decoding or scoring semantics change (what a
   stored run means). The run store keys runs by it, so a bump invalidates every stored run.
@@ -20,12 +21,12 @@ import subprocess
 from pathlib import Path
 
 # Bump on any change of what a run means (decode loop, refresh, scoring). Changelog:
-#   2026-11-22.kl-student: refresh span fix (issue 8.1: the entry "rerun" leaves to the student is
+#   2026-11-22.kl-student: refresh span fix (the entry "rerun" leaves to the student is
 #     rewritten at the next refresh); score's `kl` averages only over student-chosen steps (`kl_all`: all
 #     steps); runs are tied to CODE_VERSION + machine in the store.
-#   2026-11-22.evict: DecodeConfig(evict=...) (issue 9); records' cache_len is the cache length after the
+#   2026-11-22.evict: DecodeConfig(evict=...), eviction in the loop; records' cache_len is the cache length after the
 #     step (differs on "teacher"/"student" refresh steps), records store cache_bytes.
-#   2026-11-23.per-layer: per-layer live sets (issue 18.1): each layer keeps its own entries and a
+#   2026-11-23.per-layer: per-layer live sets: each layer keeps its own entries and a
 #     per-layer eviction decision (Keep.layers) really evicts per layer; per-layer attention statistics.
 #   2026-11-23.per-layer-decisions: BlockEvict and ConfKV(pyramidal=True) decide per layer (Conf-KV-L's
 #     shallowest layer keeps B, the deepest rho*B); PyramidKV; per-layer re-rotation.

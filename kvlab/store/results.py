@@ -40,7 +40,7 @@ API (also used by the playground)::
     kvlab.store.results.load(root=None, sweep=None)   # the same table
 
 The per-run JSON files of older kvlab versions (``<config key>.<context>.json``) are read by
-:meth:`Store.import_json` (``python -m kvlab store import``) and never written.
+:meth:`Store.import_json` (``python -m kvlab figures --from-results --import-runs DIR``) and never written.
 """
 from __future__ import annotations
 

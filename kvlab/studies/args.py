@@ -1,6 +1,8 @@
 """Command-line argument helpers shared by the CLI and the train report: the model flags checked
 before any model loads, and the :class:`~kvlab.studies.experiment.RunSpec` a command's
-flags describe. Torch-free at import."""
+flags describe. Torch-free at import.
+It touches nothing.
+"""
 from __future__ import annotations
 
 

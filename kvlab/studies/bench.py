@@ -1,4 +1,6 @@
-"""Benchmarks that print ratios measured in one run (they never assert: machines are noisy)."""
+"""Benchmarks that print ratios measured in one run (they never assert: machines are noisy).
+Timings go to stdout and, with ``--out``, to untracked timing files; nothing enters the run store.
+"""
 from __future__ import annotations
 
 import statistics

@@ -1,4 +1,5 @@
 """Running and storing decode runs over a prompt set: the building block of every table.
+It writes runs into the run store and tables (CSV + Markdown) where it is told.
 
 A *run* is one generation scored by the teacher. Its config (model fingerprints, prompt,
 decode settings, policy) keys it in the run store (:class:`kvlab.store.results.Store`, also importable as
@@ -20,7 +21,7 @@ from kvlab.refresh.base import run_costs
 from kvlab.store.results import Store as RunStore
 
 # Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
-# ``kl``: student-chosen steps only; ``kl_all``: every step (kvlab.core.metrics, issue 8).
+# ``kl``: student-chosen steps only; ``kl_all``: every step (kvlab.core.metrics explains why).
 METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
            "tail_logprob", "chars"]
 SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]

@@ -1,5 +1,6 @@
 """Sweeps: a grid of decode configs over a prompt set, run resumably on this machine or on Ray,
-every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.store.results`).
+every finished (config, prompt, seed) one row of the results table (:mod:`kvlab.store.results`). Only the
+driver writes the run store; workers return their runs to it.
 
 * :mod:`.spec` — the grid spec (TOML / flags) → configs → tasks with idempotent row ids
 * :mod:`.families` — which policy families a grid can sweep (registries)

@@ -1,4 +1,5 @@
 """``python -m kvlab bench sweep``: one small grid on three engines, side by side in one run.
+Writes only into temporary run stores of its own and prints the table.
 
 For each engine (in-process, ``--workers 2`` processes, Ray with 2 actors on a local instance):
 

@@ -1,4 +1,5 @@
 """Where tasks run: in this process, in worker processes, or on Ray actors.
+Engines start and stop their own workers (processes or Ray actors); only the driver writes the run store.
 
 Every engine has the same three calls: :meth:`probe` (load a pair in a worker, report its
 fingerprints, code version and size — what the driver keys runs with), :meth:`run` (run tasks, hand
@@ -203,7 +204,7 @@ def check_address(address: str, timeout: float = 5.0) -> None:
 
 def runtime_env() -> dict:
     """What Ray ships to every node: this kvlab package (so nodes need not have it installed, and
-    run exactly the driver's code). Its dependencies must be on the nodes (see the README)."""
+    run exactly the driver's code). Its dependencies must be on the nodes (docs/sweeps_and_store.md, "Ray on a cluster")."""
     from kvlab.store.provenance import PACKAGE_DIR
 
     return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"],

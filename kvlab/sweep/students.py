@@ -1,4 +1,5 @@
 """The sweep's student axis: which embedded student (a variant at a prune shape) a grid point decodes with.
+Reads the model cache to check a trained student exists; never trains.
 
 In a grid spec's ``[run]`` table (both optional, both may be lists, which sweeps them)::
 

@@ -1,4 +1,5 @@
 """The blog's tables and figures from results rows (``python -m kvlab figures --from-results``).
+Reads result rows; writes tables and figures under ``--out``.
 
 One big sweep (on a cluster, say) regenerates ``baselines``, ``refresh_periodic/entropy/methods``
 and the Pareto figure: rows are turned into the per-run frames the table functions of
@@ -182,7 +183,7 @@ def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
 
     No latency overhead *between* configs is computed here: rows of a sweep are timed on different
     workers, machines and moments, and a ratio of such times measures the machine, not the policy
-    (issue 12). Wall-clock overhead comes from :func:`kvlab.refresh.tables.paired_timing`, which
+    (so no such ratio is shown). Wall-clock overhead comes from :func:`kvlab.refresh.tables.paired_timing`, which
     times each policy and its reference interleaved in one process."""
     df = usable(rows)
     if not len(df):

@@ -1,5 +1,6 @@
 """Running one sweep task in a worker: load (once per process) the pair, run + score it with
 :func:`kvlab.studies.experiment.scored_run` (the same code the tables use), hand the outcome back.
+Loads models and decodes; it writes nothing (the driver stores the outcome).
 
 Workers never touch a store (on a cluster a store path would be node-local): the driver keys every
 task with the fingerprints a :func:`probe` reported, skips what the run store holds, and stores

@@ -1,4 +1,6 @@
-"""Grid-spec values: the spec error type and how a scalar, list or range table expands to values."""
+"""Grid-spec values: the spec error type and how a scalar, list or range table expands to values.
+Pure functions; they touch nothing.
+"""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """``python -m kvlab train-student`` and the student flags every command shares (``--student``, ``--prune``).
+Trains the requested students that are not cached into the model cache (``$KVLAB_CACHE``); it writes nothing else.
 
 All checks run before any model loads and raise ``ValueError`` naming the flag.
 """

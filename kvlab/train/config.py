@@ -1,4 +1,5 @@
 """Training configuration, its validation (before any model loads) and the cache key of trained weights.
+Values and checks; it touches nothing.
 
 ``TRAIN_VERSION`` versions the *training* code: bump it when a change alters trained weights
 (data, forward, loss, optimiser, schedule). It is deliberately separate from

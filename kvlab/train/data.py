@@ -1,4 +1,5 @@
-"""Training data: the teacher's greedy responses to the training prompts, with its top-k log-probs.
+"""Training data: the teacher's sampled responses (T = 0.7, top-p 0.9) to the training prompts, with its top-k log-probs.
+Writes only its cache of responses under ``<kvlab cache>/train/``.
 
 Responses come from batched greedy generation on the embedded teacher (left padding, prompts sorted
 by length so a batch pads little). For every response position the teacher's top-``topk`` log-probs

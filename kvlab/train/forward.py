@@ -1,4 +1,5 @@
 """The student's training forward for each variant, and the loss (CE on the teacher's response + KL).
+Forwards and losses in memory; it writes nothing.
 
 * ``standalone``: the student runs over prompt + response itself; loss on the response tokens
   (its logits at positions ``P-1 … P+R-2`` predict ``response[0 … R-1]``).

@@ -1,5 +1,7 @@
 """The embedded teacher/student pair: a student variant (pruned, or trained by :mod:`kvlab.train`) at a
-prune shape, loaded from the model cache, beside the teacher; or any two hub ids / local folders."""
+prune shape, loaded from the model cache, beside the teacher; or any two hub ids / local folders.
+Loads from the model cache; trains, and writes weights, only with ``train_if_missing=True``.
+"""
 from __future__ import annotations
 
 from kvlab.core import models

@@ -1,4 +1,6 @@
-"""The training-curves figure (registered in :mod:`kvlab.viz.base`, rendered by :mod:`kvlab.viz.figures`)."""
+"""The training-curves figure (registered in :mod:`kvlab.viz.base`, rendered by :mod:`kvlab.viz.figures`).
+Draws from a table; writes only through the figure registry's renderer.
+"""
 from __future__ import annotations
 
 from kvlab.viz.base import figure, new_figure

@@ -1,4 +1,6 @@
 """The training prompts: a topic list × a few instruction styles, written by the project.
+Reads the evaluation and calibration prompt files; :func:`write_train_prompts` alone writes
+``data/train_prompts.jsonl``.
 
 ``python -m kvlab train-student`` trains on ``data/train_prompts.jsonl``, which
 :func:`write_train_prompts` builds from :data:`QUESTIONS` × :data:`STYLES` and :data:`TASKS`.

@@ -1,4 +1,6 @@
-"""``train-study`` (a step of ``python -m kvlab all``): the variants compared, the speed ratio, the curves."""
+"""``train-study`` (a step of ``python -m kvlab all``): the variants compared, the speed ratio, the curves.
+Writes the study's runs into the run store and its tables and figure under ``--out``.
+"""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The training study: every student variant side by side on the evaluation prompts.
+Its runs go through the run store; the tables are returned, not written.
 
 Runs (all through :func:`kvlab.studies.experiment.run_policies`, so they are stored and reused):
 OverFill with each variant's student (no refresh, and with ``Periodic(T)`` refresh), and the

@@ -1,4 +1,6 @@
 """The training loop: AdamW over the student only, per-step log, held-out KL, exact resume.
+Writes checkpoints under the kvlab cache dir while it trains; the trained weights are saved by
+:mod:`kvlab.train.weights`.
 
 Determinism: the batch of step ``s`` and its refresh points are functions of ``(seed, s)`` alone, the
 model has no dropout, and a checkpoint holds the student's and the optimiser's state plus the log;

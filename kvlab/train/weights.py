@@ -1,4 +1,5 @@
 """Trained students in the model cache: ``<cache>/models/<teacher>-<variant>-<shape>-t<key>/``.
+Writes trained weights, with their log and metadata, into the model cache.
 
 The key (:meth:`TrainConfig.key`) covers the variant, prune shape, training-data hash, steps, seed,
 every weight-changing setting and ``TRAIN_VERSION``. The folder holds the weights plus the training

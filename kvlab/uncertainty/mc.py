@@ -1,4 +1,6 @@
 """Real Monte-Carlo dropout on any HF student (seed 000, "Future Work (Monte Carlo Dropout)").
+It adds forward hooks to a model only inside a ``with`` block that removes them, and probes a cache without changing
+it (``KVCache.probe_last``).
 
 The embedded student has no active dropout, so it is *injected* at inference: forward hooks on
 each decoder layer's attention and MLP sub-layers multiply their outputs by an inverted-dropout
@@ -224,7 +226,7 @@ class MCGate:
     """Refresh when the chosen MC signal exceeds ``threshold`` at a probe step, at least
     ``refractory`` steps after the last refresh.
 
-    Protocol (refresh loop, issue 3): ``probe == "mc"`` — the loop runs ``PROBES["mc"](ctx)``
+    Protocol (the refresh loop's probes, kvlab.refresh.base): ``probe == "mc"`` — the loop runs ``PROBES["mc"](ctx)``
     every ``probe_every`` steps and puts its signals on the record (``record.signals``), and
     adds its cost (``n_passes`` student passes) to the run's. The loop must also expose
     ``record.since_refresh`` (steps since the last refresh; the refresh loop counts from the

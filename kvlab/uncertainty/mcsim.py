@@ -1,4 +1,5 @@
 """Monte-Carlo-dropout refresh-trigger simulation (blog "Future Work" section).
+Pure numpy; :func:`write_outputs` alone writes its CSVs under the folder it is given.
 
 Reproduces, bit-for-bit, the blog's reference simulation: a 400-step decode
 with confident / epistemic-drift / post-refresh / aleatoric phases, in which

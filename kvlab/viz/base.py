@@ -1,5 +1,6 @@
 """Figure objects and the figure registry, shared by :mod:`kvlab.viz.figures` (rendering) and the
 modules that draw (:mod:`kvlab.viz.plots`, :mod:`kvlab.uncertainty.mcsim`, :mod:`kvlab.uncertainty.mc`, :mod:`kvlab.viz.livemap`).
+Figures are matplotlib objects in memory; they write a file only when asked to save.
 
 This module imports none of them, so there is no import circle: drawing modules import this one,
 :mod:`kvlab.viz.figures` imports this one and (lazily) the drawing modules.

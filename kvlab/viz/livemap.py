@@ -1,4 +1,5 @@
 """Pictures of a cache's live map (slot -> ledger row) before and after surgery.
+Reads a cache's mirror; draws, and changes nothing.
 
 Input: :meth:`KVCache.ledger_frame` tables (``row``, ``token_id``, ``position``, ``origin``,
 ``status``) and the live maps (lists of ledger rows). Returns a matplotlib Figure; never saves.

@@ -1,4 +1,6 @@
-"""Shared argument checks for policies (ValueError naming the parameter)."""
+"""Shared argument checks for policies (ValueError naming the parameter).
+Pure functions; they touch nothing.
+"""
 from __future__ import annotations
 
 import math

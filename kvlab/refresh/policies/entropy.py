@@ -1,4 +1,6 @@
-"""Entropy-gated refresh (seed 000, "Entropy Gating"): zero teacher cost until it fires."""
+"""Entropy-gated refresh (seed 000, "Entropy Gating"): zero teacher cost until it fires.
+A policy decides only (``should_refresh(record)``); the decode loop refreshes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,6 @@
-"""Periodic refresh every T tokens, optionally windowed (seed 000, "Periodic Refresh")."""
+"""Periodic refresh every T tokens, optionally windowed (seed 000, "Periodic Refresh").
+A policy decides only (``should_refresh(record)``); the decode loop refreshes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

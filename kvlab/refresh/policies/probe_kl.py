@@ -1,4 +1,7 @@
-"""Probe-KL refresh (seed 000, "Optional (probe-KL every M steps)")."""
+"""Probe-KL refresh (seed 000, "Optional (probe-KL every M steps)").
+A policy decides only (``should_refresh(record)``, from the probe's signal on the record); the decode loop probes
+and refreshes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,7 @@
 """Speculative refresh: fixed bursts of k student tokens, then a k-token teacher correction
-(seed 000, "Speculative Refresh")."""
+(seed 000, "Speculative Refresh").
+A policy decides only (``should_refresh(record)``); the decode loop refreshes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,0 +1,384 @@
+"""Numbers in README.md and docs/*.md, generated from the committed tables (``figures/*.csv``), never typed.
+
+A Markdown file marks each generated part; :func:`fill` rewrites what lies between the markers from the CSVs
+and leaves everything else byte for byte:
+
+* ``<!-- kvlab:table NAME -->`` … ``<!-- /kvlab:table -->`` — the table view ``NAME`` of :data:`VIEWS`
+  (a handful of columns of one CSV with plain headers, every row, in the CSV's order); ``md:TABLE`` instead
+  of a view name includes ``figures/TABLE.md`` as its job wrote it (a new table needs no view);
+* ``<!-- kvlab:value CSV ROW COLUMNS [digits=N] -->`` … ``<!-- /kvlab:value -->`` — one number inline.
+  ``ROW`` selects one row: a value of the CSV's first column (``periodic_T27``), ``col=value`` pairs
+  joined by ``&`` (``p=0.1``), or ``#i`` for the i-th row; ``COLUMNS`` is one column (the value), two joined by ``,`` (``mean ± std``) or
+  three (``d [lo, hi]``, a paired difference with its 95 % interval).
+
+Views select columns by name, so a table that gains columns or rows needs no change here; a column or row a
+marker names that the table lacks is an error naming the file, the marker and the column. ``python -m kvlab
+docs`` rewrites the files (``make figures`` runs it last, after the tables); ``python -m kvlab docs --check``
+and ``tests/test_docs.py`` fail when a quoted number disagrees with its table. Reads only ``figures/*.csv``
+and writes only the Markdown files it is given; no model, cache or run store is touched.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence, Union
+
+import pandas as pd
+
+from kvlab.viz.tableview import fmt
+
+ROOT = Path(__file__).resolve().parents[2]          # the project: README.md, docs/, figures/
+FIGURES = ROOT / "figures"
+
+Cell = Union[str, tuple]
+
+
+class DocsError(ValueError):
+    """A marker names a table, row or column that ``figures/`` does not have."""
+
+
+# ----------------------------------------------------------------------------------------------- cells
+def _num(v):
+    if v is None or isinstance(v, str):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    return f
+
+
+def _nan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def whole_columns(df: pd.DataFrame) -> set[str]:
+    """Numeric columns of whole numbers, not all zero (counts: ``8``, not ``8.000``)."""
+    out = set()
+    for c in df.columns:
+        v = pd.to_numeric(df[c], errors="coerce").dropna()
+        if df[c].dtype.kind in "iuf" and len(v) and (v % 1 == 0).all() and (v != 0).any():
+            out.add(c)
+    return out
+
+
+def cell(row: pd.Series, spec: Cell, digits: int = 3, ints: frozenset | set = frozenset()) -> str:
+    """One cell: ``"col"`` the value; ``(mean, std)`` ``mean ± std``; ``(d, lo, hi)`` ``+d [lo, hi]``;
+    ``("text", col)`` the column's text as written (labels, interval strings). Columns in ``ints`` are
+    printed without decimals."""
+    if isinstance(spec, str):
+        v = _num(row[spec])
+        if not _nan(v) and spec in ints:
+            return str(int(v))
+        return "–" if _nan(v) else (v if isinstance(v, str) else fmt(v, digits))
+    if spec[0] == "text":
+        v = row[spec[1]]
+        return "–" if _nan(_num(v)) else str(v)
+    if len(spec) == 2:
+        mean, std = (_num(row[c]) for c in spec)
+        return fmt(mean, digits) if _nan(std) else f"{fmt(mean, digits)} ± {fmt(std, digits)}"
+    d, lo, hi = (_num(row[c]) for c in spec)
+    if _nan(lo) or _nan(hi):
+        return fmt(d, digits, signed=True)
+    return f"{fmt(d, digits, signed=True)} [{fmt(lo, digits, signed=True)}, {fmt(hi, digits, signed=True)}]"
+
+
+def _columns(spec: Cell) -> list[str]:
+    if isinstance(spec, str):
+        return [spec]
+    return [spec[1]] if spec[0] == "text" else list(spec)
+
+
+# ----------------------------------------------------------------------------------------------- views
+@dataclass(frozen=True)
+class View:
+    """Columns of one CSV for people: ``columns`` is ``[(header, cell spec), …]``; ``rows`` (optional) keeps
+    only the rows whose first column is listed, in that order; ``digits`` per view."""
+
+    csv: str
+    columns: Sequence[tuple[str, Cell]]
+    rows: Sequence[str] | None = None
+    digits: int = 3
+    note: str = ""
+
+    def render(self, figures: Path) -> str:
+        df = read(figures, self.csv)
+        for _, spec in self.columns:
+            for c in _columns(spec):
+                if c not in df.columns:
+                    raise DocsError(f"figures/{self.csv}.csv has no column {c!r} (columns: {', '.join(df.columns)})")
+        key = df.columns[0]
+        if self.rows is not None:
+            missing = [r for r in self.rows if r not in set(df[key].astype(str))]
+            if missing:
+                raise DocsError(f"figures/{self.csv}.csv has no row {missing[0]!r} in column {key!r}")
+            df = df.set_index(df[key].astype(str)).loc[list(self.rows)].reset_index(drop=True)
+        lines = ["| " + " | ".join(h for h, _ in self.columns) + " |",
+                 "|" + "---|" * len(self.columns)]
+        ints = whole_columns(df)
+        for _, row in df.iterrows():
+            lines.append("| " + " | ".join(cell(row, spec, self.digits, ints) for _, spec in self.columns) + " |")
+        src = f"*Generated from `figures/{self.csv}.csv`" + (f"; {self.note}" if self.note else "") + ".*"
+        return "\n".join(lines) + "\n\n" + src
+
+
+def _needle(figures: Path) -> str:
+    """Passkey accuracy per policy and context length (mean over depths and keys, weighted by ``n``); one row per
+    (setting, policy) when the table has a ``setting`` column."""
+    df = read(figures, "evict_needle")
+    for c in ("policy", "length", "accuracy", "n"):
+        if c not in df.columns:
+            raise DocsError(f"figures/evict_needle.csv has no column {c!r}")
+    keys = ["setting", "policy"] if "setting" in df.columns else ["policy"]
+    df = df.assign(hits=df["accuracy"] * df["n"])
+    by = df.groupby(keys + ["length"], sort=False)[["hits", "n"]].sum()
+    acc = (by["hits"] / by["n"]).unstack("length")
+    total = df.groupby(keys, sort=False)[["hits", "n"]].sum()
+    lengths = sorted(acc.columns)
+    head = keys + [f"{int(L)} tokens" for L in lengths] + ["all", "prompts"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in total.index:
+        k = key if isinstance(key, tuple) else (key,)
+        cells = [str(x) for x in k] + [fmt(acc.loc[key, L], 2) for L in lengths]
+        cells += [fmt(total.loc[key, "hits"] / total.loc[key, "n"], 2), str(int(total.loc[key, "n"]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n*Generated from `figures/evict_needle.csv` (exact-match accuracy).*"
+
+
+def _train_heldout(figures: Path) -> str:
+    """Each trained variant's held-out KL (teacher-forced, its own forward) before and after training."""
+    df = read(figures, "train_curves")
+    for c in ("variant", "step", "heldout_kl", "seconds"):
+        if c not in df.columns:
+            raise DocsError(f"figures/train_curves.csv has no column {c!r}")
+    lines = ["| variant | steps | held-out KL, first evaluation | held-out KL, last | time in steps (min) |",
+             "|---|---|---|---|---|"]
+    for var, g in df.groupby("variant", sort=False):
+        ev = g.dropna(subset=["heldout_kl"]).sort_values("step")
+        if ev.empty:
+            continue
+        lines.append(f"| {var} | {int(g['step'].max())} | {fmt(float(ev['heldout_kl'].iloc[0]))} (step "
+                     f"{int(ev['step'].iloc[0])}) | {fmt(float(ev['heldout_kl'].iloc[-1]))} | "
+                     f"{fmt(float(g['seconds'].sum()) / 60, 1)} |")
+    return "\n".join(lines) + "\n\n*Generated from `figures/train_curves.csv`.*"
+
+
+def _key_results(figures: Path) -> str:
+    """README's small table: one line per method, each number from its own table."""
+    rows = []
+
+    def one(csv: str, row: str, spec: Cell, digits: int = 3) -> str:
+        return cell(pick(read(figures, csv), row, csv), spec, digits)
+
+    rows.append(("OverFill (teacher prefill, trained student decodes) vs the student alone",
+                 "KL(p_T‖q) " + one("baselines", "overfill", "kl") + " vs " + one("baselines", "student", "kl"),
+                 "baselines"))
+    rows.append(("OverFill − student alone, paired",
+                 "ΔKL " + one("train_study", "overfill", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
+                 "train_study"))
+    per = read(figures, "refresh_periodic")
+    per = per[per["policy"].astype(str) != "none"]
+    for _, r in per.sort_values("T").iterrows():
+        rows.append((f"Periodic refresh T = {fmt(_num(r['T']), 0)} vs no refresh",
+                     "ΔKL " + cell(r, ("d_kl", "d_kl_lo", "d_kl_hi")), "refresh_periodic"))
+    rows.append(("Student reading its own prompt cache − reading the teacher's (same tokens, teacher-forced)",
+                 "ΔKL " + one("refresh_forced", "student", ("d_kl_vs_overfill", "d_lo", "d_hi")), "refresh_forced"))
+    rows.append(("MC dropout (p = 0.1): correlation with the student's entropy",
+                 "U " + one("mc_real_correlations", "p=0.1", "r_u", 2) + ", MI "
+                 + one("mc_real_correlations", "p=0.1", "r_mi", 2) + ", flip "
+                 + one("mc_real_correlations", "p=0.1", "r_flip", 2), "mc_real_correlations"))
+    em = read(figures, "evict_matched")
+    for pol in ("confkv", "h2o", "sliding"):
+        if pol in set(em["policy"].astype(str)):
+            rows.append((f"Eviction at Conf-KV's mean memory: {pol}",
+                         "KL to full cache " + one("evict_matched", pol, "kl"), "evict_matched"))
+    nd = read(figures, "evict_needle")
+    if {"policy", "accuracy", "n"} <= set(nd.columns):
+        label = "Passkey retrieval under eviction (exact match)"
+        if "setting" in nd.columns:                       # one setting: the table's first
+            first = nd["setting"].iloc[0]
+            nd, label = nd[nd["setting"] == first], f"{label}, {first} setting"
+        acc = (nd["accuracy"] * nd["n"]).groupby(nd["policy"]).sum() / nd["n"].groupby(nd["policy"]).sum()
+        got = [p for p in ("full", "block", "sliding", "confkv") if p in acc.index]
+        rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
+    lines = ["| what | result | table |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | [`{c}`](figures/{c}.md) |" for a, b, c in rows]
+    return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
+
+
+VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
+    "baselines": View("baselines", [
+        ("policy", "policy"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")),
+        ("KL(p_T‖q) ↓", ("kl", "kl_std")), ("KL, all steps", "kl_all"),
+        ("repeat@3 ↓", ("repeat3", "repeat3_std")), ("prompts", "n_prompts")]),
+    "train_study": View("train_study", [
+        ("student (OverFill's)", "variant"), ("student alone", "student_alone"),
+        ("ΔKL OF − S", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
+        ("ΔPPL OF − S", ("dppl_OF_vs_S", "dppl_OF_vs_S_lo", "dppl_OF_vs_S_hi")),
+        ("refresh", ("text", "refresh")), ("refresh ΔKL", ("dkl_refresh", "dkl_refresh_lo", "dkl_refresh_hi")),
+        ("prompts", "n_prompts")]),
+    "refresh_periodic": View("refresh_periodic", [
+        ("policy", "policy"), ("refreshes", "refreshes"), ("teacher tokens", "teacher_tokens"),
+        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
+    "refresh_entropy": View("refresh_entropy", [
+        ("policy", "policy"), ("τ (bits)", "tau_bits"), ("refreshes / 1k", "refreshes_per_1k"),
+        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
+    "refresh_methods": View("refresh_methods", [
+        ("policy", "policy"), ("refresh_next", ("text", "refresh_next")), ("refreshes", "refreshes"),
+        ("teacher tokens", "teacher_tokens"), ("probe tokens", "probe_tokens"),
+        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi"))]),
+    "refresh_forced": View("refresh_forced", [
+        ("cache written by", "condition"), ("KL(p_T‖q_S) ↓", ("kl", "kl_std")),
+        ("Δ vs OverFill's cache (95 % CI)", ("d_kl_vs_overfill", "d_lo", "d_hi")), ("prompts", "n_prompts")]),
+    "refresh_calibration": View("refresh_calibration", [
+        ("student steps", "n_steps"), ("entropy p90 (bits)", "entropy_p90"), ("p95", "entropy_p95"),
+        ("p99", "entropy_p99"), ("KL p90 (nats)", "kl_p90")]),
+    "mc_real": View("mc_real_correlations", [
+        ("dropout p", "p"), ("passes", "n_passes"), ("probed steps", "steps"), ("r(U, H)", "r_u"),
+        ("r(MI, H)", "r_mi"), ("r(flip, H)", "r_flip"), ("mean MI (nats)", "mean_mi"), ("mean flip", "mean_flip")],
+        digits=2, note="Pearson r with the student's entropy H"),
+    "mc_sim": View("mc_phase_summary", [
+        ("phase", "phase"), ("steps", "steps"), ("mean entropy (nats)", "mean_entropy"),
+        ("entropy fires", "frac_entropy_fire"), ("MC-variance fires", "frac_mcvar_fire")]),
+    "evict_matched": View("evict_matched", [
+        ("policy", "policy"), ("matched by", ("text", "matched_by")), ("mean K/V MiB", "mean_mb"),
+        ("vs target", "mem_vs_target"), ("KL to full ↓", ("kl", "kl_std")),
+        ("ΔKL vs full", "d_kl_vs_full"), ("95 % CI", ("text", "d_kl_vs_full_ci")), ("ΔKL vs Conf-KV (95 % CI)", ("d_kl_vs_confkv", "d_kl_vs_confkv_lo",
+                                                                           "d_kl_vs_confkv_hi")),
+        ("teacher-PPL", "teacher_ppl"), ("repeat@3", "repeat3")]),
+    "evict_needle": _needle,
+    "train_heldout": _train_heldout,
+    "key_results": _key_results,
+}
+
+
+# ----------------------------------------------------------------------------------------------- tables
+def read(figures: Path, name: str) -> pd.DataFrame:
+    path = Path(figures) / f"{name}.csv"
+    if not path.exists():
+        raise DocsError(f"{path} does not exist: run `make figures` (or the job that writes {name}) first")
+    return pd.read_csv(path)
+
+
+def pick(df: pd.DataFrame, row: str, csv: str) -> pd.Series:
+    """The one row ``row`` names: a first-column value, ``col=value&col=value``, or ``#i`` (the i-th row)."""
+    if row.startswith("#") and row[1:].isdigit():
+        if int(row[1:]) >= len(df):
+            raise DocsError(f"figures/{csv}.csv has {len(df)} rows, no row {row}")
+        return df.iloc[int(row[1:])]
+    conds = [c.split("=", 1) for c in row.split("&")] if "=" in row else [(df.columns[0], row)]
+    mask = pd.Series(True, index=df.index)
+    for col, val in conds:
+        if col not in df.columns:
+            raise DocsError(f"figures/{csv}.csv has no column {col!r} (row selector {row!r})")
+        try:
+            f = float(val)
+            mask &= pd.to_numeric(df[col], errors="coerce").sub(f).abs().lt(1e-12) | (df[col].astype(str) == val)
+        except ValueError:
+            mask &= df[col].astype(str) == val
+    hits = df[mask]
+    if len(hits) != 1:
+        raise DocsError(f"figures/{csv}.csv: row selector {row!r} matches {len(hits)} rows, not 1")
+    return hits.iloc[0]
+
+
+# ----------------------------------------------------------------------------------------------- markers
+BLOCK = re.compile(r"(<!-- kvlab:table (?P<name>(?:md:)?[\w-]+) -->\n)(?P<body>.*?)(<!-- /kvlab:table -->)", re.S)
+VALUE = re.compile(r"(<!-- kvlab:value (?P<args>[^>]*?) -->)(?P<body>.*?)(<!-- /kvlab:value -->)", re.S)
+
+
+def render_view(name: str, figures: Path = FIGURES) -> str:
+    if name.startswith("md:"):                      # a table's own Markdown, as its job wrote it
+        path = Path(figures) / f"{name[3:]}.md"
+        if not path.exists():
+            raise DocsError(f"{path} does not exist: run `make figures` (or the job that writes {name[3:]}) first")
+        return path.read_text().strip()
+    if name not in VIEWS:
+        raise DocsError(f"no table view {name!r}; known: {', '.join(VIEWS)}")
+    v = VIEWS[name]
+    return v.render(Path(figures)) if isinstance(v, View) else v(Path(figures))
+
+
+def render_value(args: str, figures: Path = FIGURES) -> str:
+    parts = args.split()
+    digits = 3
+    for p in list(parts):
+        if p.startswith("digits="):
+            digits = int(p.split("=", 1)[1])
+            parts.remove(p)
+    if len(parts) != 3:
+        raise DocsError(f"kvlab:value {args!r}: expected 'CSV ROW COLUMNS [digits=N]'")
+    csv, row, cols = parts
+    df = read(figures, csv)
+    spec = cols.split(",")
+    for c in spec:
+        if c not in df.columns:
+            raise DocsError(f"figures/{csv}.csv has no column {c!r} (marker kvlab:value {args})")
+    return cell(pick(df, row, csv), spec[0] if len(spec) == 1 else tuple(spec), digits, whole_columns(df))
+
+
+def fill(text: str, figures: Path = FIGURES, where: str = "") -> str:
+    """``text`` with every marked block regenerated from the CSVs in ``figures``."""
+    def table(m):
+        try:
+            return m.group(1) + render_view(m.group("name"), figures) + "\n" + m.group(4)
+        except DocsError as e:
+            raise DocsError(f"{where}: {e}") from None
+
+    def value(m):
+        try:
+            return m.group(1) + render_value(m.group("args"), figures) + m.group(4)
+        except DocsError as e:
+            raise DocsError(f"{where}: {e}") from None
+
+    return VALUE.sub(value, BLOCK.sub(table, text))
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every docs/*.md of the project."""
+    return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.exists()]
+
+
+def stale(root: Path = ROOT, figures: Path | None = None) -> list[Path]:
+    """The files whose generated parts differ from what the tables give now."""
+    figures = Path(figures) if figures is not None else root / "figures"
+    return [p for p in doc_files(root) if fill(p.read_text(), figures, str(p)) != p.read_text()]
+
+
+def write(root: Path = ROOT, figures: Path | None = None) -> list[Path]:
+    """Regenerate every marked block in README.md and docs/*.md; returns the files that changed."""
+    figures = Path(figures) if figures is not None else root / "figures"
+    changed = []
+    for p in doc_files(root):
+        old = p.read_text()
+        new = fill(old, figures, str(p))
+        if new != old:
+            p.write_text(new)
+            changed.append(p)
+    return changed
+
+
+def cmd_docs(args) -> list[Path]:
+    """``python -m kvlab docs [--check]``: fill (or check) the generated numbers of README.md and docs/."""
+    figures = Path(args.out).resolve() if getattr(args, "out", None) else FIGURES
+    if figures != FIGURES.resolve():
+        print(f"docs: skipped ({figures} is not the project's figures/ folder; the docs quote that one)")
+        return []
+    if getattr(args, "check", False):
+        bad = stale(ROOT, figures)
+        if bad:
+            raise DocsError("generated numbers disagree with figures/ in " + ", ".join(str(p) for p in bad)
+                            + ": run `python -m kvlab docs`")
+        print(f"docs: {len(doc_files())} files agree with figures/")
+        return []
+    changed = write(ROOT, figures)
+    for p in changed:
+        print(f"docs: regenerated {p}")
+    if not changed:
+        print("docs: already up to date")
+    return changed
