@@ -265,3 +265,24 @@ def test_the_playground_offers_and_runs_both(registered, tiny_teacher, tiny_stud
     want = kvlab.run(tiny_teacher, tiny_student, PROMPT, decode_config(sh.settings))
     assert [r.token_id for r in want.records] == sh.result["steps"]["token_id"]       # the same run as kvlab's own
     assert "margin_gate" in sh.label and "tova@12" in sh.label
+
+
+# ----------------------------------------------------------------------------- the docs show these classes
+
+
+@pytest.mark.parametrize("cls", [Tova, MarginGate])
+def test_the_docs_page_shows_exactly_these_classes(cls):
+    import inspect
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "custom_policies.md").read_text()
+    src = inspect.getsource(cls)
+    body = src[src.index(f"class {cls.__name__}"):]
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    head = f"class {cls.__name__}:\n"
+    shown = [b[b.index(head):] for b in blocks if head in b]
+    assert len(shown) == 1, f"docs/custom_policies.md should show class {cls.__name__} once"
+    norm = lambda t: t.replace("``", "`").strip()     # noqa: E731  (docstrings: RST ``x`` vs Markdown `x`)
+    assert norm(shown[0]) == norm(body)
+    assert len(body.strip().splitlines()) <= 30                    # one short cell
