@@ -111,9 +111,13 @@ def code_digest(cls) -> str:
     numbers excluded, so re-running an unchanged notebook cell gives the same digest)."""
     import hashlib
 
+    def const(k):
+        if hasattr(k, "co_code"):
+            return code(k)
+        return sorted(map(repr, k)) if isinstance(k, frozenset) else repr(k)   # set order varies with the hash seed
+
     def code(c) -> list:
-        return [c.co_code.hex(), [code(k) if hasattr(k, "co_code") else repr(k) for k in c.co_consts],
-                list(c.co_names)]
+        return [c.co_code.hex(), [const(k) for k in c.co_consts], list(c.co_names)]
 
     parts = []
     for name, v in sorted(vars(cls).items()):
