@@ -266,6 +266,17 @@ def test_the_playground_offers_and_runs_both(registered, tiny_teacher, tiny_stud
     assert [r.token_id for r in want.records] == sh.result["steps"]["token_id"]       # the same run as kvlab's own
     assert "margin_gate" in sh.label and "tova@12" in sh.label
 
+    pytest.importorskip("ipywidgets")      # the widgets offer them too, with the sliders their controls name
+    from kvlab.playground.view import PlaygroundView
+
+    v = PlaygroundView(pg)
+    assert ("margin_gate", "margin_gate") in [(o[0], o[1]) for o in v.controls["policy"].options]
+    assert "tova" in [o[1] if isinstance(o, tuple) else o for o in v.controls["evict"].options]
+    assert v.policy_rows["kappa"].layout.display == "" and v.policy_rows["T"].layout.display == "none"
+    v.controls["kappa"].value = 0.5
+    pg.wait(60)
+    assert pg.shown.settings.kappa == 0.5 and decode_config(pg.shown.settings).refresh == MarginGate(margin=0.5)
+
 
 # ----------------------------------------------------------------------------- the docs show these classes
 
