@@ -282,7 +282,7 @@ def test_the_playground_offers_and_runs_both(registered, tiny_teacher, tiny_stud
 
 
 @pytest.mark.parametrize("cls", [Tova, MarginGate])
-def test_the_docs_page_shows_exactly_these_classes(cls):
+def test_the_docs_page_and_the_notebooks_show_exactly_these_classes(cls):
     import inspect
     import re
     from pathlib import Path
@@ -297,3 +297,6 @@ def test_the_docs_page_shows_exactly_these_classes(cls):
     norm = lambda t: t.replace("``", "`").strip()     # noqa: E731  (docstrings: RST ``x`` vs Markdown `x`)
     assert norm(shown[0]) == norm(body)
     assert len(body.strip().splitlines()) <= 30                    # one short cell
+    nb = {"Tova": "05_cache_eviction.py", "MarginGate": "02_refresh_policies.py"}[cls.__name__]
+    text = (Path(__file__).resolve().parent.parent / "notebooks" / nb).read_text()
+    assert norm(body) in text.replace("``", "`"), f"notebooks/{nb}'s cell shows another {cls.__name__}"
