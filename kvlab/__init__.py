@@ -22,6 +22,10 @@ _EXPORTS = {
     # refresh policies
     "EntropyGate": "refresh.policies", "Periodic": "refresh.policies", "ProbeKL": "refresh.policies",
     "Speculative": "refresh.policies", "MCGate": "uncertainty.mc",
+    # your own policies (docs/custom_policies.md): @kvlab.register_eviction("mine") / @kvlab.register_refresh("mine")
+    "register_eviction": "eviction", "unregister_eviction": "eviction",
+    "register_refresh": "refresh.policies", "unregister_refresh": "refresh.policies",
+    "REFRESH_POLICIES": "refresh.policies",
     # eviction policies
     "BlockEvict": "eviction", "ConfKV": "eviction", "FullCache": "eviction", "H2O": "eviction",
     "PyramidKV": "eviction", "RandomEvict": "eviction", "Scissorhands": "eviction", "SlidingWindow": "eviction",

@@ -181,3 +181,52 @@ forced, _ = forced_table(teacher, student, spec.prompts, store, tokens=TOKENS, s
 display(show(forced, {"cache written by": "condition", "KL(p_T‖q_S) ↓": ("kl", "kl_std"),
                       "ΔKL vs OverFill (95 % CI)": ("d_kl_vs_overfill", "d_lo", "d_hi"), "prompts": "n_prompts"}))
 display(Markdown(readings.read_forced(forced)))
+
+# %% [markdown]
+# ## Your own policy in one cell
+# A refresh policy is one short class with a `should_refresh(record) -> bool` method; `kvlab.register_refresh`
+# makes it a family everywhere kvlab offers policies by name: sweeps (`[refresh.margin_gate]`), the playground's
+# menu (`controls={"kappa": "margin"}`: its κ slider sets `margin`) and the run store's rows
+# (docs/custom_policies.md). Here: refresh when the student hesitates between its two best tokens.
+
+# %%
+from dataclasses import dataclass
+
+import kvlab
+
+
+@kvlab.register_refresh("margin_gate", controls={"kappa": "margin"})
+@dataclass(frozen=True)
+class MarginGate:
+    """Refresh when the student hesitates between its two best tokens, p(top1) - p(top2) < `margin`,
+    at most once every `min_gap` steps; a refresh rewrites at most `W` entries (None = all)."""
+
+    margin: float = 0.1
+    min_gap: int = 4
+    W: int | None = None
+
+    def __post_init__(self):
+        if not 0.0 <= self.margin <= 1.0:
+            raise ValueError(f"margin={self.margin!r} must be in [0, 1] (a probability gap)")
+
+    @property
+    def window(self):
+        return self.W
+
+    def should_refresh(self, record) -> bool:
+        return record.margin < self.margin and record.since_refresh >= self.min_gap
+
+# %% [markdown]
+# The same prompts and seeds as the tables above; the no-refresh runs come back from the run store.
+
+# %%
+from dataclasses import replace
+
+from kvlab.studies.experiment import run_policies
+
+base = DecodeConfig(mode="overfill")
+mine = run_policies(teacher, student, spec, {"none": base, "margin_gate": replace(base, refresh=MarginGate(margin=0.2))},
+                    store)
+display(show(mine.groupby("policy", sort=False)[["refreshes", "teacher_tokens", "kl", "teacher_ppl"]].mean().reset_index(),
+             {"policy": "policy", "refreshes": "refreshes", "teacher tokens": "teacher_tokens",
+              "KL(p_T‖q_S) ↓": "kl", "teacher-PPL ↓": "teacher_ppl"}))

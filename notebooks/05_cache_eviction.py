@@ -157,3 +157,59 @@ display(Markdown(readings.read_evict_matched(tables["evict_matched"])))
 display(Markdown(needle_markdown(tables["evict_needle"])))
 display(evict_needle_figure(tables))
 display(Markdown(readings.read_needle(tables["evict_needle"])))
+
+# %% [markdown]
+# ## 6 · Your own policy in one cell
+# An eviction policy is one short class with a `keep(view) -> Keep` method; `kvlab.register_eviction`
+# makes it a family everywhere kvlab offers policies by name: the matched-memory table, the sawtooth,
+# sweeps (`[evict.tova]`) and the playground's menu (docs/custom_policies.md). Here a TOVA-like rule:
+# keep the entries that recent queries attended to most.
+
+# %%
+from dataclasses import dataclass
+
+import torch
+
+import kvlab
+from kvlab.eviction import Keep
+
+
+@kvlab.register_eviction("tova")
+@dataclass(frozen=True)
+class Tova:
+    """TOVA-like: over `budget` entries keep the newest one and the others that recent queries attended
+    to most (the cache's EMA of attention mass, mean over layers)."""
+
+    budget: int
+    ema_decay: float = 0.5       # β of the cache's EMA: low = "what the last few queries looked at"
+    needs_attention = True       # class attribute, not a field: the loop measures attention for this policy
+
+    def __post_init__(self):
+        if not isinstance(self.budget, int) or self.budget < 2:
+            raise ValueError(f"budget={self.budget!r} must be an int >= 2 (cache entries)")
+
+    def keep(self, view) -> Keep:
+        n = view.length
+        if n <= self.budget:
+            return Keep(tuple(range(n)), budget=self.budget)
+        ema = torch.stack(list(view.attn["ema"])).mean(0)[: n - 1]          # (n-1,): all but the newest
+        top = torch.topk(ema, self.budget - 1).indices.sort().values.tolist()
+        return Keep((*top, n - 1), budget=self.budget)
+
+# %% [markdown]
+# Its budget is solved like every fixed-budget family's, against the same Conf-KV target; the full-cache,
+# Conf-KV and H2O runs of sections 3-4 are read back from the run store, only Tova's are new.
+
+# %%
+from kvlab.eviction.tables import matched_runs, matched_table, sawtooth_frame, sawtooth_runs
+
+mine_study = EvictStudy(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, block_size=study.block_size,
+                        only=("h2o", "tova"))
+per_run, info, mine_policies = matched_runs(teacher, spec, RunStore(), mine_study, progress=True)
+mine = matched_table(per_run, info)
+display(show(mine[mine.policy.isin(["full", "confkv", "h2o", "tova"])], {
+    "policy": "policy", "budget found": "knob", "mean KV MiB": "mean_mb", "memory vs target": "mem_vs_target",
+    "KL to full cache ↓": ("kl", "kl_std"), "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"), "prompts": "n_prompts"}))
+saw = sawtooth_frame(sawtooth_runs(teacher, None, spec, RunStore(), mine_policies, mine_study,
+                                   names=("full", "confkv", "h2o", "tova")), gamma=GAMMA)
+display(evict_sawtooth_figure({"evict_sawtooth": saw}))

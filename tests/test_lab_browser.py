@@ -1,6 +1,7 @@
 """`make lab` in a real browser: JupyterLab (started through the Makefile, without its install step) opens
-notebooks/01's ``.py`` as a notebook, not as text, and saving it leaves the committed file byte-identical
-(so ``git status`` stays clean).
+notebooks/01's ``.py`` as a notebook, not as text, saving it leaves the committed file byte-identical
+(so ``git status`` stays clean), and no "official Jupyter news" prompt shows (test_lab_settings.py checks
+the overrides against the installed schemas).
 
 Needs what ``make test`` installs: JupyterLab + jupytext, ``playwright``, Debian's ``/usr/bin/chromium``, and
 the settings override ``make install`` copies into the venv (``jupyter/overrides.json``). Not skipped when
@@ -104,6 +105,11 @@ def test_make_lab_opens_a_py_as_a_notebook_and_saving_changes_nothing(tmp_path):
                 after = path.read_bytes()
                 assert after == before, "saving rewrote the notebook:\n" + _diff(before, after)
                 assert _git_status(NOTEBOOK) == status_before
+                # no "get notified about official Jupyter news?" toast: the overrides set fetchNews to "false"
+                # (Never); by now the lab has long been restored, which is when the prompt would show
+                news = page.get_by_text("official Jupyter news")
+                assert news.count() == 0, "JupyterLab asked about Jupyter news: jupyter/overrides.json must set " \
+                    "@jupyterlab/apputils-extension:notification fetchNews to \"false\""
             finally:
                 browser.close()
     finally:

@@ -3,7 +3,12 @@
 The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``ema_decay`` /
 ``rerotate`` attributes) is in :mod:`kvlab.eviction.base`; the decode loop applies decisions
 through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
+
+:data:`EVICTION_POLICIES` is the one registry of eviction policies by name (sweeps, the playground, the
+matched-memory table and the run store's rows read it): the built-ins below, plus a user's own class
+registered with :func:`register_eviction` (docs/custom_policies.md).
 """
+from kvlab.core.registry import Registry
 from .base import EvictView, Keep, drawn_stats, validate_evict
 from .block import BlockEvict
 from .confkv import ConfKV, confidence, pyramid_weights
@@ -15,7 +20,7 @@ from .scissorhands import Scissorhands
 from .sliding import SlidingWindow
 from .snapkv import SnapKV
 
-EVICTION_POLICIES: dict[str, type] = {
+EVICTION_POLICIES = Registry("eviction", {
     "full": FullCache,
     "sliding": SlidingWindow,
     "h2o": H2O,
@@ -25,8 +30,10 @@ EVICTION_POLICIES: dict[str, type] = {
     "snapkv": SnapKV,
     "scissorhands": Scissorhands,
     "pyramidkv": PyramidKV,
-}
+}, method="keep", reserved=("none",), register_fn="register_eviction")
+register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine") on your class
+unregister_eviction = EVICTION_POLICIES.unregister
 
-__all__ = ["EVICTION_POLICIES", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
+__all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
            "RandomEvict", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
            "validate_evict"]

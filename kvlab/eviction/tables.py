@@ -169,12 +169,19 @@ class EvictStudy:
     sinks: int = 4
     block_size: int = 8
     tol: float = 0.03
+    # the fixed-budget families solved to the target; None: every built-in family below and every policy
+    # registered with kvlab.register_eviction (built at a budget by its Entry.at_budget)
+    only: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma={self.gamma!r} must be in [0, 1] (Conf-KV confidence threshold, --gamma)")
         if not 0 < self.protect < self.tight < self.loose:
             raise ValueError(f"need 0 < protect ({self.protect}) < tight ({self.tight}) < loose ({self.loose})")
+        if self.only is not None:
+            if isinstance(self.only, str) or not all(isinstance(n, str) for n in self.only):
+                raise ValueError(f"only={self.only!r} must be a tuple of family names, e.g. ('h2o', 'mine')")
+            object.__setattr__(self, "only", tuple(self.only))
         if self.block_size <= 0 or not 0 < self.tol < 1:
             raise ValueError(f"block_size={self.block_size!r} must be > 0 and tol={self.tol!r} in (0, 1)")
 
@@ -187,11 +194,12 @@ class EvictStudy:
         """Fixed-budget families: name -> (knob -> policy, knob lo, knob hi). The knob is the
         budget in entries, except block eviction (evictable blocks). SnapKV and PyramidKV compress
         the prompt only (their knob: prompt entries kept, PyramidKV's per layer on average); when even
-        the smallest budget stays above the target, the table shows the mismatch in ``mem_vs_target``."""
-        from . import H2O, BlockEvict, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
+        the smallest budget stays above the target, the table shows the mismatch in ``mem_vs_target``.
+        Policies registered with ``kvlab.register_eviction`` are families too (knob: their budget)."""
+        from . import EVICTION_POLICIES, H2O, BlockEvict, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
         bs, rec = self.block_size, self.protect
-        return {
+        fams = {
             "sliding": (lambda b: SlidingWindow(window=b, sinks=self.sinks), self.sinks + 1, 4096),
             "h2o": (lambda b: H2O(budget=b, recent=min(rec, b - 1)), 2, 4096),
             "random": (lambda b: RandomEvict(budget=b, recent=min(rec, b - 1), seed=0), 2, 4096),
@@ -201,6 +209,15 @@ class EvictStudy:
             "block": (lambda k: BlockEvict(block_size=bs, start_blocks=1, evictable_blocks=k,
                                            recent_blocks=max(1, rec // bs)), 1, 512),
         }
+        for name in EVICTION_POLICIES.user():           # the user's own policies, by their registration
+            entry = EVICTION_POLICIES.entry(name)
+            fams[name] = (entry.at_budget, *entry.knob_range())
+        if self.only is None:
+            return fams
+        unknown = [n for n in self.only if n not in fams]
+        if unknown:
+            raise ValueError(f"EvictStudy(only=...) names {unknown}, not fixed-budget families; known: {', '.join(fams)}")
+        return {n: fams[n] for n in self.only}
 
     def ablations(self) -> dict[str, object]:
         """Conf-KV's schedule with other rankers (the paper's isolation study) and its storage variants."""
@@ -398,10 +415,15 @@ SAWTOOTH_POLICIES = ("full", "sliding", "h2o", "random", "block", "confkv", "con
 
 
 def sawtooth_runs(teacher, student, spec: RunSpec, store: RunStore, policies: dict, study: EvictStudy,
-                  names: Sequence[str] = SAWTOOTH_POLICIES, refresh=None) -> dict[str, dict]:
+                  names: Sequence[str] | None = None, refresh=None) -> dict[str, dict]:
     """Prompt 0 under the named policies of the matched study (``policies``: name -> policy, as
     :func:`matched_runs` returns; stored runs, so free after the table), plus Conf-KV on OverFill
-    with a refresh policy (eviction composed with refresh) when ``refresh`` and a student are given."""
+    with a refresh policy (eviction composed with refresh) when ``refresh`` and a student are given.
+    ``names`` default: :data:`SAWTOOTH_POLICIES` and every policy registered with ``kvlab.register_eviction``."""
+    if names is None:
+        from . import EVICTION_POLICIES
+
+        names = (*SAWTOOTH_POLICIES, *EVICTION_POLICIES.user())
     out = {n: scored_run(teacher, None, spec.prompts[0], _cfg(spec, 0, policies[n]), store)
            for n in names if n in policies}
     if refresh is not None and student is not None:

@@ -11,16 +11,72 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
+from kvlab.core.registry import init_fields
 from kvlab.decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
+from kvlab.refresh.policies import REFRESH_POLICIES
 
-POLICIES = ("none", "periodic", "entropy", "probe_kl", "speculative", "mc")
-POLICY_LABELS = {"none": "none", "periodic": "periodic (T, W)", "entropy": "entropy gate (τ)",
-                 "probe_kl": "probe-KL (M, κ)", "speculative": "speculative (k)", "mc": "MC-dropout gate"}
-# the controls each refresh policy reads (besides refresh_next)
-POLICY_PARAMS = {"none": (), "periodic": ("T", "W"), "entropy": ("tau_bits", "W"), "probe_kl": ("M", "kappa", "W"),
-                 "speculative": ("k",), "mc": ("mc_signal", "mc_threshold", "mc_every", "mc_passes", "mc_p")}
+_LABELS = {"none": "none", "periodic": "periodic (T, W)", "entropy": "entropy gate (τ)",
+           "probe_kl": "probe-KL (M, κ)", "speculative": "speculative (k)", "mc": "MC-dropout gate"}
+# the controls each built-in refresh policy reads (besides refresh_next)
+_PARAMS = {"none": (), "periodic": ("T", "W"), "entropy": ("tau_bits", "W"), "probe_kl": ("M", "kappa", "W"),
+           "speculative": ("k",), "mc": ("mc_signal", "mc_threshold", "mc_every", "mc_passes", "mc_p")}
+# controls a registered refresh policy's fields of the same name are fed from (register_refresh(controls=) adds others)
+REFRESH_CONTROLS = ("T", "W", "tau_bits", "M", "kappa", "k")
+
+
+class _Policies(Sequence):
+    """The refresh menu: "none", then every policy of ``kvlab.refresh.policies.REFRESH_POLICIES`` (the built-ins,
+    then the user's ``register_refresh``), read from the registry at each use."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("none", *REFRESH_POLICIES)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+def user_controls(name: str) -> dict[str, str]:
+    """A registered (non-built-in) refresh policy's controls: playground control -> constructor field (its
+    fields named like a control in :data:`REFRESH_CONTROLS`, plus ``register_refresh(controls=...)``)."""
+    entry = REFRESH_POLICIES.entry(name)
+    return {**{f: f for f in init_fields(entry.cls) if f in REFRESH_CONTROLS}, **entry.controls}
+
+
+class _PerPolicy(Mapping):
+    """A built-in table per refresh policy, completed for registered ones by ``of_user(name)``."""
+
+    def __init__(self, builtin: dict, of_user):
+        self._builtin, self._of_user = builtin, of_user
+
+    def __getitem__(self, name):
+        if name in self._builtin:
+            return self._builtin[name]
+        if name not in REFRESH_POLICIES:
+            raise KeyError(name)
+        return self._of_user(name)
+
+    def __iter__(self):
+        return iter(POLICIES)
+
+    def __len__(self) -> int:
+        return len(POLICIES)
+
+
+POLICIES = _Policies()
+POLICY_LABELS = _PerPolicy(_LABELS, lambda n: REFRESH_POLICIES.entry(n).label)
+POLICY_PARAMS = _PerPolicy(_PARAMS, lambda n: tuple(user_controls(n)))
 SAMPLINGS = ("greedy", "sample")
 MC_SIGNALS = ("mi", "u", "flip")
 NO_EVICTION = "full"
@@ -84,7 +140,7 @@ class Settings:
 
     prompt: str
     mode: str = "overfill"             # teacher | student | overfill
-    policy: str = "entropy"            # one of POLICIES
+    policy: str = "entropy"            # one of POLICIES ("none", kvlab.refresh.policies.REFRESH_POLICIES)
     T: int = 16                        # periodic: refresh after steps T, 2T, ...
     W: int = 0                         # window: most entries one refresh rewrites (0 = no window)
     tau_bits: float = 3.0              # entropy gate threshold, bits
@@ -253,7 +309,7 @@ def check(s: Settings, *, vocab_size: int | None = None, eviction_names=(), rang
         try:
             decode_config(s)
         except ValueError as e:
-            err[_control_of(str(e))] = str(e)
+            err[_control_of(str(e), s.policy)] = str(e)
     return err
 
 
@@ -262,11 +318,13 @@ _FIELD_CONTROL = {"threshold": "mc_threshold", "probe_every": "mc_every", "signa
                   "max_new_tokens": "N", "window": "W", "n_passes": "mc_passes", "p": "mc_p", "dropout_p": "mc_p"}
 
 
-def _control_of(message: str) -> str:
+def _control_of(message: str, policy: str | None = None) -> str:
     m = re.match(r"\s*(?:refresh\.)?(\w+)=", message)
     if not m:
         return "policy"
     name = m.group(1)
+    if policy in REFRESH_POLICIES.user():     # a registered policy's field -> the control feeding it
+        name = {f: c for c, f in user_controls(policy).items()}.get(name, "policy")
     name = _FIELD_CONTROL.get(name, name)
     return name if name in {f.name for f in fields(Settings)} else "policy"
 
@@ -290,7 +348,17 @@ def refresh_policy(s: Settings):
         # refractory = probe interval: at most one refresh per probe (the default 32 would never fire on short runs)
         return MCGate(threshold=float(s.mc_threshold), signal=s.mc_signal, probe_every=s.mc_every, refractory=s.mc_every,
                       n_passes=s.mc_passes, dropout_p=float(s.mc_p))
-    raise ValueError(f"policy={s.policy!r} must be one of {POLICIES}")
+    if s.policy not in POLICIES:
+        raise ValueError(f"policy={s.policy!r} must be one of {POLICIES}")
+    cls = REFRESH_POLICIES[s.policy]           # a registered policy: its fields from their controls, else defaults
+    kw = {fld: (s.W or None) if control == "W" else getattr(s, control)
+          for control, fld in user_controls(s.policy).items()}
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise ValueError(f"policy={s.policy!r}: {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())}) "
+                         f"fails ({e}); give its fields defaults or feed them from playground controls with "
+                         f"register_refresh({s.policy!r}, controls={{control: field}})") from None
 
 
 def eviction_policies() -> dict:
@@ -325,8 +393,13 @@ def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | Non
     block: blocks of 4, one start block, recent area ≈ budget/4, ``max_cache_size`` the largest
     multiple of 4 with ``max_cache_size + 3 <= budget`` (OpenVINO's semantics let the cache reach
     ``max + block - 1`` before a whole block is evicted).
-    Other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
+    Policies registered with ``kvlab.register_eviction``: their ``from_budget``, else their ``budget`` or
+    ``window`` field; other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
     """
+    from kvlab.eviction import EVICTION_POLICIES
+
+    if name in EVICTION_POLICIES.user():      # a registered policy: its from_budget, or its budget/window field
+        return EVICTION_POLICIES.entry(name).at_budget(budget)
     if name == "sliding":
         return cls(window=budget, sinks=min(4, max(0, budget - 1)))
     if name == "h2o":

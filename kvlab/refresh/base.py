@@ -91,13 +91,44 @@ def teacher_kl_probe(ctx: ProbeContext) -> ProbeResult:
 
 
 def policy_dict(policy) -> dict | None:
-    """A policy as JSON-able config (class name + fields) for run keys and tables."""
+    """A policy as JSON-able config (class name + fields) for run keys and tables.
+
+    A class defined outside kvlab (your own policy, e.g. in a notebook cell) also gets ``code``: a digest
+    of its methods' bytecode (:func:`code_digest`), so editing the class and re-running the cell keys new
+    runs instead of answering from runs the old code stored."""
     if policy is None:
         return None
     from dataclasses import asdict, is_dataclass
 
     fields = asdict(policy) if is_dataclass(policy) else dict(vars(policy))
-    return {"policy": type(policy).__name__, **fields}
+    out = {"policy": type(policy).__name__, **fields}
+    if not type(policy).__module__.startswith("kvlab."):
+        out["code"] = code_digest(type(policy))
+    return out
+
+
+def code_digest(cls) -> str:
+    """12 hex digits naming what a class's methods do: bytecode, constants and names of every function,
+    property and static/class method defined in its body (nested code included; file names and line
+    numbers excluded, so re-running an unchanged notebook cell gives the same digest)."""
+    import hashlib
+
+    def const(k):
+        if hasattr(k, "co_code"):
+            return code(k)
+        return sorted(map(repr, k)) if isinstance(k, frozenset) else repr(k)   # set order varies with the hash seed
+
+    def code(c) -> list:
+        return [c.co_code.hex(), [const(k) for k in c.co_consts], list(c.co_names)]
+
+    parts = []
+    for name, v in sorted(vars(cls).items()):
+        for fn in (getattr(v, "__func__", None), getattr(v, "fget", None), v):
+            c = getattr(fn, "__code__", None)
+            if c is not None:
+                parts.append([name, code(c)])
+                break
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
 
 
 def validate_policy(policy) -> None:

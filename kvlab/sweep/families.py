@@ -2,7 +2,7 @@
 
 A *section* of the grid spec (``[refresh.<family>]``, ``[evict.<family>]``) names a registry of
 policy classes and the :class:`~kvlab.decode.DecodeConfig` field its policies go into. Adding a
-policy to a registry makes it sweepable; adding a section here makes a new kind of policy sweepable.
+policy to a registry (``kvlab.register_refresh`` / ``kvlab.register_eviction``) makes it sweepable; adding a section here makes a new kind of policy sweepable.
 """
 from __future__ import annotations
 
@@ -12,19 +12,18 @@ from typing import Callable
 
 
 def refresh_registry() -> dict[str, type]:
-    """Refresh policies (:mod:`kvlab.refresh.policies`) by family name."""
-    from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+    """Refresh policies by family name (``kvlab.refresh.policies.REFRESH_POLICIES``: built-ins and
+    the user's ``register_refresh``)."""
+    from kvlab.refresh.policies import REFRESH_POLICIES
 
-    return {"periodic": Periodic, "entropy": EntropyGate, "probe_kl": ProbeKL, "speculative": Speculative,
-            "mc": MCGate}
+    return dict(REFRESH_POLICIES)
 
 
 def evict_registry() -> dict[str, type]:
-    """Eviction policies (``kvlab.eviction.EVICTION_POLICIES``); empty where that package is absent."""
-    try:
-        from kvlab.eviction import EVICTION_POLICIES
-    except ImportError:
-        return {}
+    """Eviction policies by family name (``kvlab.eviction.EVICTION_POLICIES``: built-ins and the user's
+    ``register_eviction``)."""
+    from kvlab.eviction import EVICTION_POLICIES
+
     return dict(EVICTION_POLICIES)
 
 

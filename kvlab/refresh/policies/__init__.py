@@ -3,18 +3,36 @@
 The protocol the decode loop reads is in :mod:`kvlab.refresh.base` (``window``, ``probe``, ``probe_every``).
 ``MCGate`` (the MC-dropout gate) lives beside its probe and signals in :mod:`kvlab.uncertainty.mc` and is
 loaded from there on first use, so importing the policies does not import the decode loop.
+
+:data:`REFRESH_POLICIES` is the one registry of refresh policies by name (sweeps, the playground and the run
+store's rows read it): the built-ins below, plus a user's own class registered with :func:`register_refresh`
+(docs/custom_policies.md).
 """
+from kvlab.core.registry import Registry
+
 from .entropy import EntropyGate
 from .periodic import Periodic
 from .probe_kl import ProbeKL
 from .speculative import Speculative
 
-__all__ = ["EntropyGate", "MCGate", "Periodic", "ProbeKL", "Speculative"]
+__all__ = ["REFRESH_POLICIES", "EntropyGate", "MCGate", "Periodic", "ProbeKL", "Speculative", "register_refresh",
+           "unregister_refresh"]
+
+
+def _mc_gate():
+    from kvlab.uncertainty.mc import MCGate
+
+    return MCGate
+
+
+REFRESH_POLICIES = Registry("refresh", {"periodic": Periodic, "entropy": EntropyGate, "probe_kl": ProbeKL,
+                                        "speculative": Speculative, "mc": _mc_gate},
+                            method="should_refresh", reserved=("none",), register_fn="register_refresh")
+register_refresh = REFRESH_POLICIES.register          # @register_refresh("mine") on your class
+unregister_refresh = REFRESH_POLICIES.unregister
 
 
 def __getattr__(name):
     if name == "MCGate":
-        from kvlab.uncertainty.mc import MCGate
-
-        return MCGate
+        return _mc_gate()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
