@@ -283,6 +283,7 @@ class Decoding:
         self.first_step = 1
         self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
+        self._bank, self._row = None, None   # a BatchDecoding row: the batch buffers and this row's index
 
     @classmethod
     def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
@@ -334,6 +335,7 @@ class Decoding:
         self.first_step = first_step
         self._resume = (cache, last_token, logits)
         self._it = None
+        self._bank, self._row = None, None
         return self
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -347,38 +349,53 @@ class Decoding:
     def _steps(self) -> Iterator[StepRecord]:
         """The loop, as named phases per step: advance (the decoder's forward on ``y_{t-1}``, or
         the logits a refresh left), score (choose ``y_t``, build the record), probe, refresh,
-        evict. Each phase is a method; policies enter only through their protocols."""
-        cfg = self.config
-        dev = self.decoder.device
-        self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        evict. Each phase is a method; policies enter only through their protocols. (A batch of
+        rows runs the same phases per row around one batched advance: :class:`BatchDecoding`.)"""
         t0 = time.perf_counter()
-        first = self.first_step
-        logits = self._start()
-        self._pending = None       # (logits, source) for the next step, left by a refresh
-        self._last_refresh = first - 1
-        self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
+        logits = self._begin()
         source = self.prefill_name
-        for step in range(first, first + cfg.max_new_tokens):
+        first = self.first_step
+        for step in range(first, first + self.config.max_new_tokens):
             if step > first:
                 t0 = time.perf_counter()
                 logits, source = self._advance(step)
-            rec = self._score(step, logits, source)
-            self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
-            rec = self._probe(rec, logits)
-            rec = self._refresh_phase(rec)
-            rec = self._evict(rec, logits)
-            cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
-            _sync(dev)
-            wall = time.perf_counter() - t0
-            self.elapsed_s += wall
-            if step == first:
-                self.ttft_s = wall
-            rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
-                          teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
-                          meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+            rec = self._phases(step, logits, source, t0)
             yield rec
-            if rec.token_id in self.eos_ids and not cfg.ignore_eos:
+            if self._stops(rec):
                 return
+
+    def _begin(self) -> torch.Tensor:
+        """Per-run state (RNG stream seeded from this run's own sampling seed, refresh frontier),
+        then the prefill: returns the first step's logits."""
+        cfg = self.config
+        self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        logits = self._start()
+        self._pending = None       # (logits, source) for the next step, left by a refresh
+        self._last_refresh = self.first_step - 1
+        self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
+        return logits
+
+    def _phases(self, step: int, logits: torch.Tensor, source: str, t0: float) -> StepRecord:
+        """Score, probe, refresh, evict for step ``step``; the record, timed from ``t0``."""
+        rec = self._score(step, logits, source)
+        self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+        rec = self._probe(rec, logits)
+        rec = self._refresh_phase(rec)
+        rec = self._evict(rec, logits)
+        cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
+        _sync(self.decoder.device)
+        wall = time.perf_counter() - t0
+        self.elapsed_s += wall
+        if step == self.first_step:
+            self.ttft_s = wall
+        return replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
+                       teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
+                       meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+
+    def _stops(self, rec: StepRecord) -> bool:
+        """The run ends after ``rec``: EOS (unless ``ignore_eos``) or the last step."""
+        return (rec.token_id in self.eos_ids and not self.config.ignore_eos) \
+            or rec.step >= self.first_step + self.config.max_new_tokens - 1
 
     @property
     def _needs_attention(self) -> bool:
@@ -402,7 +419,7 @@ class Decoding:
                 logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1,
                                        attention=attn)
         else:
-            cache = KVCache()
+            cache = self._new_cache(decoding=cfg.mode != "overfill")
             self._track(cache)
             logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
                                    attention=attn)
@@ -410,14 +427,27 @@ class Decoding:
             self.teacher_cache = cache
             self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
             if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
-                cache = KVCache()
+                cache = self._new_cache(decoding=True)
                 self._track(cache)
                 cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
             else:
-                cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
+                cache = self._copy_cache(cache)   # the student extends a copy; the teacher keeps C_0
         self.cache = cache
         self._fwd_bytes = cache.forward_nbytes()
         return logits
+
+    def _new_cache(self, decoding: bool) -> KVCache:
+        """An empty cache: the decoding cache (``decoding``) or the overfill teacher's own. A batch
+        row puts its decoding cache in its row of the batch buffers (:class:`BatchDecoding`)."""
+        if decoding and self._bank is not None:
+            return self._bank.row_cache(self._row)
+        return KVCache()
+
+    def _copy_cache(self, cache: KVCache) -> KVCache:
+        """The overfill student's copy of the teacher's ``C_0`` (in its batch row, if it has one)."""
+        if self._bank is not None:
+            return self._bank.adopt(self._row, cache)
+        return cache.copy()
 
     def _advance(self, step: int) -> tuple[torch.Tensor, str]:
         """Phase 1: the logits of step ``step`` — a refresh's pending ones, or the decoder's
@@ -541,6 +571,174 @@ class Decoding:
         return len(live), None
 
 
+class BatchError(RuntimeError):
+    """Some rows of a batch failed: ``errors`` ``{row: exception}``; ``traces`` holds the other rows'
+    finished :class:`Trace` s (None for the failed ones)."""
+
+    def __init__(self, errors: dict, traces: list):
+        self.errors, self.traces = errors, traces
+        msg = "; ".join(f"row {b}: {type(e).__name__}: {e}" for b, e in sorted(errors.items()))
+        super().__init__(f"{len(errors)} of {len(traces)} rows failed ({msg})")
+
+
+class BatchDecoding:
+    """B generations in lock-step: one batched decoder forward per step, everything else per row.
+
+    Each row is a :class:`Decoding` (its own prompt, config, RNG stream seeded from its own
+    sampling seed, refresh frontier and schedule, eviction policy state, records) whose decoding
+    cache is row ``b`` of shared batch buffers (:class:`kvlab.cache.batch.Bank`: a row is an
+    ordinary KVCache with its own ledger, live maps and per-layer lengths, edited in place). A step:
+
+    * **advance** — every row that needs its decoder's forward on ``y_{t-1}`` gets it from ONE
+      batched forward (:func:`kvlab.cache.batch.forward_rows`); a row holding a refresh's pending
+      logits skips it (it rides along as a masked dummy, as do finished rows);
+    * **score, probe, refresh, evict** — :meth:`Decoding._phases`, per row, unchanged (teacher
+      forwards of probes and refreshes run per row on the row's own teacher cache).
+
+    Prefill runs per row (prompts of different lengths, no padding). Rows that stop early (EOS,
+    ``ignore_eos=False``) drop out; the others go on. A row whose phases raise is dropped and its
+    error kept in ``errors``; the other rows finish. Iterating yields ``(row, StepRecord)``.
+
+    A row's tokens do not depend on its batch: its RNG, policies and probes see only its own state;
+    the batched forward's logits equal the row's single forward to float tolerance (different
+    matmul shapes; tests/test_batch_decode.py states it).
+    """
+
+    def __init__(self, teacher, student, prompts, config: DecodeConfig | list | tuple | None = None, **overrides):
+        if isinstance(prompts, str) or not hasattr(prompts, "__len__") or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompt strings")
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"config has {len(configs)} entries for {len(prompts)} prompts (give one, or one per row)")
+        rows = []
+        for b, (p, c) in enumerate(zip(prompts, configs)):
+            if isinstance(p, str) and not p.strip():
+                raise ValueError(f"row {b}: prompts[{b}] is empty; every row needs a non-empty prompt")
+            try:
+                rows.append(Decoding(teacher, student, p, c, **overrides))
+            except IncompatiblePairError:
+                raise
+            except ValueError as e:
+                raise ValueError(f"row {b}: {e}") from e
+        modes = {d.config.mode for d in rows}
+        if len(modes) > 1:
+            b = next(i for i, d in enumerate(rows) if d.config.mode != rows[0].config.mode)
+            raise ValueError(f"row {b}: mode={rows[b].config.mode!r} differs from row 0's {rows[0].config.mode!r}; "
+                             "one batch runs one decoder (split the batch by mode)")
+        first = rows[0]
+        devices = {str(m.device) for m in (teacher, student) if m is not None
+                   and (m is first.decoder or m is first.prefiller or first.config.mode == "overfill")}
+        if len(devices) > 1:
+            raise ValueError(f"teacher and student are on different devices ({sorted(devices)}); a batch runs on one "
+                             "device: move both models there (load_pair(device=...))")
+        ctx = getattr(first.decoder.model.config, "max_position_embeddings", None)
+        for b, d in enumerate(rows):
+            if ctx is not None and len(d.prompt_ids) >= ctx:
+                raise ValueError(f"row {b}: prompt has {len(d.prompt_ids)} tokens, the model's context is {ctx} "
+                                 f"(max_position_embeddings); shorten prompts[{b}]")
+            for name in ("refresh", "evict"):
+                pol = getattr(d.config, name)
+                if pol is not None and getattr(pol, "batchable", True) is False:
+                    raise ValueError(f"row {b}: {name}={type(pol).__name__} cannot run batched (batchable=False); "
+                                     "run it with batch 1")
+        self.rows = rows
+        self.errors: dict[int, BaseException] = {}
+        self.bank = None
+        self._it = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[tuple[int, StepRecord]]:
+        if self._it is None:
+            self._it = self._steps()
+        return self._it
+
+    def __next__(self) -> tuple[int, StepRecord]:
+        return next(iter(self))
+
+    def _fail(self, b: int, e: BaseException, live: set) -> None:
+        self.errors[b] = e
+        live.discard(b)
+
+    def _steps(self) -> Iterator[tuple[int, StepRecord]]:
+        from .cache.batch import Bank, forward_rows
+
+        rows = self.rows
+        B = len(rows)
+        dec = rows[0].decoder
+        cap = max(len(d.prompt_ids) + d.config.max_new_tokens for d in rows) + 2
+        self.bank = bank = Bank.for_model(dec.model, B, capacity=cap)
+        for b, d in enumerate(rows):
+            d._bank, d._row = bank, b
+        live = set(range(B))
+        step_of = [d.first_step for d in rows]
+        for b, d in enumerate(rows):                    # prefill + step 1, per row
+            t0 = time.perf_counter()
+            try:
+                rec = d._phases(d.first_step, d._begin(), d.prefill_name, t0)
+            except Exception as e:                      # noqa: BLE001 - kept per row, re-raised by run_batch
+                self._fail(b, e, live)
+                continue
+            yield b, rec
+            if d._stops(rec):
+                live.discard(b)
+            step_of[b] += 1
+        while live:
+            t0 = time.perf_counter()
+            order = sorted(live)
+            need = [b for b in order if rows[b]._pending is None]
+            logits = None
+            if need:
+                caches = [rows[b].cache if b in need else None for b in range(B)]
+                tokens = [rows[b].tokens[-1] if b in need else None for b in range(B)]
+                steps = [step_of[b] - 1 for b in range(B)]
+                attention = [b in need and rows[b]._needs_attention for b in range(B)]
+                logits = forward_rows(bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
+                                      attention=attention)
+                _sync(dec.device)
+            shared = time.perf_counter() - t0
+            for b in order:
+                d = rows[b]
+                if b in need:
+                    lg, src = logits[b], d.decoder_name
+                else:
+                    (lg, src), d._pending = d._pending, None
+                d._fwd_bytes = d.cache.forward_nbytes()
+                try:
+                    rec = d._phases(step_of[b], lg, src, time.perf_counter() - shared)
+                except Exception as e:                  # noqa: BLE001
+                    self._fail(b, e, live)
+                    continue
+                yield b, rec
+                step_of[b] += 1
+                if d._stops(rec):
+                    live.discard(b)
+
+
+def run_batch(teacher, student, prompts, config: DecodeConfig | list | tuple | None = None, *, on_step=None,
+              on_row=None, **overrides) -> list[Trace]:
+    """Drain a :class:`BatchDecoding` into one :class:`Trace` per row (in prompt order).
+
+    ``on_step(row, record, decoding)`` is called after every row's step; ``on_row(row, trace)`` as
+    soon as a row finishes (e.g. to store it). If rows failed, the others still finish (and
+    ``on_row`` sees them), then :class:`BatchError` is raised carrying the finished traces."""
+    bd = BatchDecoding(teacher, student, prompts, config, **overrides)
+    records: list[list[StepRecord]] = [[] for _ in bd.rows]
+    traces: list[Trace | None] = [None] * len(bd.rows)
+    for b, rec in bd:
+        records[b].append(rec)
+        if on_step is not None:
+            on_step(b, rec, bd.rows[b])
+        if bd.rows[b]._stops(rec):
+            traces[b] = _trace(bd.rows[b], records[b])
+            if on_row is not None:
+                on_row(b, traces[b])
+    if bd.errors:
+        raise BatchError(bd.errors, traces)
+    return traces
+
+
 def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: torch.Tensor | None = None,
                   max_new_tokens: int = 32, sampling: Sampling | None = None, writer: str = "teacher",
                   ignore_eos: bool = True, first_step: int = 1) -> Iterator[StepRecord]:
@@ -609,9 +807,13 @@ def run(teacher, student, prompt: str, config: DecodeConfig | None = None, *, on
         records.append(rec)
         if on_step is not None:
             on_step(rec, d)
+    return _trace(d, records)
+
+
+def _trace(d: Decoding, records: list[StepRecord]) -> Trace:
     dists = torch.stack(d.dists) if d.dists else None
     live = {"positions": list(d.cache.positions), "writers": list(d.cache.writers)} if d.cache is not None else None
-    return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
+    return Trace(records=records, prompt=d.prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
                  text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists,
                  live=live)
