@@ -31,6 +31,9 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch", type=positive_int("--batch"), default=None,
+                   help="runs decoded together in one batched forward per step (default 8, chosen by `bench decode "
+                        "--batch`; 1 = one run at a time). Stored runs are keyed without it")
     p.add_argument("--rebuild-student-cache", action="store_true",
                    help="OverFill with a student whose KV geometry differs from the teacher's: the student "
                         "prefills its own cache from the text (no refresh possible)")
