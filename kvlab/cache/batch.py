@@ -214,6 +214,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | Non
             materialized.append(b)
         for row in bank.rows:                                   # one free column per row and layer
             for lay in row:
+                if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + n]: keep rows near
+                    lay._to_front()                             # the front (amortized: once per n/4 columns)
                 lay.reserve(1)
         cols = [[lay.s + lay.n for lay in row] for row in bank.rows]                       # B x L
         starts = [[lay.s if caches[b] is not None else lay.s + lay.n for lay in row]
