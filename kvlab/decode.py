@@ -84,6 +84,10 @@ from kvlab.eviction.base import EvictView, validate_evict
 from kvlab.refresh.base import PROBES, ProbeContext, policy_dict, validate_policy
 
 MODES = ("teacher", "student", "overfill")
+# Probes whose teacher request at a due step is known before they run: probe name -> step -> n of
+# ``ctx.teacher_logits(n)`` (kvlab.refresh.base.teacher_kl_probe asks for y_<step). A batch catches
+# these rows' teacher caches up in one forward; other probes call the teacher on their own.
+PROBE_TEACHER_UPTO = {"teacher_kl": lambda step: step - 1}
 REFRESH_NEXT = ("rerun", "student", "teacher")
 LN2 = math.log(2.0)
 
@@ -283,7 +287,7 @@ class Decoding:
         self.first_step = 1
         self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
-        self._bank, self._row = None, None   # a BatchDecoding row: the batch buffers and this row's index
+        self._bank, self._tbank, self._row = None, None, None   # a BatchDecoding row: its batch buffers, row
 
     @classmethod
     def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
@@ -335,7 +339,7 @@ class Decoding:
         self.first_step = first_step
         self._resume = (cache, last_token, logits)
         self._it = None
-        self._bank, self._row = None, None
+        self._bank, self._tbank, self._row = None, None, None
         return self
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -379,6 +383,11 @@ class Decoding:
         """Score, probe, refresh, evict for step ``step``; the record, timed from ``t0``."""
         rec = self._score(step, logits, source)
         self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+        return self._after_score(rec, logits, t0)
+
+    def _after_score(self, rec: StepRecord, logits: torch.Tensor, t0: float) -> StepRecord:
+        """Probe, refresh, evict; the finished record (see :meth:`_phases`)."""
+        step = rec.step
         rec = self._probe(rec, logits)
         rec = self._refresh_phase(rec)
         rec = self._evict(rec, logits)
@@ -438,10 +447,28 @@ class Decoding:
 
     def _new_cache(self, decoding: bool) -> KVCache:
         """An empty cache: the decoding cache (``decoding``) or the overfill teacher's own. A batch
-        row puts its decoding cache in its row of the batch buffers (:class:`BatchDecoding`)."""
-        if decoding and self._bank is not None:
-            return self._bank.row_cache(self._row)
+        row puts each in its row of the batch's buffers (:class:`BatchDecoding`)."""
+        bank = self._bank if decoding else self._tbank
+        if bank is not None:
+            return bank.row_cache(self._row)
         return KVCache()
+
+    def _teacher_due(self, rec: StepRecord) -> int | None:
+        """``n`` if this step's probe or refresh will certainly call ``_teacher_upto(n)`` (known right
+        after scoring, before they run: a refresh policy without a probe decides on the record alone;
+        a due probe listed in :data:`PROBE_TEACHER_UPTO` asks for a known ``n``), else None. A batch
+        catches those rows' teachers up in one forward first (:class:`BatchDecoding`)."""
+        pol = self.config.refresh
+        if pol is None or self.teacher_cache is None:
+            return None
+        probe = getattr(pol, "probe", None)
+        if probe is None:
+            last = rec.step >= self.first_step + self.config.max_new_tokens - 1
+            return rec.step if not last and pol.should_refresh(rec) else None
+        upto = PROBE_TEACHER_UPTO.get(probe)
+        if upto is not None and rec.step % getattr(pol, "probe_every", 1) == 0:
+            return upto(rec.step)
+        return None
 
     def _copy_cache(self, cache: KVCache) -> KVCache:
         """The overfill student's copy of the teacher's ``C_0`` (in its batch row, if it has one)."""
@@ -643,7 +670,8 @@ class BatchDecoding:
                                      "run it with batch 1")
         self.rows = rows
         self.errors: dict[int, BaseException] = {}
-        self.bank = None
+        self.bank = self.teacher_bank = None
+        self.catch_up_errors: list[BaseException] = []   # batched teacher catch-ups that fell back to per-row
         self._it = None
 
     def __len__(self) -> int:
@@ -662,15 +690,18 @@ class BatchDecoding:
         live.discard(b)
 
     def _steps(self) -> Iterator[tuple[int, StepRecord]]:
-        from .cache.batch import Bank, forward_rows
+        from .cache.batch import Bank
 
         rows = self.rows
         B = len(rows)
-        dec = rows[0].decoder
+        first = rows[0]
+        dec = first.decoder
         cap = max(len(d.prompt_ids) + d.config.max_new_tokens for d in rows) + 2
-        self.bank = bank = Bank.for_model(dec.model, B, capacity=cap)
+        self.bank = Bank.for_model(dec.model, B, capacity=cap)
+        if first.config.mode == "overfill":             # the teachers' own caches: rows of a second bank
+            self.teacher_bank = Bank.for_model(first.teacher.model, B, capacity=cap)
         for b, d in enumerate(rows):
-            d._bank, d._row = bank, b
+            d._bank, d._tbank, d._row = self.bank, self.teacher_bank, b
         live = set(range(B))
         step_of = [d.first_step for d in rows]
         for b, d in enumerate(rows):                    # prefill + step 1, per row
@@ -685,35 +716,92 @@ class BatchDecoding:
                 live.discard(b)
             step_of[b] += 1
         while live:
-            t0 = time.perf_counter()
-            order = sorted(live)
-            need = [b for b in order if rows[b]._pending is None]
-            logits = None
-            if need:
-                caches = [rows[b].cache if b in need else None for b in range(B)]
-                tokens = [rows[b].tokens[-1] if b in need else None for b in range(B)]
-                steps = [step_of[b] - 1 for b in range(B)]
-                attention = [b in need and rows[b]._needs_attention for b in range(B)]
-                logits = forward_rows(bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
-                                      attention=attention)
-                _sync(dec.device)
-            shared = time.perf_counter() - t0
-            for b in order:
-                d = rows[b]
-                if b in need:
-                    lg, src = logits[b], d.decoder_name
-                else:
-                    (lg, src), d._pending = d._pending, None
-                d._fwd_bytes = d.cache.forward_nbytes()
-                try:
-                    rec = d._phases(step_of[b], lg, src, time.perf_counter() - shared)
-                except Exception as e:                  # noqa: BLE001
-                    self._fail(b, e, live)
-                    continue
-                yield b, rec
-                step_of[b] += 1
-                if d._stops(rec):
-                    live.discard(b)
+            yield from self._step(sorted(live), step_of, live)
+
+    def _step(self, order: list[int], step_of: list[int], live: set):
+        """One lock-step: advance (one batched decoder forward), score per row, one batched teacher
+        catch-up for the rows whose probe or refresh is due, then probe/refresh/evict per row."""
+        from .cache.batch import forward_rows
+
+        rows, B = self.rows, len(self.rows)
+        t0 = time.perf_counter()
+        need = [b for b in order if rows[b]._pending is None]
+        logits = None
+        if need:
+            dec = rows[0].decoder
+            caches = [rows[b].cache if b in need else None for b in range(B)]
+            tokens = [rows[b].tokens[-1] if b in need else None for b in range(B)]
+            steps = [step_of[b] - 1 for b in range(B)]
+            attention = [b in need and rows[b]._needs_attention for b in range(B)]
+            logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
+                                  attention=attention)
+            _sync(dec.device)
+        shared = time.perf_counter() - t0
+        scored = {}
+        for b in order:
+            d = rows[b]
+            t1 = time.perf_counter()
+            if b in need:
+                lg, src = logits[b], d.decoder_name
+            else:
+                (lg, src), d._pending = d._pending, None
+            d._fwd_bytes = d.cache.forward_nbytes()
+            try:
+                rec = d._score(step_of[b], lg, src)
+                d._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+                due = d._teacher_due(rec)
+            except Exception as e:                      # noqa: BLE001
+                self._fail(b, e, live)
+                continue
+            scored[b] = (rec, lg, shared + time.perf_counter() - t1, due)
+        teacher_s = self._catch_up({b: v[3] for b, v in scored.items() if v[3] is not None})
+        for b, (rec, lg, spent, due) in scored.items():
+            d = rows[b]
+            try:
+                rec = d._after_score(rec, lg, time.perf_counter() - spent - (teacher_s if due is not None else 0.0))
+            except Exception as e:                      # noqa: BLE001
+                self._fail(b, e, live)
+                continue
+            yield b, rec
+            step_of[b] += 1
+            if d._stops(rec):
+                live.discard(b)
+
+    def _catch_up(self, due: dict[int, int]) -> float:
+        """Extend the teacher caches of rows ``due`` (``{row: n}``) to ``x, y_≤n`` in one batched
+        forward (each row's own missing tokens; rows already there are skipped); the rows' probes and
+        refreshes then find their teacher logits ready (``_teacher_upto``), and their tallies get the
+        tokens and the forward's time. Returns that time (0 if none ran). If the batched forward
+        fails, nothing changed and every row catches up on its own in its phases."""
+        from .cache.batch import forward_rows
+
+        rows, B = self.rows, len(self.rows)
+        todo = {}
+        for b, n in due.items():
+            d = rows[b]
+            have = d.teacher_cache.next_position - len(d.prompt_ids)
+            if n > have and n <= len(d.tokens) and self.teacher_bank.owns(b, d.teacher_cache):
+                todo[b] = (have, n)
+        if not todo:
+            return 0.0
+        t0 = time.perf_counter()
+        teacher = rows[0].teacher
+        try:
+            logits = forward_rows(self.teacher_bank, teacher.model,
+                                  [rows[b].teacher_cache if b in todo else None for b in range(B)],
+                                  [rows[b].tokens[todo[b][0]:todo[b][1]] if b in todo else None for b in range(B)],
+                                  writer="teacher", steps=[len(rows[b].tokens) for b in range(B)])
+        except Exception as e:                          # noqa: BLE001 - rows fall back to their own forwards
+            self.catch_up_errors.append(e)
+            return 0.0
+        _sync(teacher.device)
+        spent = time.perf_counter() - t0
+        for b, (have, n) in todo.items():
+            d = rows[b]
+            d._teacher_logits = logits[b]
+            d._acc["teacher_tokens"] += n - have
+            d._acc["teacher_s"] += spent
+        return spent
 
 
 def run_batch(teacher, student, prompts, config: DecodeConfig | list | tuple | None = None, *, on_step=None,

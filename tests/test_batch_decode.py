@@ -319,3 +319,58 @@ def test_no_deprecated_cache_kwarg_warning(tiny_teacher, tiny_student, caplog):
     finally:
         hf_logging.disable_propagation()
     assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
+
+
+# ----------------------------------------------------------------------------- the real pair
+
+REAL = ["Why is the sky blue?", "Write a haiku about autumn leaves falling on a quiet pond.", "What is 2 + 2?"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("config", [
+    DecodeConfig(mode="overfill", max_new_tokens=12, keep_dists=True, refresh=Periodic(5)),
+    DecodeConfig(mode="teacher", max_new_tokens=12, keep_dists=True, evict=H2O(24, 8)),
+], ids=["overfill-periodic5", "teacher-h2o"])
+def test_real_pair_batch_equals_single(real_pair, config):
+    teacher, student = real_pair
+    assert_rows_equal(*batch_and_singles(teacher, student, REAL, config))
+
+
+@pytest.mark.parametrize("policy", [Periodic(5), ProbeKL(3, 0.02), EntropyGate(6.9, min_gap=2)],
+                         ids=lambda p: type(p).__name__)
+def test_teacher_catch_up_is_one_batched_forward(tiny_teacher, tiny_student, policy, monkeypatch):
+    """Rows whose refresh (or teacher-KL probe) is due at a step get their teachers caught up in ONE
+    batched forward; the teacher runs per row only for its prefill (and a probe-triggered refresh's
+    last token)."""
+    import kvlab.cache.batch as cb
+    import kvlab.cache.forward as cf
+
+    calls = {"batched": 0, "single": 0}
+    orig_rows, orig_one = cb.forward_rows, cf.forward
+
+    def rows_spy(bank, model, *a, **k):
+        calls["batched"] += model is tiny_teacher.model
+        return orig_rows(bank, model, *a, **k)
+
+    def one_spy(cache, model, ids, **k):
+        calls["single"] += model is tiny_teacher.model and k.get("step", -1) >= 0
+        return orig_one(cache, model, ids, **k)
+
+    monkeypatch.setattr(cb, "forward_rows", rows_spy)
+    monkeypatch.setattr(cf, "forward", one_spy)
+    bd = BatchDecoding(tiny_teacher, tiny_student, PROMPTS, cfg(refresh=policy))
+    recs = [[] for _ in PROMPTS]
+    for b, r in bd:
+        recs[b].append(r)
+    counted = dict(calls)
+    assert not bd.catch_up_errors and not bd.errors
+    refreshes = sum(r.refreshed for rr in recs for r in rr)
+    assert counted["batched"] >= 1
+    if isinstance(policy, Periodic):
+        assert counted["batched"] == 4 and refreshes == 4 * len(PROMPTS)
+    assert counted["single"] <= (refreshes if isinstance(policy, ProbeKL) else 0)
+    singles = []
+    for p in PROMPTS:
+        d = Decoding(tiny_teacher, tiny_student, p, cfg(refresh=policy))
+        singles.append((d, list(d)))
+    assert_rows_equal(bd, recs, singles)

@@ -168,8 +168,14 @@ class _StepLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k, v = self.bank.k[self.i], self.bank.v[self.i]                     # (B, H_kv, cap, D)
-        k[self.rows, :, self.cols] = key_states[:, :, 0].to(k.dtype)         # (B, H_kv, D) at (b, cols[b])
-        v[self.rows, :, self.cols] = value_states[:, :, 0].to(v.dtype)
+        n = key_states.shape[2]
+        if n == 1:
+            k[self.rows, :, self.cols] = key_states[:, :, 0].to(k.dtype)     # (B, H_kv, D) at (b, cols[b])
+            v[self.rows, :, self.cols] = value_states[:, :, 0].to(v.dtype)
+        else:
+            idx = self.cols[:, None] + torch.arange(n, device=self.cols.device)                  # (B, n)
+            k[self.rows[:, None], :, idx] = key_states.transpose(1, 2).to(k.dtype)               # (B, n, H_kv, D)
+            v[self.rows[:, None], :, idx] = value_states.transpose(1, 2).to(v.dtype)
         self.keys, self.values = k[:, :, :self.width], v[:, :, :self.width]
         return self.keys, self.values
 
@@ -183,13 +189,15 @@ class _StepCache(Cache):
 
 
 @torch.inference_mode()
-def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | None], *, writer: str,
+def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, writer: str,
                  steps: Sequence[int], attention: Sequence[bool] | None = None) -> torch.Tensor:
-    """One batched decode step. ``caches[b]`` is row ``b``'s KVCache (from :meth:`Bank.row_cache` /
-    :meth:`Bank.adopt`) or None (a dummy row this step); ``tokens[b]`` the token it appends at its
-    ``next_position``; ``steps[b]`` its ledger step. ``attention[b]``: measure row ``b``'s attention
-    mass (needs ``track_attention``). Returns logits ``(B, V)`` (rows of dummies are meaningless).
-    All-or-nothing: on error no row's cache changes."""
+    """One batched forward. ``caches[b]`` is row ``b``'s KVCache (from :meth:`Bank.row_cache` /
+    :meth:`Bank.adopt`) or None (a dummy row this time); ``tokens[b]`` the token (a decode step) or
+    token list (a teacher catching up; rows may differ in length: padded, the padding never
+    committed) it appends at its ``next_position`` on; ``steps[b]`` its ledger step.
+    ``attention[b]``: measure row ``b``'s attention mass (needs ``track_attention``; rows of the
+    longest length only). Returns logits ``(B, V)``: each row's after its last token (dummies'
+    are meaningless). All-or-nothing: on error no row's cache changes."""
     B = bank.batch
     if len(caches) != B or len(tokens) != B or len(steps) != B:
         raise ValueError(f"caches, tokens and steps need one entry per row ({B})")
@@ -197,14 +205,24 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | Non
     active = [b for b in range(B) if caches[b] is not None]
     if not active:
         raise ValueError("forward_rows needs at least one active row")
+    seqs: list[list[int] | None] = [None] * B
     for b in active:
-        c = caches[b]
+        c, t = caches[b], tokens[b]
         if not bank.owns(b, c):
             raise ValueError(f"row {b}: its cache is not row {b} of this bank (an edit replaced its storage)")
-        if attention[b] and c._stats is None:
-            raise ValueError(f"row {b}: attention=True needs cache.track_attention(ema_decay) first")
-        if tokens[b] is None:
+        if t is None:
             raise ValueError(f"row {b}: an active row needs a token")
+        seqs[b] = [int(t)] if isinstance(t, (int, torch.Tensor)) and torch.as_tensor(t).dim() == 0 \
+            else [int(x) for x in t]
+        if not seqs[b]:
+            raise ValueError(f"row {b}: tokens[{b}] is empty")
+    n_max = max(len(seqs[b]) for b in active)
+    for b in active:
+        if attention[b] and caches[b]._stats is None:
+            raise ValueError(f"row {b}: attention=True needs cache.track_attention(ema_decay) first")
+        if attention[b] and len(seqs[b]) != n_max:
+            raise ValueError(f"row {b}: attention mass needs the row's tokens to fill the batch ({n_max}), got "
+                             f"{len(seqs[b])}")
     device = bank.device
     L = bank.num_layers
     materialized = []
@@ -212,27 +230,31 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | Non
         for b in active:
             caches[b]._store.materialize()
             materialized.append(b)
-        for row in bank.rows:                                   # one free column per row and layer
+        for row in bank.rows:                                   # n_max free columns per row and layer
             for lay in row:
                 if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + n]: keep rows near
                     lay._to_front()                             # the front (amortized: once per n/4 columns)
-                lay.reserve(1)
+                lay.reserve(n_max)
         cols = [[lay.s + lay.n for lay in row] for row in bank.rows]                       # B x L
         starts = [[lay.s if caches[b] is not None else lay.s + lay.n for lay in row]
                   for b, row in enumerate(bank.rows)]
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device).T                # (L, B)
-        widths = (cols_t.max(dim=1).values + 1).tolist()
+        widths = (cols_t.max(dim=1).values + n_max).tolist()
         W = max(widths)
         ar = torch.arange(W, device=device)
-        masks = (ar >= starts_t[..., None]) & (ar <= cols_t[..., None])                   # (L, B, W)
+        last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
+        masks = (ar >= starts_t[..., None, None]) & (ar <= last[..., None])                # (L, B, n, W)
         step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i]) for i in range(L)])
-        per_layer = [masks[i, :, :widths[i]].view(B, 1, 1, widths[i]) for i in range(L)]  # (B, 1, 1, W_i)
-        ids = torch.tensor([[t if t is not None else 0] for t in tokens], dtype=torch.long, device=device)
-        pos = torch.tensor([[caches[b].next_position if caches[b] is not None else 0] for b in range(B)],
-                           dtype=torch.long, device=device)                              # (B, 1)
+        per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
+        ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
+                           device=device)                                                 # (B, n)
+        nxt = [caches[b].next_position if caches[b] is not None else 0 for b in range(B)]
+        pos = torch.tensor(nxt, dtype=torch.long, device=device)[:, None] + torch.arange(n_max, device=device)
+        keep = sorted({len(seqs[b]) - 1 for b in active})                                 # logits needed
         attn_fn.use(model)
-        kwargs = dict(input_ids=ids, position_ids=pos, cache=step_cache, use_cache=True, logits_to_keep=1,
+        kwargs = dict(input_ids=ids, position_ids=pos, cache=step_cache, use_cache=True,
+                      logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
         want = [b for b in active if attention[b]]
         if want:
@@ -240,20 +262,20 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | Non
                 out = model(**kwargs)
         else:
             out = model(**kwargs)
-        for b in active:                                        # the new column joins each active row
+        for b in active:                                        # the new columns join each active row
             for lay in bank.rows[b]:
-                lay.n += 1
+                lay.n += len(seqs[b])
                 lay._views()
         masses = {}
         try:
             for b in want:
                 rows = bank.rows[b]
-                masses[b] = (cap.mass(lambda i, rows=rows: rows[i].keys, 1, window=caches[b]._stats.window,
+                masses[b] = (cap.mass(lambda i, rows=rows: rows[i].keys, n_max, window=caches[b]._stats.window,
                                       below=caches[b]._stats.below, row=b), cap.low)
         except BaseException:
             for b in active:
                 for lay in bank.rows[b]:
-                    lay.n -= 1
+                    lay.n -= len(seqs[b])
                     lay._views()
             raise
     except BaseException:
@@ -267,5 +289,10 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence[int | Non
         c._store.dematerialize()
         before = [len(x) for x in c._mirror.lives]
         mass, low = masses.get(b, (None, None))
-        commit_append(c, [int(tokens[b])], [c.next_position], writer, int(steps[b]), mass, low, before)
-    return out.logits[:, -1, :]                                                           # (B, V)
+        p0 = c.next_position
+        commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before)
+    logits = out.logits                                                                   # (B, k, V)
+    if n_max == 1:
+        return logits[:, -1, :]                                                           # (B, V)
+    pick = torch.tensor([keep.index(len(s) - 1) if s else 0 for s in seqs], device=logits.device)
+    return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
