@@ -296,7 +296,9 @@ def cmd_bench(args) -> None:
         from kvlab.studies.bench import bench_decode_batch
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        student = load_student(device=args.device, dtype=args.dtype) if args.model is None and 8 in args.batch else None
+        student = None
+        if args.model is None and 8 in args.batch:      # refresh's cost does not depend on training: untrained pruned
+            student = load_student("pruned", device=args.device, dtype=args.dtype)
         prompts = [r["prompt"] for r in load_prompts(n=max(args.batch))]
         rows = bench_decode_batch(lm, prompts, args.batch, tokens=args.tokens or 64, repeats=args.repeats,
                                   student=student)
