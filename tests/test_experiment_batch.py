@@ -45,3 +45,30 @@ def test_bad_batch_refused(bad):
         check_batch(bad)
     with pytest.raises(ValueError, match="--batch"):
         RunSpec(prompts=("x",), batch=bad)
+
+
+def test_bench_decode_batch_rows(tiny_teacher, tiny_student):
+    """The benchmark's rows (fields only: timings are never asserted)."""
+    from kvlab.studies.bench import bench_decode_batch
+
+    rows = bench_decode_batch(tiny_teacher, list(PROMPTS), [1, 2], tokens=3, repeats=1, student=tiny_student,
+                              variants=2)
+    plain = [r for r in rows if r["mode"] == "teacher"]
+    assert [r["batch"] for r in plain] == [1, 2]
+    for r in plain:
+        assert {"batch", "mode", "kvlab_tok_s", "hf_tok_s", "ratio", "peak_rss_mb"} <= set(r)
+        assert r["ratio"] == pytest.approx(r["kvlab_tok_s"] / r["hf_tok_s"], rel=0.01)
+    assert {r["mode"] for r in rows} == {"teacher", "evict:h2o", "evict:confkv", "refresh:periodic27"}
+    with pytest.raises(ValueError, match="--batch 8 needs 8 prompts"):
+        bench_decode_batch(tiny_teacher, list(PROMPTS), [8], tokens=2)
+
+
+def test_bench_evict_batch_rows(tiny_teacher):
+    from kvlab.studies.bench import bench_evict_batch
+
+    rows = bench_evict_batch(tiny_teacher, [1, 2], cache_len=64, steps=3, repeats=1)
+    assert {(r["batch"], r["policy"]) for r in rows} == {(b, p) for b in (1, 2) for p in ("full", "sliding", "h2o",
+                                                                                           "confkv")}
+    assert all(r["final_len"] <= 67 for r in rows) and all("speedup_vs_full" in r for r in rows)
+    with pytest.raises(ValueError, match="--batch"):
+        bench_evict_batch(tiny_teacher, [0], cache_len=64)
