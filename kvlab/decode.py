@@ -229,6 +229,20 @@ def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float
     return logp, ent / LN2, top1, top1 - top2
 
 
+def token_stats_rows(logits: torch.Tensor) -> list[tuple[torch.Tensor, float, float, float]]:
+    """:func:`token_stats` of every row of ``(B, V)`` logits, in one pass over the batch."""
+    logp = torch.log_softmax(logits.float(), dim=-1)           # (B, V)
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)                                   # (B,)
+    top = torch.topk(logp, 2, dim=-1).values.exp()              # (B, 2)
+    out = []
+    for b, (e, t1, t2) in enumerate(zip(ent.tolist(), top[:, 0].tolist(), top[:, 1].tolist())):
+        if math.isnan(e):                                       # -inf logits (masked tokens): 0 * -inf
+            e = float(torch.special.entr(p[b]).sum())
+        out.append((logp[b], e / LN2, t1, t1 - t2))
+    return out
+
+
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """Greedy argmax, or a seeded draw from ``softmax(logits / T)`` restricted to the top-p nucleus."""
     if sampling.greedy:
@@ -488,10 +502,11 @@ class Decoding:
         self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 
-    def _score(self, step: int, logits: torch.Tensor, source: str) -> StepRecord:
-        """Phase 2: choose ``y_step`` and build its record."""
+    def _score(self, step: int, logits: torch.Tensor, source: str, stats: tuple | None = None) -> StepRecord:
+        """Phase 2: choose ``y_step`` and build its record (``stats``: :func:`token_stats` of
+        ``logits`` when a batch computed them for all rows at once)."""
         cfg, cache = self.config, self.cache
-        logp, ent, top1, margin = token_stats(logits)
+        logp, ent, top1, margin = stats if stats is not None else token_stats(logits)
         token_id = choose(logits, cfg.sampling, self._gen)
         if cfg.keep_dists:
             self.dists.append(logp.cpu())
@@ -736,18 +751,19 @@ class BatchDecoding:
             logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
                                   attention=attention)
             _sync(dec.device)
+        stats = token_stats_rows(logits) if need else None      # every row's in one pass (rows in `need`)
         shared = time.perf_counter() - t0
         scored = {}
         for b in order:
             d = rows[b]
             t1 = time.perf_counter()
             if b in need:
-                lg, src = logits[b], d.decoder_name
+                lg, src, st = logits[b], d.decoder_name, stats[b]
             else:
-                (lg, src), d._pending = d._pending, None
+                (lg, src), d._pending, st = d._pending, None, None
             d._fwd_bytes = d.cache.forward_nbytes()
             try:
-                rec = d._score(step_of[b], lg, src)
+                rec = d._score(step_of[b], lg, src, st)
                 d._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
                 due = d._teacher_due(rec)
             except Exception as e:                      # noqa: BLE001
