@@ -300,28 +300,32 @@ def cmd_bench(args) -> None:
         if args.model is None and 8 in args.batch:      # refresh's cost does not depend on training: untrained pruned
             student = load_student("pruned", device=args.device, dtype=args.dtype)
         prompts = [r["prompt"] for r in load_prompts(n=max(args.batch))]
-        rows = bench_decode_batch(lm, prompts, args.batch, tokens=args.tokens or 64, repeats=args.repeats,
-                                  student=student)
         cmd = (f"python -m kvlab bench decode --batch {','.join(map(str, args.batch))} --tokens {args.tokens or 64} "
                f"--repeats {args.repeats} --out {args.out}")
-        for r in rows:
-            print(json.dumps(r))
+
+        def emit(r):                                    # each row as soon as it is measured
+            print(json.dumps(r), flush=True)
             if args.out is not None:
                 _append_bench(args.out / "decode_bench_timing.jsonl", r, cmd)
+
+        bench_decode_batch(lm, prompts, args.batch, tokens=args.tokens or 64, repeats=args.repeats, student=student,
+                           on_row=emit)
     elif args.what == "evict" and args.batch is not None:
         from kvlab.studies.bench import bench_evict_batch
 
         if args.cache_len < 64:
             raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        rows = bench_evict_batch(lm, args.batch, cache_len=args.cache_len, steps=args.tokens or 16,
-                                 repeats=args.repeats)
         cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} --cache-len {args.cache_len} "
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
-        for r in rows:
-            print(json.dumps(r))
+
+        def emit(r):
+            print(json.dumps(r), flush=True)
             if args.out is not None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
+
+        bench_evict_batch(lm, args.batch, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats,
+                          on_row=emit)
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]

@@ -398,7 +398,7 @@ def check_batches(batches) -> list[int]:
 
 
 def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, repeats: int = 2, student=None,
-                       variants: int = 8) -> list[dict]:
+                       variants: int = 8, on_row=None) -> list[dict]:
     """kvlab's batched loop (:func:`kvlab.decode.run_batch`, teacher mode, greedy, fixed N, chat
     template) vs HF ``generate`` on the same model, the same first ``B`` prompts (left-padded for
     HF), greedy, fixed N — one row per batch size ``B``, timed alternately (kvlab, HF, ...) after
@@ -409,6 +409,8 @@ def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, rep
     decoding with eviction (H2O, Conf-KV; teacher mode) and with refresh (Periodic T=27, overfill;
     needs ``student``) against the plain batched loop of the same mode: rows with ``mode`` =
     ``evict:h2o`` etc. and ``vs_plain`` = their tok/s over the plain batched tok/s.
+    ``on_row(row)`` is called as soon as each row is measured (a long run keeps what it measured);
+    ``kvlab_gain_vs_b1`` / ``hf_gain_vs_b1`` are set once batch 1 has run (list it first).
     """
     from kvlab.decode import DecodeConfig, run_batch
     from kvlab.eviction import H2O, ConfKV
@@ -466,24 +468,27 @@ def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, rep
         tps = {k: b * tokens / statistics.median(v) for k, v in times.items()}
         base = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "tokens": tokens,
                 "repeats": repeats, "batch": b}
-        rows.append({**base, "mode": "teacher", "kvlab_tok_s": round(tps["kvlab"], 2), "hf_tok_s": round(tps["hf"], 2),
-                     "ratio": round(tps["kvlab"] / tps["hf"], 3), "peak_rss_mb": peak_rss_mb()})
+        new = [{**base, "mode": "teacher", "kvlab_tok_s": round(tps["kvlab"], 2), "hf_tok_s": round(tps["hf"], 2),
+                "ratio": round(tps["kvlab"] / tps["hf"], 3), "peak_rss_mb": peak_rss_mb()}]
+        one = next((r for r in rows if r["mode"] == "teacher" and r["batch"] == 1), new[0] if b == 1 else None)
+        if one is not None:
+            new[0]["kvlab_gain_vs_b1"] = round(tps["kvlab"] / one["kvlab_tok_s"], 2)
+            new[0]["hf_gain_vs_b1"] = round(tps["hf"] / one["hf_tok_s"], 2)
         for k in fns:
             if ":" in k:
                 ref = "overfill" if k.startswith("refresh") else "kvlab"
-                rows.append({**base, "mode": k, "kvlab_tok_s": round(tps[k], 2),
-                             "plain_tok_s": round(tps[ref], 2), "plain_mode": "overfill" if ref == "overfill" else
-                             "teacher", "vs_plain": round(tps[k] / tps[ref], 3), "peak_rss_mb": peak_rss_mb()})
-    one = {r["batch"]: r for r in rows if r["mode"] == "teacher"}
-    if 1 in one:
-        for r in one.values():
-            r["kvlab_gain_vs_b1"] = round(r["kvlab_tok_s"] / one[1]["kvlab_tok_s"], 2)
-            r["hf_gain_vs_b1"] = round(r["hf_tok_s"] / one[1]["hf_tok_s"], 2)
+                new.append({**base, "mode": k, "kvlab_tok_s": round(tps[k], 2),
+                            "plain_tok_s": round(tps[ref], 2), "plain_mode": "overfill" if ref == "overfill" else
+                            "teacher", "vs_plain": round(tps[k] / tps[ref], 3), "peak_rss_mb": peak_rss_mb()})
+        rows += new
+        for r in new:
+            if on_row is not None:
+                on_row(r)
     return rows
 
 
 def bench_evict_batch(lm, batches=(1, 8, 16), cache_len: int = 2048, steps: int = 16, repeats: int = 2,
-                      policies: dict | None = None, seed: int = 0) -> list[dict]:
+                      policies: dict | None = None, seed: int = 0, on_row=None) -> list[dict]:
     """Batched decode steps with eviction vs the full cache, at each batch size (one row per
     (batch, policy)): B rows each start from the same ``cache_len``-entry cache (one prefill, copied
     into every row, attention tracked); each policy then runs ``steps`` steps of one batched forward
@@ -564,5 +569,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len: int = 2048, steps: int 
             if "full" in med:
                 row["speedup_vs_full"] = round(med["full"] / med[n], 3)
             out.append(row)
+            if on_row is not None:
+                on_row(row)
         del bank
     return out
