@@ -33,6 +33,9 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch", type=positive_int("--batch"), default=None,
+                   help="runs decoded together in one batched forward per step (default 8, chosen by `bench decode "
+                        "--batch`; 1 = one run at a time). Stored runs are keyed without it")
     p.add_argument("--rebuild-student-cache", action="store_true",
                    help="OverFill with a student whose KV geometry differs from the teacher's: the student "
                         "prefills its own cache from the text (no refresh possible)")
@@ -282,13 +285,57 @@ def cmd_all(args) -> list[Path]:
     return paths
 
 
+def _batch_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(b < 1 for b in out):
+        raise argparse.ArgumentTypeError(f"--batch must be positive ints separated by commas (e.g. 1,4,8,16), got {s!r}")
+    return out
+
+
 def cmd_bench(args) -> None:
     from kvlab.studies.bench import bench_decode, bench_mc
     from kvlab.core.data import load_prompts
     from kvlab.core.models import load_model, load_teacher
     from kvlab.train.pair import load_student
 
-    if args.what == "decode":
+    if args.what == "decode" and args.batch is not None:
+        from kvlab.studies.bench import bench_decode_batch
+
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        student = None
+        if args.model is None and 8 in args.batch:      # refresh's cost does not depend on training: untrained pruned
+            student = load_student("pruned", device=args.device, dtype=args.dtype)
+        prompts = [r["prompt"] for r in load_prompts(n=max(args.batch))]
+        cmd = (f"python -m kvlab bench decode --batch {','.join(map(str, args.batch))} --tokens {args.tokens or 64} "
+               f"--repeats {args.repeats} --out {args.out}")
+
+        def emit(r):                                    # each row as soon as it is measured
+            print(json.dumps(r), flush=True)
+            if args.out is not None:
+                _append_bench(args.out / "decode_bench_timing.jsonl", r, cmd)
+
+        bench_decode_batch(lm, prompts, args.batch, tokens=args.tokens or 64, repeats=args.repeats, student=student,
+                           on_row=emit)
+    elif args.what == "evict" and args.batch is not None:
+        from kvlab.studies.bench import bench_evict_batch
+
+        if args.cache_len < 64:
+            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
+        lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
+        cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} --cache-len {args.cache_len} "
+               f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
+
+        def emit(r):
+            print(json.dumps(r), flush=True)
+            if args.out is not None:
+                _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
+
+        bench_evict_batch(lm, args.batch, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats,
+                          on_row=emit)
+    elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]
         res = bench_decode(lm, prompt, tokens=args.tokens or 64, repeats=args.repeats)
@@ -487,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
                    help="default: decode 64, refresh 256, mc 64, evict 16")
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
+    p.add_argument("--batch", type=_batch_list, default=None,
+                   help="decode / evict: batch sizes, e.g. 1,4,8,16 (decode: kvlab's batched loop vs HF generate per "
+                        "size, plus eviction and refresh at batch 8; evict: eviction speed-up per size)")
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
     p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")

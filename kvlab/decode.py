@@ -85,6 +85,10 @@ from kvlab.eviction.base import EvictView, validate_evict
 from kvlab.refresh.base import PROBES, ProbeContext, policy_dict, validate_policy
 
 MODES = ("teacher", "student", "overfill")
+# Probes whose teacher request at a due step is known before they run: probe name -> step -> n of
+# ``ctx.teacher_logits(n)`` (kvlab.refresh.base.teacher_kl_probe asks for y_<step). A batch catches
+# these rows' teacher caches up in one forward; other probes call the teacher on their own.
+PROBE_TEACHER_UPTO = {"teacher_kl": lambda step: step - 1}
 REFRESH_NEXT = ("rerun", "student", "teacher")
 LN2 = math.log(2.0)
 
@@ -226,6 +230,20 @@ def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float
     return logp, ent / LN2, top1, top1 - top2
 
 
+def token_stats_rows(logits: torch.Tensor) -> list[tuple[torch.Tensor, float, float, float]]:
+    """:func:`token_stats` of every row of ``(B, V)`` logits, in one pass over the batch."""
+    logp = torch.log_softmax(logits.float(), dim=-1)           # (B, V)
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)                                   # (B,)
+    top = torch.topk(logp, 2, dim=-1).values.exp()              # (B, 2)
+    out = []
+    for b, (e, t1, t2) in enumerate(zip(ent.tolist(), top[:, 0].tolist(), top[:, 1].tolist())):
+        if math.isnan(e):                                       # -inf logits (masked tokens): 0 * -inf
+            e = float(torch.special.entr(p[b]).sum())
+        out.append((logp[b], e / LN2, t1, t1 - t2))
+    return out
+
+
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """Greedy argmax, or a seeded draw from ``softmax(logits / T)`` restricted to the top-p nucleus."""
     if sampling.greedy:
@@ -284,6 +302,7 @@ class Decoding:
         self.first_step = 1
         self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
+        self._bank, self._tbank, self._row = None, None, None   # a BatchDecoding row: its batch buffers, row
 
     @classmethod
     def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
@@ -335,6 +354,7 @@ class Decoding:
         self.first_step = first_step
         self._resume = (cache, last_token, logits)
         self._it = None
+        self._bank, self._tbank, self._row = None, None, None
         return self
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -348,38 +368,58 @@ class Decoding:
     def _steps(self) -> Iterator[StepRecord]:
         """The loop, as named phases per step: advance (the decoder's forward on ``y_{t-1}``, or
         the logits a refresh left), score (choose ``y_t``, build the record), probe, refresh,
-        evict. Each phase is a method; policies enter only through their protocols."""
-        cfg = self.config
-        dev = self.decoder.device
-        self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        evict. Each phase is a method; policies enter only through their protocols. (A batch of
+        rows runs the same phases per row around one batched advance: :class:`BatchDecoding`.)"""
         t0 = time.perf_counter()
-        first = self.first_step
-        logits = self._start()
-        self._pending = None       # (logits, source) for the next step, left by a refresh
-        self._last_refresh = first - 1
-        self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
+        logits = self._begin()
         source = self.prefill_name
-        for step in range(first, first + cfg.max_new_tokens):
+        first = self.first_step
+        for step in range(first, first + self.config.max_new_tokens):
             if step > first:
                 t0 = time.perf_counter()
                 logits, source = self._advance(step)
-            rec = self._score(step, logits, source)
-            self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
-            rec = self._probe(rec, logits)
-            rec = self._refresh_phase(rec)
-            rec = self._evict(rec, logits)
-            cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
-            _sync(dev)
-            wall = time.perf_counter() - t0
-            self.elapsed_s += wall
-            if step == first:
-                self.ttft_s = wall
-            rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
-                          teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
-                          meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+            rec = self._phases(step, logits, source, t0)
             yield rec
-            if rec.token_id in self.eos_ids and not cfg.ignore_eos:
+            if self._stops(rec):
                 return
+
+    def _begin(self) -> torch.Tensor:
+        """Per-run state (RNG stream seeded from this run's own sampling seed, refresh frontier),
+        then the prefill: returns the first step's logits."""
+        cfg = self.config
+        self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        logits = self._start()
+        self._pending = None       # (logits, source) for the next step, left by a refresh
+        self._last_refresh = self.first_step - 1
+        self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
+        return logits
+
+    def _phases(self, step: int, logits: torch.Tensor, source: str, t0: float) -> StepRecord:
+        """Score, probe, refresh, evict for step ``step``; the record, timed from ``t0``."""
+        rec = self._score(step, logits, source)
+        self._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+        return self._after_score(rec, logits, t0)
+
+    def _after_score(self, rec: StepRecord, logits: torch.Tensor, t0: float) -> StepRecord:
+        """Probe, refresh, evict; the finished record (see :meth:`_phases`)."""
+        step = rec.step
+        rec = self._probe(rec, logits)
+        rec = self._refresh_phase(rec)
+        rec = self._evict(rec, logits)
+        cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
+        _sync(self.decoder.device)
+        wall = time.perf_counter() - t0
+        self.elapsed_s += wall
+        if step == self.first_step:
+            self.ttft_s = wall
+        return replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
+                       teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
+                       meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+
+    def _stops(self, rec: StepRecord) -> bool:
+        """The run ends after ``rec``: EOS (unless ``ignore_eos``) or the last step."""
+        return (rec.token_id in self.eos_ids and not self.config.ignore_eos) \
+            or rec.step >= self.first_step + self.config.max_new_tokens - 1
 
     @property
     def _needs_attention(self) -> bool:
@@ -403,7 +443,7 @@ class Decoding:
                 logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1,
                                        attention=attn)
         else:
-            cache = KVCache()
+            cache = self._new_cache(decoding=cfg.mode != "overfill")
             self._track(cache)
             logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
                                    attention=attn)
@@ -411,14 +451,45 @@ class Decoding:
             self.teacher_cache = cache
             self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
             if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
-                cache = KVCache()
+                cache = self._new_cache(decoding=True)
                 self._track(cache)
                 cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
             else:
-                cache = cache.copy()         # the student extends a copy; the teacher keeps C_0
+                cache = self._copy_cache(cache)   # the student extends a copy; the teacher keeps C_0
         self.cache = cache
         self._fwd_bytes = cache.forward_nbytes()
         return logits
+
+    def _new_cache(self, decoding: bool) -> KVCache:
+        """An empty cache: the decoding cache (``decoding``) or the overfill teacher's own. A batch
+        row puts each in its row of the batch's buffers (:class:`BatchDecoding`)."""
+        bank = self._bank if decoding else self._tbank
+        if bank is not None:
+            return bank.row_cache(self._row)
+        return KVCache()
+
+    def _teacher_due(self, rec: StepRecord) -> int | None:
+        """``n`` if this step's probe or refresh will certainly call ``_teacher_upto(n)`` (known right
+        after scoring, before they run: a refresh policy without a probe decides on the record alone;
+        a due probe listed in :data:`PROBE_TEACHER_UPTO` asks for a known ``n``), else None. A batch
+        catches those rows' teachers up in one forward first (:class:`BatchDecoding`)."""
+        pol = self.config.refresh
+        if pol is None or self.teacher_cache is None:
+            return None
+        probe = getattr(pol, "probe", None)
+        if probe is None:
+            last = rec.step >= self.first_step + self.config.max_new_tokens - 1
+            return rec.step if not last and pol.should_refresh(rec) else None
+        upto = PROBE_TEACHER_UPTO.get(probe)
+        if upto is not None and rec.step % getattr(pol, "probe_every", 1) == 0:
+            return upto(rec.step)
+        return None
+
+    def _copy_cache(self, cache: KVCache) -> KVCache:
+        """The overfill student's copy of the teacher's ``C_0`` (in its batch row, if it has one)."""
+        if self._bank is not None:
+            return self._bank.adopt(self._row, cache)
+        return cache.copy()
 
     def _advance(self, step: int) -> tuple[torch.Tensor, str]:
         """Phase 1: the logits of step ``step`` — a refresh's pending ones, or the decoder's
@@ -432,10 +503,11 @@ class Decoding:
         self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 
-    def _score(self, step: int, logits: torch.Tensor, source: str) -> StepRecord:
-        """Phase 2: choose ``y_step`` and build its record."""
+    def _score(self, step: int, logits: torch.Tensor, source: str, stats: tuple | None = None) -> StepRecord:
+        """Phase 2: choose ``y_step`` and build its record (``stats``: :func:`token_stats` of
+        ``logits`` when a batch computed them for all rows at once)."""
         cfg, cache = self.config, self.cache
-        logp, ent, top1, margin = token_stats(logits)
+        logp, ent, top1, margin = stats if stats is not None else token_stats(logits)
         token_id = choose(logits, cfg.sampling, self._gen)
         if cfg.keep_dists:
             self.dists.append(logp.cpu())
@@ -542,6 +614,236 @@ class Decoding:
         return len(live), None
 
 
+class BatchError(RuntimeError):
+    """Some rows of a batch failed: ``errors`` ``{row: exception}``; ``traces`` holds the other rows'
+    finished :class:`Trace` s (None for the failed ones)."""
+
+    def __init__(self, errors: dict, traces: list):
+        self.errors, self.traces = errors, traces
+        msg = "; ".join(f"row {b}: {type(e).__name__}: {e}" for b, e in sorted(errors.items()))
+        super().__init__(f"{len(errors)} of {len(traces)} rows failed ({msg})")
+
+
+class BatchDecoding:
+    """B generations in lock-step: one batched decoder forward per step, everything else per row.
+
+    Each row is a :class:`Decoding` (its own prompt, config, RNG stream seeded from its own
+    sampling seed, refresh frontier and schedule, eviction policy state, records) whose decoding
+    cache is row ``b`` of shared batch buffers (:class:`kvlab.cache.batch.Bank`: a row is an
+    ordinary KVCache with its own ledger, live maps and per-layer lengths, edited in place). A step:
+
+    * **advance** — every row that needs its decoder's forward on ``y_{t-1}`` gets it from ONE
+      batched forward (:func:`kvlab.cache.batch.forward_rows`); a row holding a refresh's pending
+      logits skips it (it rides along as a masked dummy, as do finished rows);
+    * **score, probe, refresh, evict** — :meth:`Decoding._phases`, per row, unchanged (teacher
+      forwards of probes and refreshes run per row on the row's own teacher cache).
+
+    Prefill runs per row (prompts of different lengths, no padding). Rows that stop early (EOS,
+    ``ignore_eos=False``) drop out; the others go on. A row whose phases raise is dropped and its
+    error kept in ``errors``; the other rows finish. Iterating yields ``(row, StepRecord)``.
+
+    A row's tokens do not depend on its batch: its RNG, policies and probes see only its own state;
+    the batched forward's logits equal the row's single forward to float tolerance (different
+    matmul shapes; tests/test_batch_decode.py states it).
+    """
+
+    def __init__(self, teacher, student, prompts, config: DecodeConfig | list | tuple | None = None, **overrides):
+        if isinstance(prompts, str) or not hasattr(prompts, "__len__") or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompt strings")
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"config has {len(configs)} entries for {len(prompts)} prompts (give one, or one per row)")
+        rows = []
+        for b, (p, c) in enumerate(zip(prompts, configs)):
+            if isinstance(p, str) and not p.strip():
+                raise ValueError(f"row {b}: prompts[{b}] is empty; every row needs a non-empty prompt")
+            try:
+                rows.append(Decoding(teacher, student, p, c, **overrides))
+            except IncompatiblePairError:
+                raise
+            except ValueError as e:
+                raise ValueError(f"row {b}: {e}") from e
+        modes = {d.config.mode for d in rows}
+        if len(modes) > 1:
+            b = next(i for i, d in enumerate(rows) if d.config.mode != rows[0].config.mode)
+            raise ValueError(f"row {b}: mode={rows[b].config.mode!r} differs from row 0's {rows[0].config.mode!r}; "
+                             "one batch runs one decoder (split the batch by mode)")
+        first = rows[0]
+        devices = {str(m.device) for m in (teacher, student) if m is not None
+                   and (m is first.decoder or m is first.prefiller or first.config.mode == "overfill")}
+        if len(devices) > 1:
+            raise ValueError(f"teacher and student are on different devices ({sorted(devices)}); a batch runs on one "
+                             "device: move both models there (load_pair(device=...))")
+        ctx = getattr(first.decoder.model.config, "max_position_embeddings", None)
+        for b, d in enumerate(rows):
+            if ctx is not None and len(d.prompt_ids) >= ctx:
+                raise ValueError(f"row {b}: prompt has {len(d.prompt_ids)} tokens, the model's context is {ctx} "
+                                 f"(max_position_embeddings); shorten prompts[{b}]")
+            for name in ("refresh", "evict"):
+                pol = getattr(d.config, name)
+                if pol is not None and getattr(pol, "batchable", True) is False:
+                    raise ValueError(f"row {b}: {name}={type(pol).__name__} cannot run batched (batchable=False); "
+                                     "run it with batch 1")
+        self.rows = rows
+        self.errors: dict[int, BaseException] = {}
+        self.bank = self.teacher_bank = None
+        self.catch_up_errors: list[BaseException] = []   # batched teacher catch-ups that fell back to per-row
+        self._it = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[tuple[int, StepRecord]]:
+        if self._it is None:
+            self._it = self._steps()
+        return self._it
+
+    def __next__(self) -> tuple[int, StepRecord]:
+        return next(iter(self))
+
+    def _fail(self, b: int, e: BaseException, live: set) -> None:
+        self.errors[b] = e
+        live.discard(b)
+
+    def _steps(self) -> Iterator[tuple[int, StepRecord]]:
+        from .cache.batch import Bank
+
+        rows = self.rows
+        B = len(rows)
+        first = rows[0]
+        dec = first.decoder
+        cap = max(len(d.prompt_ids) + d.config.max_new_tokens for d in rows) + 2
+        self.bank = Bank.for_model(dec.model, B, capacity=cap)
+        if first.config.mode == "overfill":             # the teachers' own caches: rows of a second bank
+            self.teacher_bank = Bank.for_model(first.teacher.model, B, capacity=cap)
+        for b, d in enumerate(rows):
+            d._bank, d._tbank, d._row = self.bank, self.teacher_bank, b
+        live = set(range(B))
+        step_of = [d.first_step for d in rows]
+        for b, d in enumerate(rows):                    # prefill + step 1, per row
+            t0 = time.perf_counter()
+            try:
+                rec = d._phases(d.first_step, d._begin(), d.prefill_name, t0)
+            except Exception as e:                      # noqa: BLE001 - kept per row, re-raised by run_batch
+                self._fail(b, e, live)
+                continue
+            yield b, rec
+            if d._stops(rec):
+                live.discard(b)
+            step_of[b] += 1
+        while live:
+            yield from self._step(sorted(live), step_of, live)
+
+    def _step(self, order: list[int], step_of: list[int], live: set):
+        """One lock-step: advance (one batched decoder forward), score per row, one batched teacher
+        catch-up for the rows whose probe or refresh is due, then probe/refresh/evict per row."""
+        from .cache.batch import forward_rows
+
+        rows, B = self.rows, len(self.rows)
+        t0 = time.perf_counter()
+        need = [b for b in order if rows[b]._pending is None]
+        logits = None
+        if need:
+            dec = rows[0].decoder
+            caches = [rows[b].cache if b in need else None for b in range(B)]
+            tokens = [rows[b].tokens[-1] if b in need else None for b in range(B)]
+            steps = [step_of[b] - 1 for b in range(B)]
+            attention = [b in need and rows[b]._needs_attention for b in range(B)]
+            logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
+                                  attention=attention)
+            _sync(dec.device)
+        stats = token_stats_rows(logits) if need else None      # every row's in one pass (rows in `need`)
+        shared = time.perf_counter() - t0
+        scored = {}
+        for b in order:
+            d = rows[b]
+            t1 = time.perf_counter()
+            if b in need:
+                lg, src, st = logits[b], d.decoder_name, stats[b]
+            else:
+                (lg, src), d._pending, st = d._pending, None, None
+            d._fwd_bytes = d.cache.forward_nbytes()
+            try:
+                rec = d._score(step_of[b], lg, src, st)
+                d._acc = {"teacher_tokens": 0, "teacher_s": 0.0}
+                due = d._teacher_due(rec)
+            except Exception as e:                      # noqa: BLE001
+                self._fail(b, e, live)
+                continue
+            scored[b] = (rec, lg, shared + time.perf_counter() - t1, due)
+        teacher_s = self._catch_up({b: v[3] for b, v in scored.items() if v[3] is not None})
+        for b, (rec, lg, spent, due) in scored.items():
+            d = rows[b]
+            try:
+                rec = d._after_score(rec, lg, time.perf_counter() - spent - (teacher_s if due is not None else 0.0))
+            except Exception as e:                      # noqa: BLE001
+                self._fail(b, e, live)
+                continue
+            yield b, rec
+            step_of[b] += 1
+            if d._stops(rec):
+                live.discard(b)
+
+    def _catch_up(self, due: dict[int, int]) -> float:
+        """Extend the teacher caches of rows ``due`` (``{row: n}``) to ``x, y_≤n`` in one batched
+        forward (each row's own missing tokens; rows already there are skipped); the rows' probes and
+        refreshes then find their teacher logits ready (``_teacher_upto``), and their tallies get the
+        tokens and the forward's time. Returns that time (0 if none ran). If the batched forward
+        fails, nothing changed and every row catches up on its own in its phases."""
+        from .cache.batch import forward_rows
+
+        rows, B = self.rows, len(self.rows)
+        todo = {}
+        for b, n in due.items():
+            d = rows[b]
+            have = d.teacher_cache.next_position - len(d.prompt_ids)
+            if n > have and n <= len(d.tokens) and self.teacher_bank.owns(b, d.teacher_cache):
+                todo[b] = (have, n)
+        if not todo:
+            return 0.0
+        t0 = time.perf_counter()
+        teacher = rows[0].teacher
+        try:
+            logits = forward_rows(self.teacher_bank, teacher.model,
+                                  [rows[b].teacher_cache if b in todo else None for b in range(B)],
+                                  [rows[b].tokens[todo[b][0]:todo[b][1]] if b in todo else None for b in range(B)],
+                                  writer="teacher", steps=[len(rows[b].tokens) for b in range(B)])
+        except Exception as e:                          # noqa: BLE001 - rows fall back to their own forwards
+            self.catch_up_errors.append(e)
+            return 0.0
+        _sync(teacher.device)
+        spent = time.perf_counter() - t0
+        for b, (have, n) in todo.items():
+            d = rows[b]
+            d._teacher_logits = logits[b]
+            d._acc["teacher_tokens"] += n - have
+            d._acc["teacher_s"] += spent
+        return spent
+
+
+def run_batch(teacher, student, prompts, config: DecodeConfig | list | tuple | None = None, *, on_step=None,
+              on_row=None, **overrides) -> list[Trace]:
+    """Drain a :class:`BatchDecoding` into one :class:`Trace` per row (in prompt order).
+
+    ``on_step(row, record, decoding)`` is called after every row's step; ``on_row(row, trace)`` as
+    soon as a row finishes (e.g. to store it). If rows failed, the others still finish (and
+    ``on_row`` sees them), then :class:`BatchError` is raised carrying the finished traces."""
+    bd = BatchDecoding(teacher, student, prompts, config, **overrides)
+    records: list[list[StepRecord]] = [[] for _ in bd.rows]
+    traces: list[Trace | None] = [None] * len(bd.rows)
+    for b, rec in bd:
+        records[b].append(rec)
+        if on_step is not None:
+            on_step(b, rec, bd.rows[b])
+        if bd.rows[b]._stops(rec):
+            traces[b] = _trace(bd.rows[b], records[b])
+            if on_row is not None:
+                on_row(b, traces[b])
+    if bd.errors:
+        raise BatchError(bd.errors, traces)
+    return traces
+
+
 def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: torch.Tensor | None = None,
                   max_new_tokens: int = 32, sampling: Sampling | None = None, writer: str = "teacher",
                   ignore_eos: bool = True, first_step: int = 1) -> Iterator[StepRecord]:
@@ -610,9 +912,13 @@ def run(teacher, student, prompt: str, config: DecodeConfig | None = None, *, on
         records.append(rec)
         if on_step is not None:
             on_step(rec, d)
+    return _trace(d, records)
+
+
+def _trace(d: Decoding, records: list[StepRecord]) -> Trace:
     dists = torch.stack(d.dists) if d.dists else None
     live = {"positions": list(d.cache.positions), "writers": list(d.cache.writers)} if d.cache is not None else None
-    return Trace(records=records, prompt=prompt, prompt_ids=list(d.prompt_ids), config=d.config,
+    return Trace(records=records, prompt=d.prompt, prompt_ids=list(d.prompt_ids), config=d.config,
                  ttft_s=float(d.ttft_s), total_s=d.elapsed_s,
                  text=d.decoder.tokenizer.decode(d.tokens, skip_special_tokens=True), model_logprobs=dists,
                  live=live)

@@ -67,7 +67,8 @@ class QueryCapture:
         return hook
 
     @torch.no_grad()
-    def mass(self, keys_of, n: int, window: int | None = None, below: bool = False) -> list[torch.Tensor]:
+    def mass(self, keys_of, n: int, window: int | None = None, below: bool = False,
+             row: int | None = None) -> list[torch.Tensor]:
         """Per layer, the ``(T_i,)`` float32 attention mass of the captured ``n`` queries over that
         layer's keys (layers may hold different numbers of entries).
 
@@ -75,7 +76,8 @@ class QueryCapture:
         (the ``n`` new entries last). ``window``: only the last ``window`` queries count (SnapKV's
         observation window); ``None`` = all ``n``. ``below=True`` also sets :attr:`low`, per layer
         ``(T_i,)``: per entry, how many of those queries gave it less than the uniform share ``1/T_i`` of
-        their head-mean attention (``T_i`` = entries query ``i`` sees; Scissorhands)."""
+        their head-mean attention (``T_i`` = entries query ``i`` sees; Scissorhands). ``row``: the
+        batch row of a batched forward whose queries count (``keys_of`` then returns that row's keys)."""
         w = n if window is None else min(int(window), n)
         out, lows = [], []
         for m in self.modules:
@@ -83,6 +85,8 @@ class QueryCapture:
             q, pe = self.q.get(i), self.pe.get(i)
             if q is None or pe is None:
                 raise RuntimeError(f"layer {i}: queries or position embeddings were not captured")
+            if row is not None:                                                    # one row of a batched forward
+                q, pe = q[row:row + 1], tuple(t[row:row + 1] if t.shape[0] > 1 else t for t in pe)
             d = m.head_dim
             b = q.shape[0]
             q = q.reshape(b, n, -1, d).transpose(1, 2).float()                     # (1, H, n, D)

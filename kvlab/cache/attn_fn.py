@@ -16,7 +16,9 @@ and the ``n`` new queries and:
 
 then runs transformers' own SDPA attention. The mask function registered for ``"kvlab"`` is SDPA's,
 so a model switched to ``"kvlab"`` computes exactly what it did under ``"sdpa"`` whenever all layers
-are the same length. Building its own mask assumes one unpadded sequence per batch row, which is
+are the same length. A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
+per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns) as the forward's
+``kvlab_masks`` kwarg; it is used as given. Building its own mask assumes one unpadded sequence per batch row, which is
 what a :class:`~kvlab.cache.KVCache` holds (batch 1, or the probe's identical copies).
 
 :func:`use` registers the function (first call only; nothing happens at import) and switches a
@@ -42,8 +44,11 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     this layer's own causal mask (see the module docstring)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    masks = kwargs.pop("kvlab_masks", None)
     n, t = query.shape[2], key.shape[2]
-    if attention_mask is None or attention_mask.shape[-1] != t:
+    if masks is not None:                   # a batched step (kvlab.cache.batch): each row's own columns
+        attention_mask = masks[module.layer_idx]                                          # (B, 1, 1, T)
+    elif attention_mask is None or attention_mask.shape[-1] != t:
         if n > t:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {n} queries over {t} keys; the cache lost "
                              "entries of this forward")

@@ -42,7 +42,7 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
         store.materialize()
         kwargs = dict(input_ids=ids.to(device).view(1, n),                                  # (1, n)
                       position_ids=torch.tensor([positions], device=device),               # (1, n)
-                      past_key_values=store.hf, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
+                      cache=store.hf, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
         if attention:
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
@@ -53,13 +53,7 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
             out = model(**kwargs)
             mass = low = None
         store.dematerialize()
-        rows = mirror.ledger.append(ids.tolist(), positions, writer, step)
-        mirror.set_layers(store.num_layers)
-        mirror.extend(rows)
-        if cache._stats is not None:
-            cache._stats.set_layers(store.num_layers, before[0])
-            cache._stats.append(n, mass, low)
-        cache.check_lengths()           # the new rows are valid by construction: lengths are what can slip
+        _record(cache, ids.tolist(), positions, writer, step, mass, low, before)
     except BaseException:
         store.dematerialize()
         rollback_append(cache, before, n_rows)
@@ -67,6 +61,31 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
     cache.next_position = max(cache.next_position, max(positions) + 1)
     out_logits = out.logits[0]                                                             # (n or 1, V)
     return out_logits if logits == "all" else out_logits[-1]
+
+
+def _record(cache, ids: list[int], positions: list[int], writer: str, step: int, mass, low, before: list[int]) -> None:
+    """The mirror and statistics side of an append whose K/V the storage already holds."""
+    store, mirror = cache._store, cache._mirror
+    rows = mirror.ledger.append(ids, positions, writer, step)
+    mirror.set_layers(store.num_layers)
+    mirror.extend(rows)
+    if cache._stats is not None:
+        cache._stats.set_layers(store.num_layers, before[0])
+        cache._stats.append(len(ids), mass, low)
+    cache.check_lengths()           # the new rows are valid by construction: lengths are what can slip
+
+
+def commit_append(cache, ids: list[int], positions: list[int], writer: str, step: int, mass, low,
+                  before: list[int]) -> None:
+    """Record ``ids`` (whose K/V a batched forward appended to ``cache``'s storage: every layer one
+    longer than ``before``) in the mirror and statistics; on error undo the append, storage included."""
+    n_rows = len(cache._mirror.ledger)
+    try:
+        _record(cache, ids, positions, writer, step, mass, low, before)
+    except BaseException:
+        rollback_append(cache, before, n_rows)
+        raise
+    cache.next_position = max(cache.next_position, max(positions) + 1)
 
 
 def ragged(store) -> bool:
@@ -106,5 +125,5 @@ def probe_last(cache, model, n_copies: int) -> torch.Tensor:
     device = next(model.parameters()).device
     out = model(input_ids=torch.full((n_copies, 1), token, dtype=torch.long, device=device),  # (n, 1)
                 position_ids=torch.full((n_copies, 1), position, dtype=torch.long, device=device),
-                past_key_values=tmp, use_cache=True, logits_to_keep=1)
+                cache=tmp, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :]                                                            # (n, V)

@@ -85,17 +85,22 @@ class BufferLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
-        if self.s + self.n + m > self.capacity:
-            if 4 * (self.n + m) <= 3 * self.capacity:             # room at the front: at least cap/4 appends away
-                self._to_front()
-            else:
-                self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
+        self.reserve(m)
         end = self.s + self.n
         self.buf_k[:, :, end:end + m] = key_states
         self.buf_v[:, :, end:end + m] = value_states
         self.n += m
         self._views()
         return self.keys, self.values
+
+    def reserve(self, m: int) -> None:
+        """Make room for ``m`` appends after the used part: move it to the front (if at most 3/4 full
+        afterwards) or grow the capacity."""
+        if self.s + self.n + m > self.capacity:
+            if 4 * (self.n + m) <= 3 * self.capacity:             # room at the front: at least cap/4 appends away
+                self._to_front()
+            else:
+                self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
 
     def get_seq_length(self) -> int:
         return self.n

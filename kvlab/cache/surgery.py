@@ -196,7 +196,7 @@ def _kv_over_prefix(cache, model, s: int, token_ids: Sequence[int], positions: l
     n = len(token_ids)
     model(input_ids=torch.tensor([list(token_ids)], device=device),               # (1, n)
           position_ids=torch.tensor([positions], device=device),                  # (1, n)
-          past_key_values=tmp, use_cache=True, logits_to_keep=1)
+          cache=tmp, use_cache=True, logits_to_keep=1)
     return [(lay.keys[:, :, -n:, :], lay.values[:, :, -n:, :]) for lay in tmp.layers]  # (1, H_kv, n, D)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.decode import DecodeConfig
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, scored_run, write_table
+from kvlab.studies.experiment import RunSpec, paired_bootstrap, scored_run, scored_runs, write_table
 from kvlab.store import RunStore
 
 MIB = 2 ** 20
@@ -250,7 +250,8 @@ def _cfg(spec: RunSpec, i: int, evict) -> DecodeConfig:
 
 def runs_of(teacher, spec: RunSpec, evict, store: RunStore) -> list[dict]:
     """One stored, scored run per prompt of ``spec`` under ``evict`` (None = full cache)."""
-    return [scored_run(teacher, None, p, _cfg(spec, i, evict), store) for i, p in enumerate(spec.prompts)]
+    return scored_runs(teacher, None, [(p, _cfg(spec, i, evict)) for i, p in enumerate(spec.prompts)], store,
+                       batch=spec.batch)
 
 
 def eviction_rate(steps_list: Sequence[dict], budget: int) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.decode import DecodeConfig, run
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, scored_run, write_table
+from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, scored_run, scored_runs, write_table
 from .policies import EntropyGate, Periodic, ProbeKL, Speculative
 from .base import run_costs, tau_for_budget, tau_from_percentile
 from kvlab.store import RunStore
@@ -64,11 +64,9 @@ def calibrate(teacher, student, spec: RunSpec, store: RunStore, progress: bool =
     """Student entropy and teacher–student KL over stored no-refresh OverFill runs on ``spec``'s prompts
     (step 1 is excluded: its distribution is the teacher's prefill)."""
     ent, kl = [], []
-    for i, prompt in enumerate(spec.prompts):
-        if progress:
-            print(f"calibrating: prompt {i + 1}/{len(spec.prompts)} ({spec.tokens} tokens, no refresh)", flush=True)
-        cfg = DecodeConfig(mode="overfill", max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
-        res = scored_run(teacher, student, prompt, cfg, store)
+    jobs = [(p, DecodeConfig(mode="overfill", max_new_tokens=spec.tokens, sampling=spec.sampling_for(i)))
+            for i, p in enumerate(spec.prompts)]
+    for res in scored_runs(teacher, student, jobs, store, batch=spec.batch, progress=progress):
         src = res["steps"]["source"]
         ent += [e for e, s in zip(res["steps"]["entropy_bits"], src) if s == "student"]
         kl += [k for k, s in zip(res["kl_steps"], src) if s == "student"]

@@ -43,4 +43,5 @@ def run_spec(args):
     check_model_args(args)
     rows = load_prompts(args.prompts_file, n=args.prompts)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling)
+    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling,
+                   batch=getattr(args, "batch", None))

@@ -378,3 +378,200 @@ def int8_effect(lm, prompt: str, window: int = 32, group: int = 64, tokens: int 
             "kl_mean": sum(kls) / len(kls), "kl_max": max(kls),
             "fp_kib": round(fp.nbytes() / 1024, 1), "int8_kib": round(q.nbytes() / 1024, 1),
             "bytes_ratio": round(q.nbytes() / fp.nbytes(), 3)}
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB (Linux ``ru_maxrss`` is KiB)."""
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(r / (2**20 if sys.platform == "darwin" else 1024), 1)
+
+
+def check_batches(batches) -> list[int]:
+    """``--batch`` sizes: positive ints (ValueError naming ``--batch`` otherwise)."""
+    if isinstance(batches, int):
+        batches = [batches]
+    out = list(batches)
+    if not out or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in out):
+        raise ValueError(f"--batch={batches!r} must be positive ints, e.g. --batch 1,4,8,16")
+    return out
+
+
+def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, repeats: int = 2, student=None,
+                       variants: int = 8, on_row=None) -> list[dict]:
+    """kvlab's batched loop (:func:`kvlab.decode.run_batch`, teacher mode, greedy, fixed N, chat
+    template) vs HF ``generate`` on the same model, the same first ``B`` prompts (left-padded for
+    HF), greedy, fixed N — one row per batch size ``B``, timed alternately (kvlab, HF, ...) after
+    one warm-up each; medians. tok/s = B·N / (prefill + N steps). ``peak_rss_mb``: the process's peak
+    so far (monotone across rows).
+
+    At batch ``variants`` (if listed) it also times, side by side in the same repeats, batched
+    decoding with eviction (H2O, Conf-KV; teacher mode) and with refresh (Periodic T=27, overfill;
+    needs ``student``) against the plain batched loop of the same mode: rows with ``mode`` =
+    ``evict:h2o`` etc. and ``vs_plain`` = their tok/s over the plain batched tok/s.
+    ``on_row(row)`` is called as soon as each row is measured (a long run keeps what it measured);
+    ``kvlab_gain_vs_b1`` / ``hf_gain_vs_b1`` are set once batch 1 has run (list it first).
+    """
+    from kvlab.decode import DecodeConfig, run_batch
+    from kvlab.eviction import H2O, ConfKV
+    from kvlab.refresh.policies import Periodic
+
+    batches = check_batches(batches)
+    if len(prompts) < max(batches):
+        raise ValueError(f"--batch {max(batches)} needs {max(batches)} prompts, got {len(prompts)}")
+    tok = lm.tokenizer
+    pad = getattr(tok, "pad_token_id", None)
+    pad = pad if pad is not None else tok.eos_token_id
+
+    def hf_inputs(b):
+        ids = [lm.encode_prompt(p) for p in prompts[:b]]
+        width = max(len(x) for x in ids)
+        x = torch.tensor([[pad] * (width - len(r)) + r for r in ids], device=lm.device)          # (B, width) left pad
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=lm.device)
+        return x, mask
+
+    def ours(b, cfg, student_lm=None):
+        def f():
+            trs = run_batch(lm, student_lm, list(prompts[:b]), cfg)
+            assert all(len(t.records) == tokens for t in trs)
+        return f
+
+    def hf(b):
+        x, mask = hf_inputs(b)
+
+        def f():
+            with torch.inference_mode():
+                out = lm.model.generate(x, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                                        do_sample=False, pad_token_id=pad)
+            assert out.shape[1] - x.shape[1] == tokens
+        return f
+
+    plain = DecodeConfig(mode="teacher", max_new_tokens=tokens)
+    rows = []
+    for b in batches:
+        fns = {"kvlab": ours(b, plain), "hf": hf(b)}
+        if b == variants:
+            budget = 64
+            fns["evict:h2o"] = ours(b, DecodeConfig(mode="teacher", max_new_tokens=tokens, evict=H2O(budget, 16)))
+            fns["evict:confkv"] = ours(b, DecodeConfig(mode="teacher", max_new_tokens=tokens,
+                                                       evict=ConfKV(tight=budget, loose=2 * budget, protect=16)))
+            if student is not None:
+                fns["overfill"] = ours(b, DecodeConfig(mode="overfill", max_new_tokens=tokens), student)
+                fns["refresh:periodic27"] = ours(b, DecodeConfig(mode="overfill", max_new_tokens=tokens,
+                                                                 refresh=Periodic(27)), student)
+        for f in fns.values():       # warm-up
+            f()
+        times = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, f in fns.items():
+                times[k].append(_timed(f))
+        tps = {k: b * tokens / statistics.median(v) for k, v in times.items()}
+        base = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "tokens": tokens,
+                "repeats": repeats, "batch": b}
+        new = [{**base, "mode": "teacher", "kvlab_tok_s": round(tps["kvlab"], 2), "hf_tok_s": round(tps["hf"], 2),
+                "ratio": round(tps["kvlab"] / tps["hf"], 3), "peak_rss_mb": peak_rss_mb()}]
+        one = next((r for r in rows if r["mode"] == "teacher" and r["batch"] == 1), new[0] if b == 1 else None)
+        if one is not None:
+            new[0]["kvlab_gain_vs_b1"] = round(tps["kvlab"] / one["kvlab_tok_s"], 2)
+            new[0]["hf_gain_vs_b1"] = round(tps["hf"] / one["hf_tok_s"], 2)
+        for k in fns:
+            if ":" in k:
+                ref = "overfill" if k.startswith("refresh") else "kvlab"
+                new.append({**base, "mode": k, "kvlab_tok_s": round(tps[k], 2),
+                            "plain_tok_s": round(tps[ref], 2), "plain_mode": "overfill" if ref == "overfill" else
+                            "teacher", "vs_plain": round(tps[k] / tps[ref], 3), "peak_rss_mb": peak_rss_mb()})
+        rows += new
+        for r in new:
+            if on_row is not None:
+                on_row(r)
+    return rows
+
+
+def bench_evict_batch(lm, batches=(1, 8, 16), cache_len: int = 2048, steps: int = 16, repeats: int = 2,
+                      policies: dict | None = None, seed: int = 0, on_row=None) -> list[dict]:
+    """Batched decode steps with eviction vs the full cache, at each batch size (one row per
+    (batch, policy)): B rows each start from the same ``cache_len``-entry cache (one prefill, copied
+    into every row, attention tracked); each policy then runs ``steps`` steps of one batched forward
+    (:func:`kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus every row's
+    decision, compaction and INT8 demotion (the loop's evict phase). Policies interleave per repeat
+    after one warm-up; the first step (the bulk cut to the budget) is left out of the medians.
+    ``speedup_vs_full`` = full-cache step time / the policy's, at the same batch size: where
+    eviction's saving shows (the cache reads multiply with B, the weight reads do not)."""
+    from types import SimpleNamespace
+
+    from kvlab.cache import KVCache
+    from kvlab.cache.batch import Bank, forward_rows
+    from kvlab.decode import token_stats
+    from kvlab.eviction import EvictView
+
+    batches = check_batches(batches)
+    if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 64:
+        raise ValueError(f"cache_len={cache_len!r} must be an int >= 64")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r} must be an int >= 2 (the first step is reported apart)")
+    if policies is None:
+        full = default_evict_policies(cache_len)
+        policies = {k: full[k] for k in ("full", "sliding", "h2o", "confkv")}
+    model = lm.model
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (cache_len,), generator=g).tolist()
+    new = torch.randint(0, vocab, (steps,), generator=g).tolist()
+    base = KVCache()
+    base.track_attention(0.9)
+    base.forward(model, ids, writer="teacher")
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    out = []
+    for B in batches:
+        bank = Bank.for_model(model, B, capacity=cache_len + steps + 2)
+
+        def one(pol) -> list[float]:
+            caches = [bank.adopt(b, base) for b in range(B)]                 # untimed copies
+            need = bool(getattr(pol, "needs_attention", False))
+            times = []
+            for step, tok in enumerate(new, start=1):
+                t0 = time.perf_counter()
+                logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
+                                      attention=[need] * B)
+                for b, c in enumerate(caches):
+                    _, ent, top1, margin = token_stats(logits[b])
+                    rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
+                    d = pol.keep(EvictView(step=step, length=len(c), positions=tuple(c.positions), record=rec,
+                                           vocab_size=vocab, num_layers=c.num_layers, attn=c.layer_attn(),
+                                           layer_positions=c.layer_positions()))
+                    drop = d.dropped(len(c))
+                    per_layer = d.dropped_layers(c.layer_lengths())
+                    if drop or (per_layer is not None and any(per_layer)):
+                        c.evict(drop, model=model, rerotate=d.rerotate, layers=per_layer)
+                    if d.int8_window is not None:
+                        c.quantize_older(d.int8_window, d.int8_group)
+                sync()
+                times.append(time.perf_counter() - t0)
+            return times, len(caches[0])
+
+        for pol in policies.values():
+            one(pol)                                                          # warm-up
+        runs = {n: [] for n in policies}
+        lens = {}
+        for _ in range(repeats):
+            for n, pol in policies.items():
+                t, lens[n] = one(pol)
+                runs[n] += t[1:]
+        med = {n: statistics.median(v) for n, v in runs.items()}
+        for n in policies:
+            row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B, "policy": n,
+                   "cache_len": cache_len, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
+                   "tok_s": round(B / med[n], 2), "final_len": lens[n], "peak_rss_mb": peak_rss_mb()}
+            if "full" in med:
+                row["speedup_vs_full"] = round(med["full"] / med[n], 3)
+            out.append(row)
+            if on_row is not None:
+                on_row(row)
+        del bank
+    return out

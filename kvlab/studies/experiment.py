@@ -15,7 +15,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from kvlab.decode import DecodeConfig, Sampling, run
+from kvlab.decode import BatchError, DecodeConfig, Sampling, run, run_batch
 from kvlab.core.metrics import score
 from kvlab.refresh.base import run_costs
 from kvlab.store.results import Store as RunStore
@@ -29,19 +29,37 @@ SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]
 COSTS = ["refreshes", "teacher_tokens", "probe_tokens", "delta_tokens", "spliced", "teacher_s", "teacher_pct"]
 
 
+# Rows per batched decode when a table computes missing runs (``--batch``; 1 = one run at a time, the
+# unbatched loop). Chosen by measurement: ``python -m kvlab bench decode --batch 1,4,8,16`` (README).
+DEFAULT_BATCH = 8
+
+
+def check_batch(batch) -> int:
+    """``batch`` as a positive int (ValueError naming ``--batch`` otherwise); None -> :data:`DEFAULT_BATCH`."""
+    if batch is None:
+        return DEFAULT_BATCH
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch={batch!r} must be a positive int (rows decoded together; 1 = one run at a time)")
+    return batch
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """What a table is run over: prompts, length, sampling (seed = base seed + prompt index)."""
+    """What a table is run over: prompts, length, sampling (seed = base seed + prompt index), and how
+    many runs are decoded together (``batch``; None = :data:`DEFAULT_BATCH`). ``batch`` changes how
+    runs are computed, never what they are: it is not part of a run's key."""
 
     prompts: tuple[str, ...]
     tokens: int = 128
     sampling: Sampling = field(default_factory=lambda: Sampling(temperature=0.7, top_p=0.9, seed=0))
+    batch: int | None = None
 
     def __post_init__(self):
         if not self.prompts:
             raise ValueError("prompts must hold at least one prompt")
         if not isinstance(self.tokens, int) or self.tokens <= 0:
             raise ValueError(f"tokens={self.tokens!r} must be a positive int")
+        check_batch(self.batch)
 
     def sampling_for(self, i: int) -> Sampling:
         """Paired seeds: prompt ``i`` uses the same seed under every policy."""
@@ -85,29 +103,87 @@ def scored_run(teacher, student, prompt: str, cfg: DecodeConfig, store: RunStore
     cfg = replace(cfg, keep_dists=True)
 
     def compute() -> dict:
-        trace = run(teacher, student, prompt, cfg, **run_kwargs)
-        result = score(trace, teacher)
-        result.update(run_costs(trace.records))
-        result["text"] = trace.text
-        result["steps"] = records_columns(trace.records)
-        result["live"] = trace.live
-        return result
+        return trace_result(run(teacher, student, prompt, cfg, **run_kwargs), teacher)
 
+    return store.get_or_run(run_config(teacher, student, prompt, cfg), compute, extra=_extra(teacher, student, 1))
+
+
+def trace_result(trace, teacher) -> dict:
+    """What the store keeps of one finished generation: the teacher's scores, refresh costs, text,
+    per-step columns and the final cache's provenance strip."""
+    result = score(trace, teacher)
+    result.update(run_costs(trace.records))
+    result["text"] = trace.text
+    result["steps"] = records_columns(trace.records)
+    result["live"] = trace.live
+    return result
+
+
+def _extra(teacher, student, batch: int) -> dict:
     device = getattr(teacher, "device", None) or getattr(student, "device", None)
-    extra = {"engine": "inline", "worker": f"pid{os.getpid()}", "device": str(device) if device is not None else None}
-    return store.get_or_run(run_config(teacher, student, prompt, cfg), compute, extra=extra)
+    return {"engine": "inline" if batch == 1 else f"inline-batch{batch}", "worker": f"pid{os.getpid()}",
+            "device": str(device) if device is not None else None}
+
+
+def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], store: RunStore, *,
+                batch: int | None = None, progress: bool = False) -> list[dict]:
+    """:func:`scored_run` for each ``(prompt, cfg)`` of ``jobs`` (results in order): stored runs are
+    reused; the missing ones are decoded ``batch`` at a time (:func:`kvlab.decode.run_batch`, rows
+    grouped by mode) and each is stored as soon as its row finishes, under the same key a single
+    run has (the batch size is not part of it). ``batch=1``: one :func:`kvlab.decode.run` per job
+    (the unbatched loop). If rows fail, the other rows are stored, then :class:`BatchError` is raised."""
+    from tqdm.auto import tqdm
+
+    batch = check_batch(batch)
+    jobs = [(p, replace(c, keep_dists=True)) for p, c in jobs]
+    configs = [run_config(teacher, student, p, c) for p, c in jobs]
+    results: list[dict | None] = [store.get(k) if batch > 1 else None for k in configs]
+    bar = tqdm(total=len(jobs), disable=not progress, desc="runs", unit="run")
+    if batch == 1:
+        for j, (p, c) in enumerate(jobs):
+            results[j] = scored_run(teacher, student, p, c, store)
+            bar.update()
+        bar.close()
+        return results
+    for j, r in enumerate(results):
+        if r is not None:
+            store.get_or_run(configs[j], lambda r=r: r)    # counted as reused (and tagged) like scored_run
+            bar.update()
+    missing: dict[str, list[int]] = {}
+    for j, r in enumerate(results):
+        if r is None:
+            missing.setdefault(jobs[j][1].mode, []).append(j)
+    errors = {}
+    for idx in missing.values():
+        for k in range(0, len(idx), batch):
+            chunk = idx[k:k + batch]
+
+            def stored(b: int, trace, chunk=chunk) -> None:
+                j = chunk[b]
+                res = trace_result(trace, teacher)
+                results[j] = store.get_or_run(configs[j], lambda: res, extra=_extra(teacher, student, len(chunk)))
+                bar.update()
+
+            try:
+                run_batch(teacher, student, [jobs[j][0] for j in chunk], [jobs[j][1] for j in chunk], on_row=stored)
+            except BatchError as e:
+                errors.update({chunk[b]: err for b, err in e.errors.items()})
+    bar.close()
+    if errors:
+        raise BatchError(errors, results)
+    return results
 
 
 def run_policies(teacher, student, spec: RunSpec, policies: dict[str, DecodeConfig], store: RunStore,
-                 progress: bool = True) -> pd.DataFrame:
-    """Every (prompt, policy) run as one row of per-run metrics."""
-    from tqdm.auto import tqdm
-
-    jobs = [(i, p, name, cfg) for i, p in enumerate(spec.prompts) for name, cfg in policies.items()]
+                 progress: bool = True, batch: int | None = None) -> pd.DataFrame:
+    """Every (prompt, policy) run as one row of per-run metrics; missing runs are decoded ``batch``
+    at a time (default ``spec.batch``, then :data:`DEFAULT_BATCH`; see :func:`scored_runs`)."""
+    keys = [(i, p, name, replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i)))
+            for i, p in enumerate(spec.prompts) for name, cfg in policies.items()]
+    res_all = scored_runs(teacher, student, [(p, cfg) for _, p, _, cfg in keys], store,
+                          batch=batch if batch is not None else spec.batch, progress=progress)
     rows = []
-    for i, prompt, name, cfg in tqdm(jobs, disable=not progress, desc="runs", unit="run"):
-        cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
-        res = scored_run(teacher, student, prompt, cfg, store)
+    for (i, _, name, _), res in zip(keys, res_all):
         rows.append({"policy": name, "prompt_idx": i, **{k: res.get(k, float("nan")) for k in METRICS},
                      **{k: res.get(k, float("nan")) for k in COSTS}})
     return pd.DataFrame(rows)

@@ -1,0 +1,74 @@
+"""Tables decode missing runs in batches (issue 28): same rows as one run at a time, same store keys."""
+from __future__ import annotations
+
+import pytest
+
+from kvlab.decode import DecodeConfig, Sampling
+from kvlab.eviction import H2O
+from kvlab.refresh.policies import Periodic
+from kvlab.store import RunStore
+from kvlab.studies.experiment import RunSpec, check_batch, run_policies, scored_runs
+
+PROMPTS = ("the quick brown fox", "sky", "jumps over the lazy dog and more", "a b c d")
+POLICIES = {"teacher": DecodeConfig(mode="teacher", chat=False), "overfill": DecodeConfig(mode="overfill", chat=False),
+            "periodic": DecodeConfig(mode="overfill", chat=False, refresh=Periodic(4)),
+            "h2o": DecodeConfig(mode="teacher", chat=False, evict=H2O(10, 3))}
+SPEC = dict(prompts=PROMPTS, tokens=10, sampling=Sampling(temperature=0.8, top_p=0.9, seed=3))
+QUALITY = ["tokens", "teacher_ppl", "kl", "kl_all", "repeat3", "tail_logprob", "chars", "refreshes", "spliced",
+           "teacher_tokens"]
+
+
+def test_batched_table_rows_equal_unbatched_and_share_keys(tiny_teacher, tiny_student, tmp_path):
+    a, b = RunStore(tmp_path / "a"), RunStore(tmp_path / "b")
+    batched = run_policies(tiny_teacher, tiny_student, RunSpec(**SPEC, batch=3), POLICIES, a, progress=False)
+    single = run_policies(tiny_teacher, tiny_student, RunSpec(**SPEC, batch=1), POLICIES, b, progress=False)
+    assert a.stats.computed == b.stats.computed == len(PROMPTS) * len(POLICIES)
+    assert list(batched.policy) == list(single.policy) and list(batched.prompt_idx) == list(single.prompt_idx)
+    for col in QUALITY:
+        assert batched[col].tolist() == pytest.approx(single[col].tolist(), rel=1e-4, abs=1e-4), col
+    assert a.ok_keys() == b.ok_keys()                       # the batch size is not part of a run's key
+    again = run_policies(tiny_teacher, tiny_student, RunSpec(**SPEC, batch=1), POLICIES, a, progress=False)
+    assert a.stats.computed == len(PROMPTS) * len(POLICIES) and a.stats.reused == len(again)
+
+
+def test_scored_runs_mixes_stored_and_missing(tiny_teacher, tiny_student, tmp_path):
+    store = RunStore(tmp_path)
+    cfg = DecodeConfig(mode="overfill", chat=False, max_new_tokens=6)
+    first = scored_runs(tiny_teacher, tiny_student, [(PROMPTS[1], cfg)], store, batch=1)
+    both = scored_runs(tiny_teacher, tiny_student, [(p, cfg) for p in PROMPTS[:3]], store, batch=4)
+    assert both[1]["text"] == first[0]["text"] and store.stats.reused == 1 and store.stats.computed == 3
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+def test_bad_batch_refused(bad):
+    with pytest.raises(ValueError, match="--batch"):
+        check_batch(bad)
+    with pytest.raises(ValueError, match="--batch"):
+        RunSpec(prompts=("x",), batch=bad)
+
+
+def test_bench_decode_batch_rows(tiny_teacher, tiny_student):
+    """The benchmark's rows (fields only: timings are never asserted)."""
+    from kvlab.studies.bench import bench_decode_batch
+
+    rows = bench_decode_batch(tiny_teacher, list(PROMPTS), [1, 2], tokens=3, repeats=1, student=tiny_student,
+                              variants=2)
+    plain = [r for r in rows if r["mode"] == "teacher"]
+    assert [r["batch"] for r in plain] == [1, 2]
+    for r in plain:
+        assert {"batch", "mode", "kvlab_tok_s", "hf_tok_s", "ratio", "peak_rss_mb"} <= set(r)
+        assert r["ratio"] == pytest.approx(r["kvlab_tok_s"] / r["hf_tok_s"], rel=0.01)
+    assert {r["mode"] for r in rows} == {"teacher", "evict:h2o", "evict:confkv", "refresh:periodic27"}
+    with pytest.raises(ValueError, match="--batch 8 needs 8 prompts"):
+        bench_decode_batch(tiny_teacher, list(PROMPTS), [8], tokens=2)
+
+
+def test_bench_evict_batch_rows(tiny_teacher):
+    from kvlab.studies.bench import bench_evict_batch
+
+    rows = bench_evict_batch(tiny_teacher, [1, 2], cache_len=64, steps=3, repeats=1)
+    assert {(r["batch"], r["policy"]) for r in rows} == {(b, p) for b in (1, 2) for p in ("full", "sliding", "h2o",
+                                                                                           "confkv")}
+    assert all(r["final_len"] <= 67 for r in rows) and all("speedup_vs_full" in r for r in rows)
+    with pytest.raises(ValueError, match="--batch"):
+        bench_evict_batch(tiny_teacher, [0], cache_len=64)
