@@ -210,6 +210,7 @@ class StepRecord:
     cache_bytes: int = 0         # real bytes of the decoding cache's K/V after this step (INT8 counted as such)
     meta_bytes: int = 0          # bytes of the cache's attention statistics after this step (eviction policies)
     forward_bytes: int = 0       # K/V bytes held during this step's forward (INT8 prefix dequantized for it)
+    cache_bytes16: int = 0       # cache_bytes at the 16-bit reference (FP entries at 2 bytes/element; INT8 as is)
 
 
 
@@ -375,7 +376,8 @@ class Decoding:
                 self.ttft_s = wall
             rec = replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
                           teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
-                          meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+                          meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes,
+                          cache_bytes16=self.cache.nbytes16())
             yield rec
             if rec.token_id in self.eos_ids and not cfg.ignore_eos:
                 return
@@ -389,7 +391,8 @@ class Decoding:
         if self._needs_attention:
             ev = self.config.evict
             cache.track_attention(getattr(ev, "ema_decay", 0.9), window=getattr(ev, "attention_window", None),
-                                  pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False))
+                                  pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False),
+                                  ema_prefill=getattr(ev, "ema_prefill", "query"))
 
     def _start(self) -> torch.Tensor:
         """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""

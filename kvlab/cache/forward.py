@@ -46,18 +46,18 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
             mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window,
-                            below=cache._stats.below)                                      # L x (T_l,)
-            low = cap.low
+                            below=cache._stats.below, decay=cache._stats.query_decay)     # L x (T_l,)
+            low, ema_mass = cap.low, cap.ema_mass
         else:
             out = model(**kwargs)
-            mass = low = None
+            mass = low = ema_mass = None
         store.dematerialize()
         rows = mirror.ledger.append(ids.tolist(), positions, writer, step)
         mirror.set_layers(store.num_layers)
         mirror.extend(rows)
         if cache._stats is not None:
             cache._stats.set_layers(store.num_layers, before[0])
-            cache._stats.append(n, mass, low)
+            cache._stats.append(n, mass, low, ema_mass)
         cache.check_lengths()           # the new rows are valid by construction: lengths are what can slip
     except BaseException:
         store.dematerialize()
