@@ -121,6 +121,7 @@ class DecodeConfig:
     refresh: Any = None           # a refresh policy (kvlab.refresh.policies) or None; overfill only
     refresh_next: str = "rerun"   # who picks the token after a refresh: "rerun" | "student" | "teacher"
     evict: Any = None             # an eviction policy (kvlab.eviction) or None; every mode
+    forced: tuple = ()            # teacher forcing: y_1.. are these token ids (then chosen as usual); every phase runs
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -139,6 +140,9 @@ class DecodeConfig:
                 raise ValueError("refresh splices teacher K/V into the student cache, which needs the same KV "
                                  "geometry; rebuild_student_cache=True means it differs")
             validate_policy(self.refresh)
+        if not isinstance(self.forced, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                     for t in self.forced):
+            raise ValueError("forced must be a tuple of token ids (ints >= 0), e.g. tuple(trace.tokens)")
         if self.evict is not None:
             validate_evict(self.evict)
             if getattr(self.evict, "rerotate", False) and self.refresh is not None:
@@ -147,6 +151,10 @@ class DecodeConfig:
 
     def to_dict(self) -> dict:
         d = asdict(replace(self, refresh=None, evict=None))
+        if not self.forced:             # absent when unused: stored-run keys of free-running runs stay valid
+            del d["forced"]
+        else:
+            d["forced"] = list(self.forced)
         d["refresh"] = policy_dict(self.refresh)
         del d["evict"]
         if self.evict is not None:      # absent when None: stored-run keys of runs without eviction stay valid
@@ -438,7 +446,8 @@ class Decoding:
         """Phase 2: choose ``y_step`` and build its record."""
         cfg, cache = self.config, self.cache
         logp, ent, top1, margin = token_stats(logits)
-        token_id = choose(logits, cfg.sampling, self._gen)
+        i = step - self.first_step
+        token_id = cfg.forced[i] if i < len(cfg.forced) else choose(logits, cfg.sampling, self._gen)
         if cfg.keep_dists:
             self.dists.append(logp.cpu())
         self.tokens.append(token_id)

@@ -251,13 +251,22 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
 
     spec = RunSpec(prompts=("the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today? " * 2),
                    tokens=40, sampling=Sampling(temperature=0.8, top_p=0.95, seed=1))
-    study = EvictStudy(gamma=0.5, tight=12, loose=24, protect=4, block_size=4, tol=0.03)
+    study = EvictStudy(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, block_size=2, tol=0.03, gammas=(0.3,))
     grid = NeedleGrid(lengths=(300,), depths=(0.0, 1.0), reps=1, budget=64)
     store = RunStore(tmp_path / "runs")
     tables = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
     m = tables["evict_matched"].set_index("policy")
     assert {"full", "confkv", "confkv_recency", "confkv_attention", "sliding", "h2o", "random", "random_rate",
-            "block"} <= set(m.index)
+            "block", "confkv_fixed", "confkv_l", "confkv_nosinks", "block_kvcrush", "block_rerotate",
+            "confkv_g0.3", "confkv_g0.5"} <= set(m.index)
+    # the confidence-off control matches Conf-KV's mean memory within the solver's tolerance (or one entry)
+    assert abs(m.loc["confkv_fixed", "mean_mb"] - m.loc["confkv", "target_mb"]) <= max(
+        study.tol * m.loc["confkv", "target_mb"], m.loc["full", "mean_mb"] / m.loc["full", "mean_len"])
+    assert 0 < m.loc["confkv", "frac_loose"] <= 1 and np.isnan(m.loc["h2o", "frac_loose"])
+    assert m.loc["confkv", "sinks"] == "2" and m.loc["confkv_nosinks", "sinks"] == "0"
+    assert m.loc["confkv_l", "mean_mb16"] < m.loc["confkv_pyramidal", "mean_mb16"]      # INT8 storage
+    assert m.loc["confkv", "mean_mb16"] == pytest.approx(m.loc["confkv", "mean_mb"] / 2)   # fp32 -> 16-bit
+    assert m.loc["confkv_fixed", "kl_forced"] >= 0 and np.isnan(m.loc["confkv_drawn", "kl_forced"])
     target = m.loc["confkv", "target_mb"]
     assert m.loc["confkv", "mean_mb"] == pytest.approx(target)
     per_entry = m.loc["full", "mean_mb"] / m.loc["full", "mean_len"]
@@ -273,10 +282,16 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     assert saw[saw.policy == "confkv+overfill+refresh"].refreshed.sum() > 0
     assert saw[saw.policy == "confkv"].evicted.sum() > 0
     nd = tables["evict_needle"]
-    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv", "pyramidkv"} and len(nd) == 14
+    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv"} and len(nd) == 24
+    assert set(nd.setting) == {"streamed", "prefill"}
+    runs = tables["evict_needle_runs"]
+    assert (runs[runs.setting == "streamed"].question_steps > 5).all() and (runs[runs.setting == "prefill"]
+                                                                            .question_steps == 0).all()
+    assert set(tables["evict_gamma"].policy) >= {"confkv_g0.3", "confkv_g0.5", "confkv_fixed"}
+    assert set(tables["evict_int8"].tensor) == {"K", "V"}
     paths = write_evict(tables, tmp_path / "out")
     assert (tmp_path / "out" / "evict_matched.csv").is_file() and paths
-    for name in ("evict_sawtooth", "evict_needle"):
+    for name in ("evict_sawtooth", "evict_needle", "evict_gamma"):
         assert render(name, tmp_path / "out") is not None
     n_runs = len(store)
     again = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
