@@ -251,12 +251,14 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
 
     spec = RunSpec(prompts=("the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today? " * 2),
                    tokens=40, sampling=Sampling(temperature=0.8, top_p=0.95, seed=1))
-    study = EvictStudy(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, block_size=2, tol=0.03, gammas=(0.3,))
+    study = EvictStudy(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, block_size=2, tol=0.03, gammas=(0.3,),
+                       run_families=("confkv_fixed", "sliding", "h2o", "random", "block", "block_kvcrush",
+                                     "block_rerotate"))
     grid = NeedleGrid(lengths=(300,), depths=(0.0, 1.0), reps=1, budget=64)
     store = RunStore(tmp_path / "runs")
     tables = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
     m = tables["evict_matched"].set_index("policy")
-    assert {"full", "confkv", "confkv_recency", "confkv_attention", "sliding", "h2o", "random", "random_rate",
+    assert {"full", "confkv", "confkv_recency", "sliding", "h2o", "random", "random_rate",
             "block", "confkv_fixed", "confkv_l", "confkv_nosinks", "block_kvcrush", "block_rerotate",
             "confkv_g0.3", "confkv_g0.5"} <= set(m.index)
     # the confidence-off control matches Conf-KV's mean memory within the solver's tolerance (or one entry)

@@ -193,7 +193,9 @@ class EvictStudy:
     block_size: int = 2
     pyramid_ratio: float = 0.5
     tol: float = 0.03
-    gammas: tuple[float, ...] = (0.6, 0.8, 0.95)
+    gammas: tuple[float, ...] = (0.7, 0.95)
+    run_families: tuple[str, ...] = ("confkv_fixed", "sliding", "h2o", "scissorhands", "block", "block_kvcrush",
+                                     "block_rerotate")
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 <= self.gamma <= 1.0:
@@ -203,6 +205,9 @@ class EvictStudy:
                              f"< loose ({self.loose})")
         if self.block_size <= 0 or not 0 < self.tol < 1:
             raise ValueError(f"block_size={self.block_size!r} must be > 0 and tol={self.tol!r} in (0, 1)")
+        unknown = set(self.run_families) - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"run_families has unknown {sorted(unknown)}; choose from {FAMILIES}")
         if any(not 0.0 <= g <= 1.0 for g in self.gammas):
             raise ValueError(f"gammas={self.gammas!r} must lie in [0, 1] (the γ sweep)")
 
@@ -217,7 +222,8 @@ class EvictStudy:
         budget in entries, except block eviction (evictable blocks). SnapKV and PyramidKV compress
         the prompt only (their knob: prompt entries kept, PyramidKV's per layer on average); when even
         the smallest budget stays above the target, the table shows the mismatch in ``mem_vs_target``.
-        ``confkv_fixed`` is the confidence-off control: Conf-KV's ranker (sinks, protect, λ, EMA) at
+        Only ``run_families`` run (default: the ones issue 25's comparison needs; ``random``, ``snapkv``
+        and ``pyramidkv`` are available by name). ``confkv_fixed`` is the confidence-off control: Conf-KV's ranker (sinks, protect, λ, EMA) at
         one fixed budget (γ = 0: every step takes ``tight = knob``)."""
         from . import H2O, BlockEvict, ConfKV, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
@@ -228,7 +234,7 @@ class EvictStudy:
             return BlockEvict(block_size=bs, start_blocks=max(1, k // bs), evictable_blocks=e,
                               recent_blocks=max(1, rec // bs), **kw)
 
-        return {
+        every = {
             "confkv_fixed": (lambda b: ConfKV(gamma=0.0, tight=b, loose=b, protect=rec, sinks=k), lo, 4096),
             "sliding": (lambda b: SlidingWindow(window=b, sinks=k), k + 1, 4096),
             "h2o": (lambda b: H2O(budget=b, recent=rec, sinks=k), lo, 4096),
@@ -240,6 +246,7 @@ class EvictStudy:
             "block_kvcrush": (lambda e: block(e, kvcrush=KVCRUSH_BLOCKS), 1, 512),
             "block_rerotate": (lambda e: block(e, rerotate=True), 1, 512),
         }
+        return {name: every[name] for name in self.run_families}
 
     def ablations(self) -> dict[str, object]:
         """Conf-KV's schedule with other rankers (the paper's isolation study) and its storage variants."""
@@ -267,7 +274,6 @@ ABLATIONS = {
     "confkv_l": {"pyramidal": True, "int8_window": PROTECT},
     "confkv_int8": {"int8_window": PROTECT},
     "confkv_recency": {"attn_weight": 0.0},
-    "confkv_attention": {"attn_weight": 1.0},
     "confkv_drawn": {"confidence_from": "drawn"},
     "confkv_nosinks": {"sinks": 0},
     "confkv_sumprefill": {"ema_prefill": "sum"},
@@ -275,8 +281,9 @@ ABLATIONS = {
 INT8_GROUP = 8        # entries per scale group of the grouped INT8 variant (measured in evict_int8)
 KVCRUSH_BLOCKS = 2    # representative blocks KVCrush keeps on top of the budget (seed 003's example budget)
 # teacher-forced rows (KL on the full cache's continuation): the main comparison of the study
-FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o", "scissorhands", "sliding", "block", "random_rate",
-                   "confkv_recency")
+FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o", "sliding")
+FAMILIES = ("confkv_fixed", "sliding", "h2o", "random", "scissorhands", "snapkv", "pyramidkv", "block", "block_kvcrush",
+            "block_rerotate")
 
 
 def _cfg(spec: RunSpec, i: int, evict) -> DecodeConfig:
@@ -441,6 +448,9 @@ def matched_table(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     """One row per policy: achieved memory vs target, quality with per-prompt std and paired CIs."""
     cols = ["mean_mb", "mean_mb16", "mean_len", "peak_len", "peak_mb", "evict_events", "teacher_ppl", "kl",
             "kl_forced", "repeat3", "tps", "meta_mb", "frac_loose", "frac_at_loose"]
+    per_run = per_run.assign(**{c: float("nan") for c in cols + ["min_len"] if c not in per_run})   # older run frames
+    if per_run["min_len"].isna().all():
+        per_run["min_len"] = per_run["mean_len"]
     g = per_run.groupby("policy", sort=False)
     s = g[cols].mean()
     for m in ("mean_mb", "teacher_ppl", "kl", "kl_forced", "repeat3", "tps"):
