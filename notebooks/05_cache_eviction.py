@@ -42,13 +42,17 @@ SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
 # the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
 # trained once first (`python -m kvlab train-student`); smoke runs use the untrained one
 STUDENT = "pruned" if SMOKE else "overfill"
-PROMPTS = 1 if SMOKE else 8            # prompts of the matched-memory table (< 5: no interval)
-TOKENS = 24 if SMOKE else 128          # new tokens per run
-STEP_TOKENS = 24 if SMOKE else 96      # the single run stepped through
-GAMMA = 0.9                            # Conf-KV confidence threshold γ (0.9 here, see README)
-# Budgets in cache entries. The same in smoke mode: the loose budget must hold the whole prompt (~70
-# tokens with the chat template) or the prompt is gone at the first eviction, and every row degenerates.
-TIGHT, LOOSE, PROTECT = 48, 112, 16
+PROMPTS = 1 if SMOKE else 5            # prompts of the matched-memory table (< 5: no interval)
+TOKENS = 24 if SMOKE else 64           # new tokens per run (the committed tables: 5 prompts x 64 tokens)
+STEP_TOKENS = 24 if SMOKE else 64      # the single run stepped through
+GAMMA = 0.9                            # Conf-KV confidence threshold γ
+# Budgets in cache entries (kvlab.eviction.tables.EvictStudy's defaults): loose - tight = 6, so that uncertain
+# streaks carry the cache to the loose budget (the cache is cut to the chosen budget at every step, so it
+# grows by at most one entry per uncertain step); every ranker keeps SINKS attention sinks.
+TIGHT, LOOSE, PROTECT, SINKS = 32, 38, 8, 4
+GAMMAS = () if SMOKE else (0.7, 0.95)  # the γ sweep (besides GAMMA)
+FAMILIES = ("confkv_fixed", "h2o", "block") if SMOKE else ("confkv_fixed", "sliding", "h2o", "block", "block_kvcrush",
+                                                          "block_rerotate")
 NEEDLE_LENGTHS = (128,) if SMOKE else (256, 512)
 NEEDLE_DEPTHS = (0.0, 1.0) if SMOKE else (0.0, 0.5, 1.0)
 NEEDLE_BUDGET = 64 if SMOKE else 128
@@ -56,13 +60,14 @@ SEED = 0
 
 # %%
 # %matplotlib inline
-from IPython.display import Markdown, display
+from IPython.display import HTML, Markdown, display
 
 from kvlab.viz import readings
 from kvlab.core.data import load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
 from kvlab.eviction import ConfKV
-from kvlab.eviction.plots import evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
+from kvlab.eviction.inspector import CacheInspector, survival_figure, tokens_html
+from kvlab.eviction.plots import evict_gamma_figure, evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
 from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables
 from kvlab.studies.experiment import RunSpec
 from kvlab.viz.livemap import live_map_figure
@@ -75,11 +80,9 @@ display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 prompt = load_prompts(n=1)[0]["prompt"]
-policy = ConfKV(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT)
+policy = ConfKV(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, sinks=SINKS)
 L = len(teacher.encode_prompt(prompt))
-if LOOSE < L:
-    raise ValueError(f"LOOSE={LOOSE} must be at least the prompt's {L} tokens, or the prompt is evicted at once")
-print(f"prompt: {L} tokens; budgets: tight {TIGHT}, loose {LOOSE}, protect {PROTECT}")
+print(f"prompt: {L} tokens; budgets: tight {TIGHT}, loose {LOOSE}, protect {PROTECT}, sinks {SINKS}")
 policy
 
 # %% [markdown]
@@ -92,8 +95,10 @@ d = Decoding(teacher, None, prompt, DecodeConfig(mode="teacher", max_new_tokens=
                                                   evict=policy))
 records = []
 snapshots = {"prefill": list(range(len(d.prompt_ids)))}   # prefill writes ledger rows 0..L-1 in slot order
+inspector = CacheInspector(stat="ema")                     # reads the live maps after every step, edits nothing
 for rec in d:
     records.append(rec)
+    inspector.observe(rec, d.cache)
     if (rec.evicted and len(snapshots) == 1) or rec.step == STEP_TOKENS // 2:   # first eviction, half-way
         snapshots[f"after step {rec.step} ({rec.cache_len} entries)"] = list(d.cache.live)
     if rec.step <= 12:
@@ -110,6 +115,20 @@ print(repr(teacher.tokenizer.decode(d.tokens)))
 fig = live_map_figure(d.cache.ledger_frame(), snapshots, title="Conf-KV: the live map shrinking")
 display(fig)
 display(Markdown(readings.read_survivors(d.cache.ledger_frame(), list(d.cache.live), len(d.prompt_ids))))
+
+# %% [markdown]
+# ### The cache inspector
+# Which prompt and generated tokens each layer still holds after the last step: every token shaded by
+# the share of the 30 layers that keep it (hover: position, writer, layers, the EMA score it had when
+# last seen, and the step it was first evicted), then the layers × positions survival map. Conf-KV
+# ranks each layer by its own attention, so layers keep different tokens; the sinks and the protected
+# window are dark on every layer.
+
+# %%
+tok_frame = inspector.token_frame(teacher.tokenizer)
+display(HTML(tokens_html(tok_frame, inspector.num_layers)))
+display(survival_figure(inspector))
+tok_frame.sort_values("score", ascending=False).head(8)
 
 # %% [markdown]
 # ## 2 · Confidence, γ and the budget
@@ -131,7 +150,8 @@ display(Markdown(readings.read_confidence(records, GAMMA)))
 
 # %%
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=PROMPTS)), tokens=TOKENS, sampling=sampling)
-study = EvictStudy(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, block_size=4 if SMOKE else 8)
+study = EvictStudy(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, sinks=SINKS, gammas=GAMMAS,
+                   run_families=FAMILIES)
 grid = NeedleGrid(NEEDLE_LENGTHS, NEEDLE_DEPTHS, 1, NEEDLE_BUDGET)
 tables = evict_tables(teacher, student, spec, RunStore(), study, grid, progress=True)
 display(evict_sawtooth_figure(tables))
@@ -139,21 +159,45 @@ display(Markdown(readings.read_sawtooth(tables["evict_sawtooth"])))
 
 # %%
 matched = show(tables["evict_matched"], {
-    "policy": "policy", "matched by": "matched_by", "mean KV MiB": "mean_mb", "memory vs target": "mem_vs_target",
-    "peak entries": "peak_len", "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"),
+    "policy": "policy", "matched by": "matched_by", "sinks": "sinks", "mean KV MiB": "mean_mb",
+    "memory vs target": "mem_vs_target", "16-bit memory vs Conf-KV": "mem16_vs_target", "min entries": "min_len",
+    "peak entries": "peak_len", "steps on loose": "frac_loose", "steps at loose": "frac_at_loose",
+    "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"),
     "Δ PPL vs full (95 % CI)": ("d_teacher_ppl_vs_full", "d_teacher_ppl_vs_full_lo", "d_teacher_ppl_vs_full_hi"),
-    "KL to full cache ↓": ("kl", "kl_std"), "repeat@3 ↓": "repeat3", "tokens/s": "tps", "prompts": "n_prompts"})
+    "KL to full cache ↓": ("kl", "kl_std"), "Δ KL vs Conf-KV (95 % CI)": ("d_kl_vs_confkv", "d_kl_vs_confkv_lo",
+                                                                         "d_kl_vs_confkv_hi"),
+    "teacher-forced KL ↓": ("kl_forced", "kl_forced_std"),
+    "Δ forced KL vs Conf-KV (95 % CI)": ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo", "d_kl_forced_vs_confkv_hi"),
+    "repeat@3 ↓": "repeat3", "tokens/s": "tps", "prompts": "n_prompts"})
 matched        # every column (budgets found, solver probes, policy parameters): matched.full
 
 # %%
 display(Markdown(readings.read_evict_matched(tables["evict_matched"])))
 
 # %% [markdown]
-# ## 5 · Passkey retrieval
-# A passkey hidden at a depth of a filler haystack; every policy has the same peak budget. The reading
-# checks whether the full cache retrieves it at these lengths, so that a miss is the policy's.
+# ### The γ sweep and INT8 storage
+# γ is the paper's quality–memory knob: a higher γ puts more steps on the loose budget. Each point is
+# Conf-KV at one γ on the same prompts; `confkv_fixed` (its ranker at one budget) and H2O are the
+# reference points. Below it, the round-trip error of the two INT8 schemes on the teacher's real K/V.
+
+# %%
+display(evict_gamma_figure(tables))
+show(tables["evict_gamma"])
+
+# %%
+show(tables["evict_int8"])
+
+# %% [markdown]
+# ## 5 · Passkey retrieval, in two settings
+# A passkey hidden at a depth of a filler haystack. `streamed`: the haystack is prefilled and the
+# question is teacher-forced through the decode loop, so the policy, its confidence and its budget act
+# on every question token; `prefill`: the question is prefilled with the haystack and eviction starts
+# with the first answer token. In each setting every policy runs at Conf-KV's MEAN cache length. The
+# reading checks whether the full cache retrieves the key at these lengths, so that a miss is the policy's.
 
 # %%
 display(Markdown(needle_markdown(tables["evict_needle"])))
 display(evict_needle_figure(tables))
-display(Markdown(readings.read_needle(tables["evict_needle"])))
+for setting in ("streamed", "prefill"):
+    display(Markdown(f"**{setting}** — " + readings.read_needle(
+        tables["evict_needle"][tables["evict_needle"].setting == setting])))

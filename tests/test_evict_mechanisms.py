@@ -177,3 +177,35 @@ def test_matched_needle_policies_hit_the_mean():
     blk = pols["block"]
     assert abs(blk.max_cache_size + (blk.block_size - 1) / 2 - 100) <= blk.block_size / 2
     assert pols["snapkv"].budget == 89                                 # 89 + (23 - 1)/2 = 100
+
+
+def test_inspector_data_matches_the_live_maps(tiny_teacher):
+    """The inspector's survival map and token frame say exactly what the cache's per-layer live maps
+    say after every step; eviction steps match the records; nothing is drawn or edited."""
+    from kvlab.eviction.inspector import CacheInspector, tokens_html
+
+    pol = ConfKV(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, pyramidal=True)
+    d = Decoding(tiny_teacher, None, PROMPT, cfg(evict=pol, max_new_tokens=16))
+    ins = CacheInspector(stat="ema")
+    left_by_step: dict[int, int] = {}
+    for rec in d:
+        ins.observe(rec, d.cache)
+        pos, m = ins.survival()
+        for l, held in enumerate(d.cache.layer_positions()):
+            assert {p for p, keep in zip(pos, m[l]) if keep} == set(held)
+        left_by_step[rec.step] = rec.evicted
+    f = ins.token_frame(tiny_teacher.tokenizer)
+    assert len(f) == len(d.cache.ledger)
+    live = [set(rows) for rows in d.cache.lives]
+    for r in f.itertuples():
+        assert r.layers == sum(r.row in s for s in live)
+    # layer 0's evictions per step, as the records count them (records count layer 0's live set)
+    first = [ins.left.get((r, 0)) for r in range(len(d.cache.ledger))]
+    assert all(sum(s == step for s in first) == n for step, n in left_by_step.items())
+    assert f[f.layers == 0].first_evicted.notna().all() and f[f.layers == ins.num_layers].first_evicted.isna().all()
+    assert (f.position[:2] == [0, 1]).all() and (f.layers[:2] == ins.num_layers).all()     # the sinks
+    ema = d.cache.layer_attn()["ema"]
+    row0 = d.cache.lives[0][-1]
+    assert ins.score[(row0, 0)] == pytest.approx(float(ema[0][-1]))
+    page = tokens_html(f, ins.num_layers)
+    assert page.count("<span") == len(f) and "evicted at step" in page

@@ -194,8 +194,7 @@ class EvictStudy:
     pyramid_ratio: float = 0.5
     tol: float = 0.03
     gammas: tuple[float, ...] = (0.7, 0.95)
-    run_families: tuple[str, ...] = ("confkv_fixed", "sliding", "h2o", "scissorhands", "block", "block_kvcrush",
-                                     "block_rerotate")
+    run_families: tuple[str, ...] = ("confkv_fixed", "sliding", "h2o", "block", "block_kvcrush", "block_rerotate")
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 <= self.gamma <= 1.0:
@@ -266,8 +265,7 @@ class EvictStudy:
 
 PROTECT = object()    # "the study's protect" in ABLATIONS (the paper's FP16 window = the protected window)
 # Conf-KV variants by constructor keyword: its ranker's ablations, the confidence of the drawn (tempered +
-# top-p) distribution instead of the model's raw one, sinks off, the prefill folded as one EMA update,
-# and the storage variants: INT8 (one scale per head and channel, 16-bit window) and Conf-KV-L (the
+# top-p) distribution instead of the model's raw one, sinks off, and the storage variants: INT8 (one scale per head and channel, 16-bit window) and Conf-KV-L (the
 # equal-memory pyramid with the same INT8 storage, as the paper's Conf-KV-L).
 ABLATIONS = {
     "confkv_pyramidal": {"pyramidal": True},
@@ -276,12 +274,11 @@ ABLATIONS = {
     "confkv_recency": {"attn_weight": 0.0},
     "confkv_drawn": {"confidence_from": "drawn"},
     "confkv_nosinks": {"sinks": 0},
-    "confkv_sumprefill": {"ema_prefill": "sum"},
 }
 INT8_GROUP = 8        # entries per scale group of the grouped INT8 variant (measured in evict_int8)
 KVCRUSH_BLOCKS = 2    # representative blocks KVCrush keeps on top of the budget (seed 003's example budget)
 # teacher-forced rows (KL on the full cache's continuation): the main comparison of the study
-FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o", "sliding")
+FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o")
 FAMILIES = ("confkv_fixed", "sliding", "h2o", "random", "scissorhands", "snapkv", "pyramidkv", "block", "block_kvcrush",
             "block_rerotate")
 
