@@ -182,10 +182,15 @@ display(Markdown(readings.read_evict_matched(tables["evict_matched"])))
 
 # %%
 display(evict_gamma_figure(tables))
-show(tables["evict_gamma"])
+show(tables["evict_gamma"], {"policy": "policy", "γ": "gamma", "mean entries": "mean_len",
+                             "memory vs target": "mem_vs_target", "steps on loose": "frac_loose",
+                             "steps at loose": "frac_at_loose", "KL to full cache ↓": ("kl", "kl_std"),
+                             "Δ KL vs Conf-KV (95 % CI)": "d_kl_vs_confkv_ci", "prompts": "n_prompts"})
 
 # %%
-show(tables["evict_int8"])
+show(tables["evict_int8"], {"scheme": "scheme", "tensor": "tensor", "mean round-trip error": "mean_rel",
+                            "‖x - x̂‖/‖x‖": "rel_fro", "max |x - x̂|": "max_abs",
+                            "bytes per entry (16-bit scales)": "bytes16_per_entry", "layers": "layers"})
 
 # %% [markdown]
 # ## 5 · Passkey retrieval, in two settings
