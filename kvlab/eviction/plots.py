@@ -96,7 +96,7 @@ def evict_needle_figure(tables):
             for (i, j), v in np.ndenumerate(pv.to_numpy()):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6.5)
             mem = f", {g.mean_cache_len.mean():.0f} entries" if "mean_cache_len" in g else ""
-            ax.set_title(f"{setting} · {name}: {g.accuracy.mean():.2f}{mem}", fontsize=7.5)
+            ax.set_title(f"{setting} · {name}\n{g.accuracy.mean():.2f}{mem}", fontsize=7.5)
             if r == len(settings) - 1:
                 ax.set_xlabel("prompt tokens")
         axes[r, 0].set_ylabel("needle depth\n(0 = oldest, 1 = by the question)", fontsize=8)
