@@ -194,7 +194,8 @@ class EvictStudy:
     pyramid_ratio: float = 0.5
     tol: float = 0.03
     gammas: tuple[float, ...] = (0.7, 0.95)
-    run_families: tuple[str, ...] = ("confkv_fixed", "sliding", "h2o", "block", "block_kvcrush", "block_rerotate")
+    run_families: tuple[str, ...] = ("confkv_fixed", "sliding", "h2o", "scissorhands", "random", "snapkv", "pyramidkv",
+                                     "block", "block_kvcrush", "block_rerotate")
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 <= self.gamma <= 1.0:
