@@ -222,8 +222,7 @@ class EvictStudy:
         budget in entries, except block eviction (evictable blocks). SnapKV and PyramidKV compress
         the prompt only (their knob: prompt entries kept, PyramidKV's per layer on average); when even
         the smallest budget stays above the target, the table shows the mismatch in ``mem_vs_target``.
-        Only ``run_families`` run (default: the ones issue 25's comparison needs; ``random``, ``snapkv``
-        and ``pyramidkv`` are available by name). ``confkv_fixed`` is the confidence-off control: Conf-KV's ranker (sinks, protect, λ, EMA) at
+        Only ``run_families`` run (default: all of them; a smaller set for quick runs). ``confkv_fixed`` is the confidence-off control: Conf-KV's ranker (sinks, protect, λ, EMA) at
         one fixed budget (γ = 0: every step takes ``tight = knob``)."""
         from . import H2O, BlockEvict, ConfKV, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
