@@ -231,7 +231,8 @@ def cmd_evict(args) -> list[Path]:
     tables = evict_tables(teacher, student, spec, RunStore(args.runs), study, grid,
                           refresh=Periodic(max(2, spec.tokens // 4)), progress=not args.no_progress)
     paths = write_evict(tables, args.out)
-    paths += [p for p in (render("evict_sawtooth", args.out), render("evict_needle", args.out)) if p is not None]
+    paths += [p for p in (render("evict_sawtooth", args.out), render("evict_needle", args.out),
+                          render("evict_gamma", args.out)) if p is not None]
     for name in ("evict_matched", "evict_needle"):
         if (args.out / f"{name}.md").is_file():
             print(f"### {name}\n" + (args.out / f"{name}.md").read_text())

@@ -126,6 +126,7 @@ class DecodeConfig:
     refresh: Any = None           # a refresh policy (kvlab.refresh.policies) or None; overfill only
     refresh_next: str = "rerun"   # who picks the token after a refresh: "rerun" | "student" | "teacher"
     evict: Any = None             # an eviction policy (kvlab.eviction) or None; every mode
+    forced: tuple = ()            # teacher forcing: y_1.. are these token ids (then chosen as usual); every phase runs
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -144,6 +145,9 @@ class DecodeConfig:
                 raise ValueError("refresh splices teacher K/V into the student cache, which needs the same KV "
                                  "geometry; rebuild_student_cache=True means it differs")
             validate_policy(self.refresh)
+        if not isinstance(self.forced, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                     for t in self.forced):
+            raise ValueError("forced must be a tuple of token ids (ints >= 0), e.g. tuple(trace.tokens)")
         if self.evict is not None:
             validate_evict(self.evict)
             if getattr(self.evict, "rerotate", False) and self.refresh is not None:
@@ -152,6 +156,10 @@ class DecodeConfig:
 
     def to_dict(self) -> dict:
         d = asdict(replace(self, refresh=None, evict=None))
+        if not self.forced:             # absent when unused: stored-run keys of free-running runs stay valid
+            del d["forced"]
+        else:
+            d["forced"] = list(self.forced)
         d["refresh"] = policy_dict(self.refresh)
         del d["evict"]
         if self.evict is not None:      # absent when None: stored-run keys of runs without eviction stay valid
@@ -215,6 +223,7 @@ class StepRecord:
     cache_bytes: int = 0         # real bytes of the decoding cache's K/V after this step (INT8 counted as such)
     meta_bytes: int = 0          # bytes of the cache's attention statistics after this step (eviction policies)
     forward_bytes: int = 0       # K/V bytes held during this step's forward (INT8 prefix dequantized for it)
+    cache_bytes16: int = 0       # cache_bytes at the 16-bit reference (FP entries at 2 bytes/element; INT8 as is)
 
 
 
@@ -414,7 +423,8 @@ class Decoding:
             self.ttft_s = wall
         return replace(rec, wall_s=wall, elapsed_s=self.elapsed_s, teacher_tokens=self._acc["teacher_tokens"],
                        teacher_s=self._acc["teacher_s"], cache_len=cache_len, cache_bytes=cache_bytes,
-                       meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes)
+                       meta_bytes=self.cache.meta_nbytes(), forward_bytes=self._fwd_bytes,
+                       cache_bytes16=self.cache.nbytes16())
 
     def _stops(self, rec: StepRecord) -> bool:
         """The run ends after ``rec``: EOS (unless ``ignore_eos``) or the last step."""
@@ -430,7 +440,8 @@ class Decoding:
         if self._needs_attention:
             ev = self.config.evict
             cache.track_attention(getattr(ev, "ema_decay", 0.9), window=getattr(ev, "attention_window", None),
-                                  pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False))
+                                  pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False),
+                                  ema_prefill=getattr(ev, "ema_prefill", "query"))
 
     def _start(self) -> torch.Tensor:
         """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""
@@ -508,7 +519,8 @@ class Decoding:
         ``logits`` when a batch computed them for all rows at once)."""
         cfg, cache = self.config, self.cache
         logp, ent, top1, margin = stats if stats is not None else token_stats(logits)
-        token_id = choose(logits, cfg.sampling, self._gen)
+        i = step - self.first_step
+        token_id = cfg.forced[i] if i < len(cfg.forced) else choose(logits, cfg.sampling, self._gen)
         if cfg.keep_dists:
             self.dists.append(logp.cpu())
         self.tokens.append(token_id)

@@ -251,13 +251,24 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
 
     spec = RunSpec(prompts=("the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today? " * 2),
                    tokens=40, sampling=Sampling(temperature=0.8, top_p=0.95, seed=1))
-    study = EvictStudy(gamma=0.5, tight=12, loose=24, protect=4, block_size=4, tol=0.03)
+    study = EvictStudy(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, block_size=2, tol=0.03, gammas=(0.3,),
+                       run_families=("confkv_fixed", "sliding", "h2o", "random", "block", "block_kvcrush",
+                                     "block_rerotate"))
     grid = NeedleGrid(lengths=(300,), depths=(0.0, 1.0), reps=1, budget=64)
     store = RunStore(tmp_path / "runs")
     tables = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
     m = tables["evict_matched"].set_index("policy")
-    assert {"full", "confkv", "confkv_recency", "confkv_attention", "sliding", "h2o", "random", "random_rate",
-            "block"} <= set(m.index)
+    assert {"full", "confkv", "confkv_recency", "sliding", "h2o", "random", "random_rate",
+            "block", "confkv_fixed", "confkv_l", "confkv_nosinks", "block_kvcrush", "block_rerotate",
+            "confkv_g0.3", "confkv_g0.5"} <= set(m.index)
+    # the confidence-off control matches Conf-KV's mean memory within the solver's tolerance (or one entry)
+    assert abs(m.loc["confkv_fixed", "mean_mb"] - m.loc["confkv", "target_mb"]) <= max(
+        study.tol * m.loc["confkv", "target_mb"], m.loc["full", "mean_mb"] / m.loc["full", "mean_len"])
+    assert 0 < m.loc["confkv", "frac_loose"] <= 1 and np.isnan(m.loc["h2o", "frac_loose"])
+    assert m.loc["confkv", "sinks"] == "2" and m.loc["confkv_nosinks", "sinks"] == "0"
+    assert m.loc["confkv_l", "mean_mb16"] < m.loc["confkv_pyramidal", "mean_mb16"]      # INT8 storage
+    assert m.loc["confkv", "mean_mb16"] == pytest.approx(m.loc["confkv", "mean_mb"] / 2)   # fp32 -> 16-bit
+    assert m.loc["confkv_fixed", "kl_forced"] >= 0 and np.isnan(m.loc["confkv_drawn", "kl_forced"])
     target = m.loc["confkv", "target_mb"]
     assert m.loc["confkv", "mean_mb"] == pytest.approx(target)
     per_entry = m.loc["full", "mean_mb"] / m.loc["full", "mean_len"]
@@ -273,10 +284,16 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     assert saw[saw.policy == "confkv+overfill+refresh"].refreshed.sum() > 0
     assert saw[saw.policy == "confkv"].evicted.sum() > 0
     nd = tables["evict_needle"]
-    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv", "pyramidkv"} and len(nd) == 14
+    assert set(nd.policy) == {"full", "sliding", "h2o", "confkv", "block", "snapkv"} and len(nd) == 24
+    assert set(nd.setting) == {"streamed", "prefill"}
+    runs = tables["evict_needle_runs"]
+    assert (runs[runs.setting == "streamed"].question_steps > 5).all() and (runs[runs.setting == "prefill"]
+                                                                            .question_steps == 0).all()
+    assert set(tables["evict_gamma"].policy) >= {"confkv_g0.3", "confkv_g0.5", "confkv_fixed"}
+    assert set(tables["evict_int8"].tensor) == {"K", "V"}
     paths = write_evict(tables, tmp_path / "out")
     assert (tmp_path / "out" / "evict_matched.csv").is_file() and paths
-    for name in ("evict_sawtooth", "evict_needle"):
+    for name in ("evict_sawtooth", "evict_needle", "evict_gamma"):
         assert render(name, tmp_path / "out") is not None
     n_runs = len(store)
     again = evict_tables(tiny_teacher, tiny_student, spec, store, study, grid, refresh=Periodic(8), progress=False)
@@ -305,3 +322,41 @@ def test_needle_policies_share_one_peak_budget(budget):
     from kvlab.eviction.needle import ANSWER_TOKENS
     assert pols["snapkv"].budget + ANSWER_TOKENS <= budget
     assert pols["pyramidkv"].budget == pols["snapkv"].budget          # same mean entries per layer
+
+
+# --------------------------------------------------------------------------- the committed tables (issue 25)
+
+FIG = __import__("pathlib").Path(__file__).resolve().parents[1] / "figures"
+
+
+def _committed(name):
+    path = FIG / f"{name}.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} not generated (python -m kvlab evict --out figures)")
+    return pd.read_csv(path)
+
+
+def test_committed_study_loose_budget_is_reached_and_control_matched():
+    """In the study configuration the loose budget binds (the cache stands at it on some steps), the
+    confidence-off control and block eviction match Conf-KV's mean memory within the solver's tolerance,
+    and the rows say whether sinks were on."""
+    from kvlab.eviction.tables import EvictStudy
+
+    t = _committed("evict_matched").set_index("policy")
+    study = EvictStudy()
+    ck = t.loc["confkv"]
+    assert ck.peak_len >= study.loose and ck.frac_at_loose > 0 and 0 < ck.frac_loose < 1
+    for row in ("confkv_fixed", "block", "block_kvcrush", "block_rerotate"):
+        assert abs(t.loc[row, "mem_vs_target"] - 1) <= study.tol, row
+    assert abs(t.loc["confkv_pyramidal", "mem_vs_target"] - 1) <= study.tol   # the pyramid at equal memory
+    assert t.loc["confkv_l", "mean_mb16"] < t.loc["confkv_pyramidal", "mean_mb16"]   # + INT8 storage
+    assert str(t.loc["confkv", "sinks"]) == str(study.sinks) and str(t.loc["confkv_nosinks", "sinks"]) == "0"
+    assert t.loc["confkv_fixed", "kl_forced"] > 0 and not np.isnan(t.loc["h2o", "d_kl_forced_vs_confkv"])
+
+
+def test_committed_needle_has_both_settings():
+    t = _committed("evict_needle")
+    assert set(t.setting) == {"streamed", "prefill"}
+    runs = _committed("evict_needle_runs")
+    assert (runs[runs.setting == "streamed"].question_steps > 0).all()
+    assert (runs[runs.setting == "prefill"].question_steps == 0).all()

@@ -261,7 +261,8 @@ def test_attention_mass_equals_eager_attention_weights(lm2):
         acc += a[10]                                                          # the decode step
         torch.testing.assert_close(c.attn["acc"][layer], acc, rtol=1e-4, atol=1e-5)
         ema = torch.zeros(11)
-        ema[:10] = 0.5 * a[:10, :10].sum(0)
+        for i in range(10):                                                   # one EMA update per prefill query
+            ema[:10] = 0.5 * ema[:10] + 0.5 * a[i, :10]
         ema = 0.5 * ema + 0.5 * a[10]
         torch.testing.assert_close(c.attn["ema"][layer], ema, rtol=1e-4, atol=1e-5)
     # lifetimes in measured queries: the prefill registers 10 … 1, the decode step adds 1 (new entry: 1)

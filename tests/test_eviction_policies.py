@@ -1,6 +1,8 @@
 """Eviction policies: validation, budgets, protected windows, block areas; pure decisions."""
 from __future__ import annotations
 
+import math
+
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +22,8 @@ def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
     g = torch.Generator().manual_seed(seed)
     acc = torch.rand(layers, n, generator=g) * 5
     return EvictView(step=step, length=n, positions=tuple(positions or range(n)), record=record, vocab_size=V,
-                     num_layers=layers, attn={"acc": acc, "ema": acc / 5, "count": torch.arange(n, 0, -1).float()})
+                     num_layers=layers, attn={"acc": acc, "ema": acc / 5, "count": torch.arange(n, 0, -1).float(),
+                                              "low": (5 - acc).round()})
 
 
 def test_registry_names():
@@ -118,7 +121,8 @@ def test_confkv_ranker_ablations():
 
 def test_pyramid_deeper_layers_keep_fewer_each_by_its_own_ranking():
     w = pyramid_weights(30, 0.25)
-    assert float(w[0]) == 1.0 and float(w[-1]) == pytest.approx(0.25) and bool((w[:-1] > w[1:]).all())
+    assert float(w[0]) == pytest.approx(1.75) and float(w[-1]) == pytest.approx(0.25)
+    assert bool((w[:-1] > w[1:]).all()) and float(w.mean()) == pytest.approx(1.0)     # equal memory
     n = 40
     ema = torch.zeros(3, n)
     ema[0, :20] = 1.0           # layer 0 (shallow) likes the old half, layers 1 and 2 the newer entries
@@ -128,7 +132,7 @@ def test_pyramid_deeper_layers_keep_fewer_each_by_its_own_ranking():
     flat = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, per_layer=False).keep(v)
     pyr = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True, pyramid_ratio=0.5).keep(v)
     assert flat.layers is None and len(flat.slots) == 12
-    assert [len(k) for k in pyr.layers] == [12, 9, 6]           # round(12 · (1, 0.75, 0.5))
+    assert [len(k) for k in pyr.layers] == [18, 12, 6]          # 12 · (1.5, 1, 0.5): mean 12
     assert pyr.slots == pyr.layers[0] and pyr.budget == 12
     assert all(s < 20 for s in pyr.layers[0][:-2])               # each layer keeps what IT attends to
     assert all(20 <= s < 38 for s in pyr.layers[1][:-2]) and all(30 <= s < 38 for s in pyr.layers[2][:-2])
@@ -139,10 +143,21 @@ def test_pyramid_deeper_layers_keep_fewer_each_by_its_own_ranking():
     rag = EvictView(1, n, lp[0], CONFIDENT, V, 3, {"acc": emas, "ema": emas, "count": [torch.ones(len(p)) for p in lp]},
                     layer_positions=lp)
     k = ConfKV(tight=12, loose=12, protect=2, attn_weight=1.0, pyramidal=True, pyramid_ratio=0.5).keep(rag)
-    assert [len(x) for x in k.layers] == [12, 9, 6]
-    assert all(lp[1][s] >= 20 for s in k.layers[1][:-2])
-    assert ConfKV(tight=4, loose=4, protect=3, pyramidal=True, pyramid_ratio=0.25).keep(v).layers[2] \
-        == (37, 38, 39)                                           # never below the protected window
+    assert [len(x) for x in k.layers] == [18, 12, 6]
+    assert sum(lp[1][s] >= 20 for s in k.layers[1][:-2]) == 8    # every liked slot of layer 1's own set
+    with pytest.raises(ValueError, match="pyramid_ratio"):       # no layer may fall to the protected window
+        ConfKV(tight=4, loose=4, protect=3, pyramidal=True, pyramid_ratio=0.25)
+
+
+@pytest.mark.parametrize("budget,layers,ratio", [(48, 30, 0.5), (56, 30, 0.5), (13, 7, 0.3), (100, 2, 0.2),
+                                                 (17, 1, 0.5), (64, 30, 0.25)])
+def test_pyramid_mean_budget_equals_uniform_budget(budget, layers, ratio):
+    from kvlab.eviction.confkv import pyramid_budgets
+
+    b = pyramid_budgets(budget, layers, ratio)
+    assert sum(b) == layers * budget                              # the pyramid's mean budget is the uniform one
+    assert b == sorted(b, reverse=True) and len(b) == layers
+    assert max(b) <= math.ceil(budget * (2 - ratio)) and min(b) >= math.floor(budget * ratio)
 
 
 def test_block_eviction_decides_per_layer():
@@ -184,37 +199,76 @@ def test_random_is_seeded_and_rate_gates_steps():
     assert 80 < fired < 160                                     # ~ 0.3 · 400
 
 
+def _confkv(t, extra, p, lam, pyr, sinks):
+    tight = t + p + sinks + 1
+    pyr = pyr and math.floor(tight * 0.5) > p + sinks           # a valid pyramid (else ValueError, tested apart)
+    return ConfKV(tight=tight, loose=tight + extra, protect=p, attn_weight=lam, pyramidal=pyr, gamma=0.5, sinks=sinks)
+
+
 POLICIES = st.one_of(
     st.builds(lambda w, s: SlidingWindow(w + s + 1, sinks=s), st.integers(1, 40), st.integers(0, 6)),
-    st.builds(lambda b, r: H2O(b + r + 1, r), st.integers(0, 40), st.integers(0, 10)),
-    st.builds(lambda b, r, seed: RandomEvict(b + r + 1, r, seed=seed), st.integers(0, 40), st.integers(0, 10),
-              st.integers(0, 5)),
-    st.builds(lambda t, extra, p, lam, pyr: ConfKV(tight=t + p + 1, loose=t + p + 1 + extra, protect=p,
-                                                   attn_weight=lam, pyramidal=pyr, gamma=0.5),
-              st.integers(0, 30), st.integers(0, 30), st.integers(0, 10), st.sampled_from([0.0, 0.5, 1.0]),
-              st.booleans()),
+    st.builds(lambda b, r, k: H2O(b + r + k + 1, r, sinks=k), st.integers(0, 40), st.integers(0, 10),
+              st.integers(0, 4)),
+    st.builds(lambda b, r, k: Scissorhands(b + r + k + 1, r, sinks=k), st.integers(0, 40), st.integers(0, 10),
+              st.integers(0, 4)),
+    st.builds(lambda b, r, seed, k: RandomEvict(b + r + k + 1, r, seed=seed, sinks=k), st.integers(0, 40),
+              st.integers(0, 10), st.integers(0, 5), st.integers(0, 4)),
+    st.builds(_confkv, st.integers(0, 30), st.integers(0, 30), st.integers(0, 10), st.sampled_from([0.0, 0.5, 1.0]),
+              st.booleans(), st.integers(0, 4)),
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(POLICIES, st.integers(1, 120), st.booleans(), st.integers(0, 3))
 def test_budgets_and_protected_windows_respected(policy, n, confident, seed):
+    """Every ranker: down to its budget (per layer; a pyramid's layers by pyramid_budgets), its
+    protected window kept, and with sinks=k the first k positions survive every eviction."""
+    from kvlab.eviction.confkv import pyramid_budgets
+
     v = view(n, CONFIDENT if confident else UNSURE, seed=seed, step=seed + 1)
     k = policy.keep(v)
-    slots = list(k.slots)
-    assert slots == sorted(set(slots)) and all(0 <= s < n for s in slots)
-    budget = k.budget
-    if n <= budget:
-        assert slots == list(range(n))                       # nothing evicted at or below the budget
-    else:
+    layers = k.layers if k.layers is not None else (k.slots,) * v.num_layers
+    budgets = [k.budget] * v.num_layers
+    if getattr(policy, "pyramidal", False):
+        budgets = pyramid_budgets(k.budget, v.num_layers, policy.pyramid_ratio)
+    for slots, budget in zip(layers, budgets):
+        slots = list(slots)
+        assert slots == sorted(set(slots)) and all(0 <= s < n for s in slots)
+        if n <= budget:
+            assert slots == list(range(n))                       # nothing evicted at or below the budget
+            continue
         assert len(slots) == budget                          # down to the budget, not below
         protected = getattr(policy, "recent", None)
         if protected is None:
             protected = getattr(policy, "protect", None)
         if protected is None:                                # sliding window: sinks + newest
             protected = policy.window - policy.sinks
-            assert set(range(policy.sinks)) <= set(slots)
+        assert set(range(policy.sinks)) <= set(slots)        # the sinks survive every eviction
         assert set(range(n - protected, n)) <= set(slots)
+
+
+def test_sinks_survive_where_the_ranker_would_drop_them():
+    """Position 0 has the lowest recency and no attention here: without sinks every ranker drops it,
+    with sinks=2 positions 0 and 1 stay, and the budget still holds."""
+    n = 40
+    v = view(n, CONFIDENT)
+    zero = {name: t.clone() for name, t in v.attn.items()}
+    for name in ("acc", "ema"):
+        zero[name][:, :2] = 0.0
+    zero["low"] = torch.zeros(3, n)
+    zero["low"][:, :2] = 100.0
+    v = EvictView(1, n, v.positions, CONFIDENT, V, 3, zero)
+    for make in (lambda k: H2O(12, 4, sinks=k), lambda k: Scissorhands(12, 4, sinks=k),
+                 lambda k: ConfKV(tight=12, loose=12, protect=4, gamma=0.0, sinks=k),
+                 lambda k: ConfKV(tight=12, loose=12, protect=4, gamma=0.0, attn_weight=0.0, sinks=k),
+                 lambda k: ConfKV(tight=12, loose=12, protect=4, gamma=0.0, sinks=k, per_layer=False)):
+        off, on = make(0).keep(v), make(2).keep(v)
+        for slots in (off.layers or (off.slots,)):
+            assert 0 not in slots
+        for slots in (on.layers or (on.slots,)):
+            assert slots[:2] == (0, 1) and len(slots) == 12
+    with pytest.raises(ValueError, match="sinks"):
+        ConfKV(tight=12, loose=12, protect=10, sinks=2)
 
 
 BLOCKS = st.builds(lambda bs, sb, eb, rb, score, crush, anchor: BlockEvict(bs, sb, eb, rb, score=score, kvcrush=crush,
@@ -339,7 +393,8 @@ def test_drawn_stats_follow_temperature_and_nucleus():
 
 
 def test_confkv_confidence_from_drawn_vs_raw():
-    """The drawn distribution (T, top-p) decides the budget by default; "raw" uses the record's."""
+    """The model's raw distribution (the record's) decides the budget by default (the paper's "Let z be
+    the logits"); confidence_from="drawn" uses the tempered top-p one the token was drawn from."""
     n = 40
     base = view(n, UNSURE)
     logits = torch.zeros(V)
@@ -348,10 +403,11 @@ def test_confkv_confidence_from_drawn_vs_raw():
               attn=base.attn, logits=logits)
     sharp = EvictView(**kw, temperature=0.2, top_p=0.9)        # tempered + nucleus: one token left
     greedy = EvictView(**kw, temperature=0.0, top_p=1.0)       # greedy: the raw model distribution
-    p = ConfKV(gamma=0.7, tight=16, loose=32, protect=4)
+    p = ConfKV(gamma=0.7, tight=16, loose=32, protect=4, confidence_from="drawn")
     assert p.step_confidence(sharp) > 0.99 and p.keep(sharp).budget == 16
     assert p.step_confidence(greedy) < 0.7 and p.keep(greedy).budget == 32
-    raw = ConfKV(gamma=0.7, tight=16, loose=32, protect=4, confidence_from="raw")
+    raw = ConfKV(gamma=0.7, tight=16, loose=32, protect=4)
+    assert raw.confidence_from == "raw"
     assert raw.keep(sharp).budget == 32 and raw.step_confidence(sharp) == pytest.approx(
         confidence(UNSURE.entropy_bits, UNSURE.top1_prob, UNSURE.margin, V))
 

@@ -11,6 +11,7 @@ module for the ``position_embeddings`` ``(cos, sin)`` the model itself used. Aft
 
     A = softmax(q · Kᵀ · scaling + causal)        # (H, n, T), K = that layer's cached keys (GQA-repeated)
     mass_j = Σ_i mean_h A[h, i, j]                 # (T,)  summed over the n new queries (or the last w)
+    ema_j  = Σ_i β^(w-1-i) mean_h A[h, i, j]       # (T,)  the same, each query weighted for a per-query EMA
 
 — the attention probabilities the model computed (for full attention without softcapping). The
 ordinary path never pays for it: the hooks exist only inside the ``with`` block and are removed
@@ -68,7 +69,7 @@ class QueryCapture:
 
     @torch.no_grad()
     def mass(self, keys_of, n: int, window: int | None = None, below: bool = False,
-             row: int | None = None) -> list[torch.Tensor]:
+             row: int | None = None, decay: float | None = None) -> list[torch.Tensor]:
         """Per layer, the ``(T_i,)`` float32 attention mass of the captured ``n`` queries over that
         layer's keys (layers may hold different numbers of entries).
 
@@ -77,9 +78,13 @@ class QueryCapture:
         observation window); ``None`` = all ``n``. ``below=True`` also sets :attr:`low`, per layer
         ``(T_i,)``: per entry, how many of those queries gave it less than the uniform share ``1/T_i`` of
         their head-mean attention (``T_i`` = entries query ``i`` sees; Scissorhands). ``row``: the
-        batch row of a batched forward whose queries count (``keys_of`` then returns that row's keys)."""
+        batch row of a batched forward whose queries count (``keys_of`` then returns that row's keys).
+        ``decay=β`` also
+        sets :attr:`ema_mass`, per layer ``(T_i,)``: ``Σ_i β^(w-1-i) a_i`` over the measured queries
+        ``i = 0 … w-1`` in order — with it, ``ema ← β^w·ema + (1-β)·ema_mass`` is exactly ``w``
+        per-query EMA updates in query order (a query gives 0 to entries after it: causal)."""
         w = n if window is None else min(int(window), n)
-        out, lows = [], []
+        out, lows, emas = [], [], []
         for m in self.modules:
             i = m.layer_idx
             q, pe = self.q.get(i), self.pe.get(i)
@@ -107,9 +112,13 @@ class QueryCapture:
             probs = torch.softmax(scores, dim=-1)                                  # (1, H, w, T)
             a = probs[0].mean(0)                                                   # (w, T)
             out.append(a.sum(0))                                                   # (T,)
+            if decay is not None:
+                wts = float(decay) ** torch.arange(w - 1, -1, -1, device=a.device, dtype=a.dtype)   # (w,) newest = 1
+                emas.append(wts @ a)                                               # (T,)
             if below:
                 seen = torch.arange(w, device=a.device).view(w, 1) + (t - w) + 1   # (w, 1) entries query i sees
                 vis = torch.arange(t, device=a.device).view(1, t) < seen           # (w, T)
                 lows.append(((a < 1.0 / seen) & vis).sum(0).float())              # (T,)
         self.low = lows if below else None                                         # per layer (T_i,)
+        self.ema_mass = emas if decay is not None else None                        # per layer (T_i,)
         return out

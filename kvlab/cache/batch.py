@@ -271,7 +271,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             for b in want:
                 rows = bank.rows[b]
                 masses[b] = (cap.mass(lambda i, rows=rows: rows[i].keys, n_max, window=caches[b]._stats.window,
-                                      below=caches[b]._stats.below, row=b), cap.low)
+                                      below=caches[b]._stats.below, row=b, decay=caches[b]._stats.query_decay),
+                             cap.low, cap.ema_mass)
         except BaseException:
             for b in active:
                 for lay in bank.rows[b]:
@@ -288,9 +289,10 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         c = caches[b]
         c._store.dematerialize()
         before = [len(x) for x in c._mirror.lives]
-        mass, low = masses.get(b, (None, None))
+        mass, low, ema_mass = masses.get(b, (None, None, None))
         p0 = c.next_position
-        commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before)
+        commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before,
+                      ema_mass)
     logits = out.logits                                                                   # (B, k, V)
     if n_max == 1:
         return logits[:, -1, :]                                                           # (B, V)

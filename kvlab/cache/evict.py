@@ -168,18 +168,22 @@ def move_to(cache, rope, positions: list[int], tick: int) -> int:
 
 
 @torch.inference_mode()
-def quantize_older(cache, window: int, group: int = 64) -> int:
-    """See :meth:`kvlab.cache.KVCache.quantize_older` (each layer by its own length; returns layer 0's count)."""
+def quantize_older(cache, window: int, group: int | None = 64) -> int:
+    """See :meth:`kvlab.cache.KVCache.quantize_older` (each layer by its own length; returns layer 0's
+    count). ``group=None``: one scale per (head, channel) over the whole INT8 prefix (every entry
+    older than the window joins it at once)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} must be an int >= 1 (newest entries kept in FP)")
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise ValueError(f"group={group!r} must be an int >= 1 (entries per scale group)")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"group={group!r} must be an int >= 1 (entries per scale group) or None (one scale per "
+                         "head and channel)")
     store = cache._store
     done = []
+    least = 1 if group is None else group
     for i in range(store.num_layers):
         m = store.layer_len(i) - store.int8_len(i) - window
-        if m >= group:
-            store.quantize_prefix(i, m)
-        done.append(m if m >= group else 0)
+        if m >= least:
+            store.quantize_prefix(i, m, per_channel=group is None)
+        done.append(m if m >= least else 0)
     cache.check_lengths()
     return done[0] if done else 0

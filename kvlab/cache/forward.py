@@ -47,13 +47,13 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
             mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window,
-                            below=cache._stats.below)                                      # L x (T_l,)
-            low = cap.low
+                            below=cache._stats.below, decay=cache._stats.query_decay)     # L x (T_l,)
+            low, ema_mass = cap.low, cap.ema_mass
         else:
             out = model(**kwargs)
-            mass = low = None
+            mass = low = ema_mass = None
         store.dematerialize()
-        _record(cache, ids.tolist(), positions, writer, step, mass, low, before)
+        _record(cache, ids.tolist(), positions, writer, step, mass, low, before, ema_mass)
     except BaseException:
         store.dematerialize()
         rollback_append(cache, before, n_rows)
@@ -63,7 +63,8 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
     return out_logits if logits == "all" else out_logits[-1]
 
 
-def _record(cache, ids: list[int], positions: list[int], writer: str, step: int, mass, low, before: list[int]) -> None:
+def _record(cache, ids: list[int], positions: list[int], writer: str, step: int, mass, low, before: list[int],
+            ema_mass=None) -> None:
     """The mirror and statistics side of an append whose K/V the storage already holds."""
     store, mirror = cache._store, cache._mirror
     rows = mirror.ledger.append(ids, positions, writer, step)
@@ -71,17 +72,17 @@ def _record(cache, ids: list[int], positions: list[int], writer: str, step: int,
     mirror.extend(rows)
     if cache._stats is not None:
         cache._stats.set_layers(store.num_layers, before[0])
-        cache._stats.append(len(ids), mass, low)
+        cache._stats.append(len(ids), mass, low, ema_mass)
     cache.check_lengths()           # the new rows are valid by construction: lengths are what can slip
 
 
 def commit_append(cache, ids: list[int], positions: list[int], writer: str, step: int, mass, low,
-                  before: list[int]) -> None:
+                  before: list[int], ema_mass=None) -> None:
     """Record ``ids`` (whose K/V a batched forward appended to ``cache``'s storage: every layer one
     longer than ``before``) in the mirror and statistics; on error undo the append, storage included."""
     n_rows = len(cache._mirror.ledger)
     try:
-        _record(cache, ids, positions, writer, step, mass, low, before)
+        _record(cache, ids, positions, writer, step, mass, low, before, ema_mass)
     except BaseException:
         rollback_append(cache, before, n_rows)
         raise

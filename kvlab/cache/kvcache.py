@@ -40,7 +40,7 @@ from .evict import EvictReport
 from .ledger import EventLog, Ledger, Row
 from .mirror import Mirror
 from .plan import TickReport
-from .stats import AttnStats
+from .stats import EMA_PREFILL, AttnStats
 from .storage import BufferLayer, KVStore, Storage
 
 
@@ -159,6 +159,11 @@ class KVCache:
         (see :meth:`meta_nbytes`)."""
         return self._store.nbytes()
 
+    def nbytes16(self) -> int:
+        """:meth:`nbytes` at the 16-bit reference (FP entries at 2 bytes per element, INT8 entries at 1
+        byte with 16-bit scales): the memory the paper reports, whatever dtype this device stores."""
+        return self._store.nbytes16()
+
     def forward_nbytes(self) -> int:
         """Bytes of K/V held while a forward runs: :meth:`nbytes` plus the full-precision copy of the
         INT8 prefix that each forward materializes, each layer its own INT8 length (equal to
@@ -233,13 +238,16 @@ class KVCache:
         return self._stats.ema_decay if self._stats is not None else None
 
     def track_attention(self, ema_decay: float = 0.9, *, window: int | None = None, pool: int = 1,
-                        below: bool = False) -> None:
+                        below: bool = False, ema_prefill: str = "query") -> None:
         """Start keeping per-entry attention statistics, updated by every
         ``forward(..., attention=True)`` and carried through every edit, per layer over its own live
         slots (:meth:`layer_attn`; :attr:`attn` stacks a uniform cache's to ``(L, T)``):
 
         * ``acc``: accumulated mass ``Σ_steps mass`` (H2O),
-        * ``ema``: ``ema ← β·ema + (1-β)·mass`` with ``β = ema_decay`` (Conf-KV),
+        * ``ema``: ``ema ← β·ema + (1-β)·a_i`` with ``β = ema_decay`` (Conf-KV), one update per measured
+          query ``a_i`` in query order (``ema_prefill="query"``, the default; a multi-token forward
+          such as the prefill is ``w`` updates, its last queries weigh most) or, ``ema_prefill="sum"``,
+          one update with the forward's summed mass (kvlab's earlier convention),
         * ``count``: the entry's lifetime in measured queries — how many measured queries could
           attend to it (NORM_SUM's denominator, as OpenVINO GenAI counts it: a prefill of L tokens
           registers L, L-1, …, 1; each decode step adds 1 to every entry).
@@ -261,14 +269,17 @@ class KVCache:
             raise ValueError(f"pool={pool!r} must be an int >= 1 (1: no pooling)")
         if not isinstance(below, bool):
             raise ValueError(f"below={below!r} must be True or False")
+        if ema_prefill not in EMA_PREFILL:
+            raise ValueError(f"ema_prefill={ema_prefill!r} must be one of {EMA_PREFILL}")
         s = self._stats
         if s is not None:
-            if (s.ema_decay, s.window, s.pool, s.below) != (float(ema_decay), window, pool, below):
+            if (s.ema_decay, s.window, s.pool, s.below, s.ema_prefill) != (float(ema_decay), window, pool, below,
+                                                                             ema_prefill):
                 raise ValueError(f"attention is already tracked with ema_decay={s.ema_decay}, "
-                                 f"window={s.window}, pool={s.pool}, below={s.below}")
+                                 f"window={s.window}, pool={s.pool}, below={s.below}, ema_prefill={s.ema_prefill}")
             return
         dev = self._store.device if self.num_layers else torch.device("cpu")
-        self._stats = AttnStats(ema_decay, self.layer_lengths(), dev, window, pool, below)
+        self._stats = AttnStats(ema_decay, self.layer_lengths(), dev, window, pool, below, ema_prefill)
 
     @property
     def attn_window(self) -> int | None:
@@ -413,10 +424,11 @@ class KVCache:
         Returns how many entries moved. Positions must be distinct ints."""
         return _evict.reposition(self, model, positions)
 
-    def quantize_older(self, window: int, group: int = 64) -> int:
+    def quantize_older(self, window: int, group: int | None = 64) -> int:
         """Move every FP entry older than the newest ``window`` entries to INT8 (:mod:`.int8`),
-        once at least ``group`` of them are waiting (they form one scale group). Returns how
-        many entries were quantized (0 if fewer than ``group`` wait)."""
+        once at least ``group`` of them are waiting (they form one scale group); ``group=None``: every
+        step, into one scale per (head, channel) over the whole INT8 prefix (the paper's). Returns
+        how many entries were quantized (0 if fewer than ``group`` wait)."""
         return _evict.quantize_older(self, window, group)
 
     @torch.inference_mode()

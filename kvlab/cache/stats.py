@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 NAMES = ("acc", "ema", "count")
+EMA_PREFILL = ("query", "sum")
 
 
 class AttnStats:
@@ -22,16 +23,25 @@ class AttnStats:
     (and low, when ``below``: Scissorhands' count of queries that gave the entry < 1/T).
 
     ``window``: only the last ``window`` queries of a forward are measured (None: all);
-    ``pool``: each forward's mass is max-pooled over this many entries (see
-    :meth:`kvlab.cache.KVCache.track_attention`)."""
+    ``pool``: each forward's mass is max-pooled over this many entries; ``ema_prefill``: ``"query"``
+    folds a multi-token forward into the EMA as one update per measured query in query order,
+    ``"sum"`` as one update with the summed mass (see :meth:`kvlab.cache.KVCache.track_attention`)."""
 
     def __init__(self, ema_decay: float, lengths: Sequence[int], device, window: int | None = None, pool: int = 1,
-                 below: bool = False):
+                 below: bool = False, ema_prefill: str = "query"):
+        if ema_prefill not in EMA_PREFILL:
+            raise ValueError(f"ema_prefill={ema_prefill!r} must be one of {EMA_PREFILL}")
         self.ema_decay = float(ema_decay)
+        self.ema_prefill = ema_prefill
         self.window, self.pool, self.below = window, pool, below
         self.device = device
         self.data: dict[str, list[torch.Tensor]] = {k: [torch.zeros(n, device=device) for n in lengths]
                                                      for k in self.names}
+
+    @property
+    def query_decay(self) -> float | None:
+        """β when the EMA takes per-query updates (the query capture then weights each query), else None."""
+        return self.ema_decay if self.ema_prefill == "query" else None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -58,14 +68,18 @@ class AttnStats:
     def copy(self) -> "AttnStats":
         new = AttnStats.__new__(AttnStats)
         new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
-        new.below = self.below
+        new.below, new.ema_prefill = self.below, self.ema_prefill
         new.data = {k: [t.clone() for t in ts] for k, ts in self.data.items()}
         return new
 
-    def append(self, n: int, mass: Sequence[torch.Tensor] | None, low: Sequence[torch.Tensor] | None = None) -> None:
+    def append(self, n: int, mass: Sequence[torch.Tensor] | None, low: Sequence[torch.Tensor] | None = None,
+               ema_mass: Sequence[torch.Tensor] | None = None) -> None:
         """``n`` new entries (zeros) on every layer, then fold in one forward's ``mass`` (per layer
         ``(T_l,)``, the new entries last) if measured (and, when ``below``, its ``low`` counts, per
-        layer ``(T_l,)``)."""
+        layer ``(T_l,)``). ``ema_mass`` (per layer ``(T_l,)``, :meth:`QueryCapture.mass` with ``decay``):
+        the EMA takes the forward's ``w`` measured queries as ``w`` updates in query order,
+        ``ema ← β^w·ema + (1-β)·ema_mass``; without it, one update ``ema ← β·ema + (1-β)·mass``."""
+        w = n if self.window is None else min(self.window, n)
         a = self.data
         for i in range(len(a["acc"])):
             z = torch.zeros(n, device=self.device)
@@ -73,7 +87,11 @@ class AttnStats:
             if mass is not None:
                 m = max_pool_next(mass[i].to(self.device).view(1, -1), self.pool)[0]   # (T_l,)
                 acc = acc + m
-                ema = self.ema_decay * ema + (1.0 - self.ema_decay) * m
+                if ema_mass is not None:
+                    e = max_pool_next(ema_mass[i].to(self.device).view(1, -1), self.pool)[0]   # (T_l,)
+                    ema = self.ema_decay ** w * ema + (1.0 - self.ema_decay) * e
+                else:
+                    ema = self.ema_decay * ema + (1.0 - self.ema_decay) * m
                 count = count + lifetime_increment(count.shape[0], n, self.window).to(self.device)
             a["acc"][i], a["ema"][i], a["count"][i] = acc, ema, count
             if self.below:

@@ -242,6 +242,18 @@ class Storage:
             total += q.nbytes()
         return total
 
+    def nbytes16(self) -> int:
+        """:meth:`nbytes` at the 16-bit reference (the paper's FP16 cache): FP entries at 2 bytes per
+        element whatever their dtype, INT8 entries at 1 byte with 16-bit scales (:meth:`Int8Layer.nbytes16`)."""
+        total = 0
+        for lay in self.hf.layers:
+            if lay.n:
+                _, h, _, d = lay.buf_k.shape                                      # (1, H_kv, cap, D)
+                total += 2 * lay.n * h * d * 2
+        for q in self.int8 or ():
+            total += q.nbytes16()
+        return total
+
     def capacity_nbytes(self) -> int:
         """Bytes allocated for FP buffers (capacity, used or not)."""
         return sum(2 * lay.buf_k.numel() * lay.buf_k.element_size() for lay in self.hf.layers if lay.buf_k is not None)
@@ -391,12 +403,14 @@ class Storage:
 
     # ------------------------------------------------------------------ INT8
 
-    def quantize_prefix(self, i: int, m: int) -> None:
-        """Move the oldest ``m`` FP entries of layer ``i`` to INT8, as one scale group."""
+    def quantize_prefix(self, i: int, m: int, per_channel: bool = False) -> None:
+        """Move the oldest ``m`` FP entries of layer ``i`` to INT8: as one more scale group, or
+        (``per_channel``) into the prefix's one scale per (head, channel) (:mod:`.int8`)."""
         if self.int8 is None:
             self.int8 = [Int8Layer.empty_like(lay.keys) for lay in self.hf.layers]
         lay = self.hf.layers[i]
-        self.int8[i] = self.int8[i].append_group(lay.keys[:, :, :m, :], lay.values[:, :, :m, :])
+        add = self.int8[i].append_channel if per_channel else self.int8[i].append_group
+        self.int8[i] = add(lay.keys[:, :, :m, :], lay.values[:, :, :m, :])
         lay.drop_front(m)
 
     def dequantize(self) -> None:

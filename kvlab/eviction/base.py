@@ -16,7 +16,13 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
 * ``attention_pool: int = 1`` — each forward's mass is max-pooled over the entry and the next
   ``attention_pool - 1`` entries before it is accumulated (OpenVINO GenAI's ``max_pool_window_size``);
 * ``attention_below: bool = False`` — the cache also counts, per entry, the measured queries that
-  gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands).
+  gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands);
+* ``ema_prefill: str = "query"`` — the EMA takes a multi-token forward (the prefill) as one update
+  per query in query order (``"sum"``: one update with the summed mass).
+
+Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
+evicted, StreamingLLM; :func:`sink_counts`); sliding and block eviction keep theirs by default
+(``SlidingWindow.sinks``, ``BlockEvict.start_blocks``).
 
 The loop calls ``keep`` once per step, after the token was chosen (and after a refresh), and
 removes every slot not kept through ``KVCache.evict`` (the cache module is the only thing that
@@ -96,7 +102,7 @@ class Keep:
     confidence: float | None = None    # Conf-KV's confidence score
     rerotate: bool = False
     int8_window: int | None = None     # store entries older than the newest int8_window in INT8
-    int8_group: int = 64
+    int8_group: int | None = 64        # entries per INT8 scale group; None: one scale per (head, channel)
     layers: tuple[tuple[int, ...], ...] | None = None   # per-layer kept slots; None: slots on every layer
 
     def dropped(self, length: int) -> list[int]:
@@ -244,17 +250,38 @@ def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
 
 
 def top_and_recent_layers(scores: Sequence[torch.Tensor], lengths: Sequence[int], budget: int,
-                          recent: int) -> list[tuple[int, ...]]:
-    """Per layer ``l`` holding ``lengths[l]`` entries: every slot when within ``budget``, else its newest
-    ``recent`` slots and the ``budget - recent`` others with the highest ``scores[l]`` (ties: newer) —
-    H2O's and Scissorhands' per-layer rule, with the over-budget layers ranked by one
-    :func:`top_slots_layers` call."""
+                          recent: int, sinks: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Per layer ``l`` holding ``lengths[l]`` entries: every slot when within ``budget``, else its
+    first ``sinks[l]`` slots (attention sinks, :func:`sink_counts`; none by default), its newest
+    ``recent`` slots and the ``budget - recent - sinks[l]`` others with the highest ``scores[l]``
+    (ties: newer) — H2O's and Scissorhands' per-layer rule, with the over-budget layers ranked by
+    one :func:`top_slots_layers` call (per sink count)."""
+    sinks = [0] * len(lengths) if sinks is None else list(sinks)
     over = [l for l, n in enumerate(lengths) if n > budget]
-    tops = top_slots_layers([scores[l][: lengths[l] - recent] for l in over], budget - recent)
     kept = [tuple(range(n)) for n in lengths]
-    for l, top in zip(over, tops):
-        kept[l] = tuple(top) + tuple(range(lengths[l] - recent, lengths[l]))
+    for s in sorted({sinks[l] for l in over}):
+        ls = [l for l in over if sinks[l] == s]
+        tops = top_slots_layers([scores[l][s: lengths[l] - recent] for l in ls], budget - recent - s)
+        for l, top in zip(ls, tops):
+            kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(lengths[l] - recent, lengths[l]))
     return kept
+
+
+def sink_counts(view: "EvictView", sinks: int) -> list[int]:
+    """Per layer, how many of its live slots are attention sinks: slots whose absolute position is
+    below ``sinks`` (StreamingLLM: the first ``sinks`` positions are never evicted). Slots are in
+    position order, so a layer's sinks are its first ``sink_counts[l]`` slots."""
+    if not sinks:
+        return [0] * view.num_layers
+    return [sum(1 for p in pos[:sinks] if p < sinks) for pos in view.layer_positions]
+
+
+def check_sinks(sinks, protect_name: str, protect: int, budget_name: str, budget: int) -> None:
+    """``sinks`` is an int >= 0 and sinks + the protected window leave a ranked slot in the budget."""
+    nonneg_int("sinks", sinks)
+    if sinks + protect >= budget:
+        raise ValueError(f"sinks={sinks} + {protect_name}={protect} must be < {budget_name}={budget}: sinks and the "
+                         f"protected window have to leave room in the budget (lower sinks or raise {budget_name})")
 
 
 def layer_stat(view: EvictView, name: str) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Conf-KV: confidence-aware eviction (seed 002). The paper's symbols were lost; these are the forms chosen.
 
-**Confidence** of step ``t`` from the distribution ``p`` that ``y_t`` was drawn from (vocabulary
-size ``V``; its entropy, top-1 probability and probability margin). ``confidence_from="drawn"``
-(default): ``p = softmax(logits / T)`` restricted to the top-p nucleus and renormalized — the
-run's own sampling (:func:`kvlab.eviction.base.drawn_stats`; greedy runs use ``T = 1``, no
-nucleus); ``"raw"``: the model's untempered distribution (the step record's statistics), kept as
-the measured alternative:
+**Confidence** of step ``t`` from a next-token distribution ``p`` (vocabulary size ``V``; its
+entropy, top-1 probability and probability margin). ``confidence_from="raw"`` (default; the paper's
+"Let z be the logits and p the next-token distribution"): ``p = softmax(z)``, the model's own
+untempered distribution (the step record's statistics); ``"drawn"``: the distribution ``y_t`` was
+drawn from, ``softmax(z / T)`` restricted to the top-p nucleus and renormalized
+(:func:`kvlab.eviction.base.drawn_stats`; greedy runs use ``T = 1``, no nucleus) — kept as the
+measured alternative (a nucleus that holds one token gives ``c = σ(8) = 0.99966`` whatever the
+model's own spread, which saturates the schedule):
 
     H̃ = H(p) / ln V                           normalized entropy ∈ [0, 1]
     m  = min(ln p₁ - ln p₂, 10)                 log-probability margin (nats, clipped)
@@ -14,39 +16,51 @@ the measured alternative:
 with defaults ``w_h = 3, w_m = 0.5, w_p = 3, b = -3`` (a flat distribution gives c ≈ 0.05, a
 peaked one c > 0.99).
 
-**Budget**: ``B_t = tight if c ≥ γ else loose`` (confident steps prune to the tight budget).
+**Budget**: ``B_t = tight if c ≥ γ else loose`` (confident steps prune to the tight budget). The
+cache is cut to ``B_t`` at every step, so it grows by one entry per uncertain step until it reaches
+``loose`` and falls back to ``tight`` on the next confident step: the sawtooth. ``γ = 0`` makes every
+step confident: Conf-KV's ranker at the fixed budget ``tight`` (the study's ``confkv_fixed`` control).
 
-**Ranker** over the non-protected candidates ``j`` (all slots but the newest ``protect``) of
-layer ``l``:
+**Ranker** over the non-protected candidates ``j`` (all slots but the newest ``protect`` and the
+``sinks``) of layer ``l``:
 
-    â_lj = minmax_j(ema_lj)        EMA attention mass, ema ← β·ema + (1-β)·mean_h A[h, j]   (β = ema_decay)
+    â_lj = minmax_j(ema_lj)        EMA attention mass, ema ← β·ema + (1-β)·mean_h A[h, i, j] per query i
     r̂_lj = minmax_j(pos_lj)        recency by original position (newer → larger)
     s_lj = λ·â_lj + (1-λ)·r̂_lj      λ = attn_weight (1: attention only, 0: recency only)
 
+The EMA takes one update per query in query order (``ema_prefill="query"``, default): the prefill's
+``w`` queries are ``w`` updates, so its last queries (the question) weigh most;
+``ema_prefill="sum"`` folds the prefill's summed mass into one update (kvlab's earlier convention:
+right after the prefill the EMA is then H2O's accumulated score × (1-β)).
 Min–max is over the candidates of each layer (0 where all are equal; ``pos`` are the positions of
 that layer's own slots). Every layer ranks by its own ``s_lj``, as seed 002 does ("normalized over
 the non-protected candidates in the current layer"): if layer ``l`` holds more than ``B_t``
-entries, its newest ``protect`` are kept and its ``B_t - protect`` candidates with the largest
-``s_lj`` (ties → newer); otherwise nothing is evicted. The layers keep different entries, ``B_t``
-each (``Keep.layers``; ``Keep.slots`` is layer 0's). So the cache grows while steps are uncertain
-(up to ``loose``) and drops to ``tight`` on a confident step: the sawtooth. ``per_layer=False``
-is the earlier one-live-set ranking, kept to measure the difference: the same slots on every layer,
-by ``S_j = (1/L) Σ_l s_lj`` (needs a uniform cache; not with ``pyramidal``).
+entries, its sinks and newest ``protect`` are kept and its ``B_t - protect - sinks`` candidates
+with the largest ``s_lj`` (ties → newer); otherwise nothing is evicted. The layers keep different
+entries, ``B_t`` each (``Keep.layers``; ``Keep.slots`` is layer 0's). ``per_layer=False`` is the
+earlier one-live-set ranking, kept to measure the difference: the same slots on every layer, by
+``S_j = (1/L) Σ_l s_lj`` (needs a uniform cache; not with ``pyramidal``).
+
+**Sinks** (``sinks=k``, StreamingLLM): the first ``k`` positions are never evicted; they count
+against the budget. Default 0 (the paper names none); min–max recency gives position 0 the lowest
+recency, so without sinks λ < 1 evicts the attention sink as soon as it is a candidate.
 
 **Pyramidal** (``pyramidal=True``, Conf-KV-L): layer ``l`` of ``L`` keeps its own live set under
-its own budget
+its own budget at EQUAL memory (PyramidKV's arithmetic schedule around ``B_t``):
 
-    B_t^l = max(protect, round(B_t · m_l)),   m_l = 1 - (1 - ρ)·l/(L-1)   (ρ = pyramid_ratio)
+    m_l = (2 - ρ) - 2(1 - ρ)·l/(L-1)       (ρ = pyramid_ratio; m_0 = 2 - ρ, m_{L-1} = ρ, mean 1)
+    B_t^l = B_t·m_l rounded so that Σ_l B_t^l = L·B_t exactly (largest remainders)
 
-— the shallowest layer keeps the selected budget ``B_t``, the deepest ``ρ·B_t``; the cache then
-holds about ``(1 + ρ)/2`` of a uniform Conf-KV's entries at the same schedule (the paper's formula
-was lost; it says Conf-KV-L reduces measured peak memory against uniform Conf-KV, which a
-shallowest-layer-keeps-``B_t`` pyramid does). Each layer ranks as above and keeps its top
-``B_t^l - protect`` candidates plus the protected window (``Keep.layers``).
-The record's ``budget`` signal is ``B_t``; ``cache_len`` is layer 0's length.
+so the shallowest layer keeps ``(2-ρ)·B_t``, the deepest ``ρ·B_t``, and the cache holds the same
+number of entries as a uniform Conf-KV at the same schedule. ``⌊ρ·tight⌋`` must exceed
+``protect + sinks`` (every layer keeps ranked slots; ValueError otherwise). The paper's Conf-KV-L
+also stores INT8 (set ``int8_window``). The record's ``budget`` signal is ``B_t``; ``cache_len`` is
+layer 0's length.
 
-**INT8** (``int8_window=W``): entries older than the newest ``W`` are stored as INT8 with
-per-(group, head, channel) scales (:mod:`kvlab.cache.int8`), ``int8_group`` entries at a time.
+**INT8** (``int8_window=W``): entries older than the newest ``W`` are stored as INT8
+(:mod:`kvlab.cache.int8`): with ``int8_group=None`` (default, the paper's) one scale per (head,
+channel) over the whole quantized prefix, every step; with ``int8_group=g`` kvlab's grouped
+variant, one scale per (group of ≥ g entries, head, channel).
 """
 from __future__ import annotations
 
@@ -55,12 +69,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, drawn_stats, finite_float, keep_all, layer_mean, layer_rows, layer_stat,
-                   minmax, nonneg_int, positive_int, protected_below, top_slots, unit_float)
+from .base import (EvictView, Keep, check_bool, check_sinks, drawn_stats, finite_float, keep_all, layer_mean, layer_rows,
+                   layer_stat, minmax, nonneg_int, positive_int, protected_below, sink_counts, top_slots, unit_float)
 from .base import per_layer as layer_decision
 
 MARGIN_CLIP = 10.0
-CONFIDENCE_FROM = ("drawn", "raw")
+CONFIDENCE_FROM = ("raw", "drawn")
+EMA_PREFILL = ("query", "sum")
 
 
 def confidence(entropy_bits: float, top1_prob: float, margin: float, vocab_size: int, *, w_entropy: float = 3.0,
@@ -76,16 +91,22 @@ def confidence(entropy_bits: float, top1_prob: float, margin: float, vocab_size:
 
 
 def pyramid_weights(num_layers: int, ratio: float) -> torch.Tensor:
-    """``m_l`` (module docstring): linear from 1 (shallowest layer) to ``ρ`` (deepest)."""
+    """``m_l`` (module docstring): linear from ``2 - ρ`` (shallowest layer) to ``ρ`` (deepest), mean 1."""
     if num_layers == 1:
-        return torch.ones(1)
-    l = torch.arange(num_layers, dtype=torch.float32)
-    return 1.0 - (1.0 - ratio) * l / (num_layers - 1)
+        return torch.ones(1, dtype=torch.float64)
+    l = torch.arange(num_layers, dtype=torch.float64)
+    return (2.0 - ratio) - 2.0 * (1.0 - ratio) * l / (num_layers - 1)
 
 
-def pyramid_budgets(budget: int, num_layers: int, ratio: float, floor: int) -> list[int]:
-    """Per-layer budgets ``max(floor, round(budget · m_l))`` (module docstring)."""
-    return [max(floor, round(budget * float(m))) for m in pyramid_weights(num_layers, ratio)]
+def pyramid_budgets(budget: int, num_layers: int, ratio: float) -> list[int]:
+    """Per-layer budgets ``≈ budget · m_l`` summing to exactly ``num_layers · budget`` (largest
+    remainders; module docstring): the pyramid's mean budget is the uniform budget."""
+    exact = [budget * float(m) for m in pyramid_weights(num_layers, ratio)]
+    out = [math.floor(x) for x in exact]
+    short = num_layers * budget - sum(out)
+    for l in sorted(range(num_layers), key=lambda l: (-(exact[l] - out[l]), l))[:short]:
+        out[l] += 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -103,11 +124,13 @@ class ConfKV:
     attn_weight: float = 0.5
     ema_decay: float = 0.9
     pyramidal: bool = False
-    pyramid_ratio: float = 0.25
+    pyramid_ratio: float = 0.5
     int8_window: int | None = None
-    int8_group: int = 64
-    confidence_from: str = "drawn"
+    int8_group: int | None = None
+    confidence_from: str = "raw"
     per_layer: bool = True
+    sinks: int = 0
+    ema_prefill: str = "query"
 
     def __post_init__(self):
         unit_float("gamma", self.gamma)
@@ -117,6 +140,7 @@ class ConfKV:
             raise ValueError(f"loose={self.loose} must be >= tight={self.tight} (uncertain steps keep more)")
         nonneg_int("protect", self.protect)
         protected_below("protect", self.protect, "tight", self.tight)
+        check_sinks(self.sinks, "protect", self.protect, "tight", self.tight)
         for name in ("w_entropy", "w_margin", "w_top", "bias"):
             finite_float(name, getattr(self, name))
         unit_float("attn_weight", self.attn_weight)
@@ -129,12 +153,20 @@ class ConfKV:
                              "its own budget: use per_layer=True with pyramidal=True")
         if isinstance(self.pyramid_ratio, bool) or not isinstance(self.pyramid_ratio, (int, float)) \
                 or not 0 < self.pyramid_ratio <= 1:
-            raise ValueError(f"pyramid_ratio={self.pyramid_ratio!r} must be in (0, 1] (deepest/shallowest share)")
+            raise ValueError(f"pyramid_ratio={self.pyramid_ratio!r} must be in (0, 1] (deepest layer's share of B_t)")
+        if self.pyramidal and math.floor(self.tight * self.pyramid_ratio) <= self.protect + self.sinks:
+            raise ValueError(f"pyramid_ratio={self.pyramid_ratio} leaves the deepest layer ⌊{self.tight}·"
+                             f"{self.pyramid_ratio}⌋ = {math.floor(self.tight * self.pyramid_ratio)} entries at the "
+                             f"tight budget, not more than protect + sinks = {self.protect + self.sinks}: raise "
+                             "pyramid_ratio or tight, or lower protect")
         if self.int8_window is not None:
             positive_int("int8_window", self.int8_window)
-        positive_int("int8_group", self.int8_group)
+        if self.int8_group is not None:
+            positive_int("int8_group", self.int8_group)
         if self.confidence_from not in CONFIDENCE_FROM:
             raise ValueError(f"confidence_from={self.confidence_from!r} must be one of {CONFIDENCE_FROM}")
+        if self.ema_prefill not in EMA_PREFILL:
+            raise ValueError(f"ema_prefill={self.ema_prefill!r} must be one of {EMA_PREFILL}")
 
     @property
     def needs_attention(self) -> bool:
@@ -157,8 +189,7 @@ class ConfKV:
         budget = self.tight if c >= self.gamma else self.loose
         extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
         if self.pyramidal:
-            return self.keep_layers(view, pyramid_budgets(budget, view.num_layers, self.pyramid_ratio, self.protect),
-                                    extra)
+            return self.keep_layers(view, pyramid_budgets(budget, view.num_layers, self.pyramid_ratio), extra)
         if self.per_layer:
             return self.keep_layers(view, [budget] * view.num_layers, extra)
         return self.keep_mean(view, budget, extra)
@@ -168,7 +199,8 @@ class ConfKV:
         n = view.length
         if n <= budget:
             return keep_all(view, **extra)
-        cand = list(range(n - self.protect))
+        k = sink_counts(view, self.sinks)[0]
+        cand = list(range(k, n - self.protect))
         pos = torch.tensor([view.positions[j] for j in cand], dtype=torch.float32)
         r = minmax(pos)                                                       # (C,)
         if self.attn_weight > 0:
@@ -177,20 +209,22 @@ class ConfKV:
         else:
             s = r.view(1, -1).expand(view.num_layers, -1)
         score = layer_mean(s, list(range(len(cand))))
-        kept = top_slots(score, cand, budget - self.protect)
-        return Keep(tuple(kept) + tuple(range(n - self.protect, n)), **extra)
+        kept = top_slots(score, cand, budget - self.protect - k)
+        return Keep(tuple(range(k)) + tuple(kept) + tuple(range(n - self.protect, n)), **extra)
 
-    def layer_kept(self, ema: torch.Tensor | None, positions, budget: int) -> tuple[int, ...]:
-        """One layer's kept slots under ``budget``, from its EMA ``(T_l,)`` and its slots' positions."""
+    def layer_kept(self, ema: torch.Tensor | None, positions, budget: int, sinks: int = 0) -> tuple[int, ...]:
+        """One layer's kept slots under ``budget``, from its EMA ``(T_l,)`` and its slots' positions
+        (its first ``sinks`` slots are attention sinks, always kept)."""
         n = len(positions)
         if n <= budget:
             return tuple(range(n))
-        cand = list(range(n - self.protect))
+        cand = list(range(sinks, n - self.protect))
         s = minmax(torch.tensor([positions[j] for j in cand], dtype=torch.float32))       # (C,) recency
         if self.attn_weight > 0:
-            a = minmax(ema[: len(cand)].float())                                           # (C,)
+            a = minmax(ema[sinks: n - self.protect].float())                               # (C,)
             s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
-        return tuple(top_slots(s, cand, budget - self.protect)) + tuple(range(n - self.protect, n))
+        return (tuple(range(sinks)) + tuple(top_slots(s, cand, budget - self.protect - sinks))
+                + tuple(range(n - self.protect, n)))
 
     def keep_layers(self, view: EvictView, budgets: list[int], extra: dict) -> Keep:
         """Every layer ``l`` keeps its own top entries by its own ``s_lj`` under ``budgets[l]``
@@ -198,5 +232,6 @@ class ConfKV:
         if all(len(p) <= b for p, b in zip(view.layer_positions, budgets)):
             return keep_all(view, **extra)
         emas = layer_rows(view, "ema") if self.attn_weight > 0 else [None] * view.num_layers
-        kept = [self.layer_kept(e, p, b) for e, p, b in zip(emas, view.layer_positions, budgets)]
+        sinks = sink_counts(view, self.sinks)
+        kept = [self.layer_kept(e, p, b, k) for e, p, b, k in zip(emas, view.layer_positions, budgets, sinks)]
         return layer_decision(kept, **extra)

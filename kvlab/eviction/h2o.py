@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
-                   over_budget, positive_int, protected_below, top_and_recent_layers, top_slots)
+from .base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
+                   over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
 from .base import per_layer as layer_decision
 
 
@@ -21,40 +21,45 @@ class H2O:
     (``Keep.layers``; ``Keep.slots`` is layer 0's). At most ``budget`` entries per layer.
 
     ``per_layer=False`` is the earlier one-live-set ranking, kept to measure the difference: the
-    same slots on every layer, by ``acc`` averaged over the layers (needs a uniform cache)."""
+    same slots on every layer, by ``acc`` averaged over the layers (needs a uniform cache).
+
+    ``sinks`` (default 0, as the H2O reference): the first ``sinks`` positions are never evicted
+    (StreamingLLM's attention sinks); they count against the budget."""
 
     budget: int
     recent: int
     ema_decay: float = 0.9        # unused by H2O's ranking; the cache's EMA needs a β
     per_layer: bool = True
+    sinks: int = 0
 
     def __post_init__(self):
         positive_int("budget", self.budget)
         nonneg_int("recent", self.recent)
         protected_below("recent", self.recent, "budget", self.budget)
         check_bool("per_layer", self.per_layer)
+        check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
 
     @property
     def needs_attention(self) -> bool:
         return True
 
-    def layer_keep(self, acc: torch.Tensor, n: int) -> tuple[int, ...]:
-        """One layer's decision from its ``acc`` ``(n,)``: the slots it keeps."""
+    def layer_keep(self, acc: torch.Tensor, n: int, sinks: int = 0) -> tuple[int, ...]:
+        """One layer's decision from its ``acc`` ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
         if n <= self.budget:
             return tuple(range(n))
-        cand = list(range(n - self.recent))
-        kept = top_slots(acc[: n - self.recent].float(), cand, self.budget - self.recent)
-        return tuple(kept) + tuple(range(n - self.recent, n))
+        cand = list(range(sinks, n - self.recent))
+        kept = top_slots(acc[sinks: n - self.recent].float(), cand, self.budget - self.recent - sinks)
+        return tuple(range(sinks)) + tuple(kept) + tuple(range(n - self.recent, n))
 
     def keep(self, view: EvictView) -> Keep:
         if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
         if self.per_layer:
             kept = top_and_recent_layers(layer_rows(view, "acc"), [len(p) for p in view.layer_positions],
-                                         self.budget, self.recent)
+                                         self.budget, self.recent, sink_counts(view, self.sinks))
             return layer_decision(kept, budget=self.budget)
-        n = view.length
-        cand = list(range(n - self.recent))
+        n, s = view.length, sink_counts(view, self.sinks)[0]
+        cand = list(range(s, n - self.recent))
         score = layer_mean(layer_stat(view, "acc"), cand)
-        kept = top_slots(score, cand, self.budget - self.recent)
-        return Keep(tuple(kept) + tuple(range(n - self.recent, n)), budget=self.budget)
+        kept = top_slots(score, cand, self.budget - self.recent - s)
+        return Keep(tuple(range(s)) + tuple(kept) + tuple(range(n - self.recent, n)), budget=self.budget)

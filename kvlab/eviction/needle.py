@@ -14,10 +14,25 @@ many more tokens; at 2k–4k tokens the full cache already misses some depths. T
 therefore stays at 256–1,024 tokens, where the full cache succeeds, so that a miss under eviction
 measures the policy and not the model.
 
-Eviction runs in the decode phase (the whole prompt is prefilled, the policy prunes the cache
-after the first emitted token), so every digit of the answer is read from the pruned cache.
+Two settings (column ``setting`` of the tables; issue 25):
+
+* ``prefill`` — the whole prompt, question included, is prefilled; the policy prunes the cache
+  after the first emitted token (decided on the full cache), so every later digit of the answer is
+  read from the pruned cache. A real deployment pattern, but the policy never sees the question
+  arrive and Conf-KV's budget meets only the answer.
+* ``streamed`` — the haystack is prefilled and the question is fed through the decode loop
+  teacher-forced (``DecodeConfig.forced``): every question token is one decode step, so the
+  policy, its confidence and its budget act while the question arrives (and its attention
+  statistics see the question's queries), then the answer is decoded greedily.
+
+Memory is matched on the MEAN cache length over the decode steps, per setting: Conf-KV runs
+first and every fixed-budget family gets the budget that gives the same mean
+(:func:`matched_needle_policies`).
+
 ``depth`` is the fraction of the filler that precedes the needle: 0 = right after the
-instruction (oldest), 1 = right before the question (newest).
+instruction (oldest), 1 = right before the question (newest). ``from_query`` states the same
+unambiguously as the paper does: the number of prompt tokens between the end of the needle
+sentence and the question.
 """
 from __future__ import annotations
 
@@ -55,6 +70,12 @@ class NeedleCase:
     key: str
     prompt: str
     rep: int = 0
+    from_query: int = -1          # prompt tokens between the needle sentence and the question (distance from query)
+
+    @property
+    def haystack(self) -> str:
+        """The prompt without its question (what the ``streamed`` setting prefills)."""
+        return self.prompt[: len(self.prompt) - len(QUESTION)]
 
     def __post_init__(self):
         if not 0.0 <= self.depth <= 1.0:
@@ -94,7 +115,8 @@ def build_case(tokenizer, length: int, depth: float, key: str, rep: int = 0) -> 
     units = max(1, round((length - fixed) / unit))
     before = round(depth * units)
     prompt = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
-    return NeedleCase(length=length, depth=float(depth), key=key, prompt=prompt, rep=rep)
+    after = _n_tokens(tokenizer, FILLER * (units - before)) - _n_tokens(tokenizer, "") if units > before else 0
+    return NeedleCase(length=length, depth=float(depth), key=key, prompt=prompt, rep=rep, from_query=after)
 
 
 def make_cases(tokenizer, lengths: Sequence[int] = LENGTHS, depths: Sequence[float] = DEPTHS,
@@ -114,54 +136,134 @@ def make_cases(tokenizer, lengths: Sequence[int] = LENGTHS, depths: Sequence[flo
     return cases
 
 
-def needle_config(evict=None) -> DecodeConfig:
-    """Greedy raw completion on the teacher (the format that works at full cache, see module doc)."""
-    return DecodeConfig(mode="teacher", max_new_tokens=ANSWER_TOKENS, sampling=Sampling(), chat=False, evict=evict)
+SETTINGS = ("streamed", "prefill")
 
 
-def needle_run(lm, case: NeedleCase, evict, store: RunStore) -> dict:
-    """One stored passkey completion under ``evict`` (a policy or None = full cache)."""
-    cfg = needle_config(evict)
-    config = run_config(lm, None, case.prompt, cfg, extra={"task": "needle"})
+def question_ids(lm, case: NeedleCase) -> list[int]:
+    """The question's token ids as they follow the haystack in the whole prompt's tokenization."""
+    full, hay = lm.encode_prompt(case.prompt, chat=False), lm.encode_prompt(case.haystack, chat=False)
+    if full[: len(hay)] == hay:
+        return full[len(hay):]
+    return [int(i) for i in lm.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]]
+
+
+def needle_config(evict=None, forced: tuple = ()) -> DecodeConfig:
+    """Greedy raw completion on the teacher (the format that works at full cache, see module doc);
+    ``forced``: the question's tokens, teacher-forced through the loop before the answer."""
+    return DecodeConfig(mode="teacher", max_new_tokens=ANSWER_TOKENS + len(forced), sampling=Sampling(), chat=False,
+                        evict=evict, forced=tuple(forced))
+
+
+def needle_run(lm, case: NeedleCase, evict, store: RunStore, setting: str = "prefill") -> dict:
+    """One stored passkey completion under ``evict`` (a policy or None = full cache) in ``setting``
+    (module docstring). ``text`` is the answer only (after the streamed question)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
+    forced = tuple(question_ids(lm, case)) if setting == "streamed" else ()
+    prompt = case.haystack if setting == "streamed" else case.prompt
+    cfg = needle_config(evict, forced)
+    config = run_config(lm, None, prompt, cfg, extra={"task": "needle"})
 
     def compute() -> dict:
-        tr = run(lm, None, case.prompt, cfg)
+        tr = run(lm, None, prompt, cfg)
         steps = tr.records
-        lens = [r.cache_len for r in steps]
-        nbytes = [getattr(r, "cache_bytes", None) for r in steps]
-        return {"text": tr.text, "prompt_tokens": len(tr.prompt_ids), "cache_len": lens,
-                "cache_bytes": nbytes, "evicted": sum(r.evicted for r in steps), "total_s": tr.total_s}
+        answer = lm.tokenizer.decode(tr.tokens[len(forced):], skip_special_tokens=True)
+        return {"text": answer, "prompt_tokens": len(tr.prompt_ids) + len(forced), "question_steps": len(forced),
+                "cache_len": [r.cache_len for r in steps], "cache_bytes": [r.cache_bytes for r in steps],
+                "evicted_steps": [r.evicted for r in steps],
+                "budget": [r.signals.get("budget") for r in steps],
+                "confidence": [r.signals.get("confidence") for r in steps],
+                "evicted": sum(r.evicted for r in steps), "total_s": tr.total_s}
 
     return store.get_or_run(config, compute)
 
 
-def needle_runs(lm, cases: Sequence[NeedleCase], policies: dict, store: RunStore,
-                progress: bool = True) -> pd.DataFrame:
-    """Every (case, policy) completion as one row: answer, correct, cache length while answering."""
+def needle_row(name: str, case: NeedleCase, res: dict, setting: str) -> dict:
+    lens = res["cache_len"]
+    q = res.get("question_steps", 0)
+    conf = [c for c in res.get("confidence", [])[q:] if c is not None]
+    return {"setting": setting, "policy": name, "length": case.length, "depth": case.depth,
+            "from_query": case.from_query, "rep": case.rep, "key": case.key, "prompt_tokens": res["prompt_tokens"],
+            "answer": parse_key(res["text"]) or "", "correct": float(is_correct(res["text"], case.key)),
+            "digits": digits_correct(res["text"], case.key), "mean_cache_len": sum(lens) / len(lens),
+            "answer_cache_len": sum(lens[q:]) / max(1, len(lens) - q), "question_steps": q,
+            "question_evicted": sum(res.get("evicted_steps", [0] * len(lens))[:q]),
+            "answer_confidence": sum(conf) / len(conf) if conf else float("nan"),
+            "evicted": res["evicted"], "total_s": res["total_s"]}
+
+
+def needle_runs(lm, cases: Sequence[NeedleCase], policies: dict, store: RunStore, progress: bool = True,
+                setting: str = "prefill") -> pd.DataFrame:
+    """Every (case, policy) completion in ``setting`` as one row: answer, correct, cache while answering."""
     from tqdm.auto import tqdm
 
-    rows = []
     jobs = [(c, name, pol) for c in cases for name, pol in policies.items()]
-    for case, name, pol in tqdm(jobs, disable=not progress, desc="needle", unit="run"):
-        res = needle_run(lm, case, pol, store)
-        lens = res["cache_len"]
-        rows.append({"policy": name, "length": case.length, "depth": case.depth, "rep": case.rep,
-                     "key": case.key, "prompt_tokens": res["prompt_tokens"], "answer": parse_key(res["text"]) or "",
-                     "correct": float(is_correct(res["text"], case.key)),
-                     "digits": digits_correct(res["text"], case.key),
-                     "answer_cache_len": sum(lens[1:]) / max(1, len(lens) - 1) if len(lens) > 1 else float(lens[0]),
-                     "evicted": res["evicted"], "total_s": res["total_s"]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([needle_row(name, case, needle_run(lm, case, pol, store, setting), setting)
+                         for case, name, pol in tqdm(jobs, disable=not progress, desc=f"needle {setting}",
+                                                     unit="run")])
+
+
+def matched_needle_runs(lm, cases: Sequence[NeedleCase], budget: int, store: RunStore, gamma: float = 0.9,
+                        settings: Sequence[str] = SETTINGS, progress: bool = True) -> tuple[pd.DataFrame, dict]:
+    """Both settings at matched mean memory: per setting, the full cache and Conf-KV first, then every
+    fixed-budget family at the budget giving Conf-KV's mean cache length (:func:`matched_needle_policies`).
+    Returns the per-run frame and, per setting, the policies used."""
+    frames, used = [], {}
+    for setting in settings:
+        first = {"full": None, "confkv": needle_confkv(budget, gamma)}
+        head = needle_runs(lm, cases, first, store, progress, setting)
+        steps = ANSWER_TOKENS + (int(head.question_steps.max()) if setting == "streamed" else 0)
+        target = float(head[head.policy == "confkv"].mean_cache_len.mean())
+        rest = matched_needle_policies(target, steps, budget)
+        frames += [head, needle_runs(lm, cases, rest, store, progress, setting)]
+        used[setting] = {**first, **rest}
+    return pd.concat(frames, ignore_index=True), used
+
+
+def needle_confkv(budget: int, gamma: float = 0.9):
+    """Conf-KV of the needle grid: ``tight = 3/4·budget`` on confident steps, ``loose = budget`` on
+    uncertain ones, ``budget // 8`` protected, 4 sinks."""
+    from . import ConfKV
+
+    return ConfKV(gamma=gamma, tight=budget * 3 // 4, loose=budget, protect=budget // 8, sinks=4)
+
+
+def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size: int = 4) -> dict:
+    """The fixed-budget families at the budget whose mean cache length over ``steps`` decode steps is
+    ``mean_len`` (a prompt longer than the budget is cut at the first step): sliding (4 sinks), H2O
+    (4 sinks, ``budget // 8`` recent) hold ``B`` from the first step on, so ``B = round(mean_len)``;
+    block eviction sits in ``[max, max + bs - 1]``, mean ``max + (bs - 1)/2``; SnapKV cuts the prompt
+    once to ``b`` and appends, mean ``b + (steps - 1)/2``."""
+    from . import H2O, BlockEvict, SlidingWindow, SnapKV
+
+    b = max(budget // 8 + 6, round(mean_len))
+    rec = budget // 8
+    rb = max(1, rec // block_size)
+    eb = max(1, round((mean_len - (block_size - 1) / 2) / block_size) - 1 - rb)
+    snap = max(rec + 1, round(mean_len - (steps - 1) / 2))
+    return {"sliding": SlidingWindow(window=b, sinks=4), "h2o": H2O(budget=b, recent=rec, sinks=4),
+            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
+            "snapkv": SnapKV(budget=snap, window=rec)}
 
 
 def needle_table(per_run: pd.DataFrame, order: Sequence[str] | None = None) -> pd.DataFrame:
-    """Accuracy per (policy, length, depth): mean exact retrieval over keys, digits, cache length."""
-    g = per_run.groupby(["policy", "length", "depth"], sort=False)
+    """Accuracy per (setting, policy, length, depth): mean exact retrieval over keys, digits, cache length."""
+    if "setting" not in per_run:
+        per_run = per_run.assign(setting="prefill")
+    if "from_query" not in per_run:
+        per_run = per_run.assign(from_query=-1)
+    if "mean_cache_len" not in per_run:
+        per_run = per_run.assign(mean_cache_len=per_run.answer_cache_len)
+    g = per_run.groupby(["setting", "policy", "length", "depth"], sort=False)
     out = g.agg(accuracy=("correct", "mean"), digits=("digits", "mean"), n=("correct", "size"),
-                prompt_tokens=("prompt_tokens", "mean"), answer_cache_len=("answer_cache_len", "mean")).reset_index()
+                from_query=("from_query", "mean"), prompt_tokens=("prompt_tokens", "mean"),
+                mean_cache_len=("mean_cache_len", "mean"),
+                answer_cache_len=("answer_cache_len", "mean")).reset_index()
     if order is not None:
         out["_o"] = out.policy.map({p: i for i, p in enumerate(order)})
-        out = out.sort_values(["_o", "length", "depth"], kind="stable").drop(columns="_o").reset_index(drop=True)
+        out["_s"] = out.setting.map({s: i for i, s in enumerate(SETTINGS)})
+        out = out.sort_values(["_s", "_o", "length", "depth"], kind="stable").drop(columns=["_o", "_s"])
+        out = out.reset_index(drop=True)
     return out
 
 
@@ -169,22 +271,29 @@ def needle_markdown(table: pd.DataFrame) -> str:
     """Two pivots of the long table: accuracy by haystack length (mean over depths) and by depth."""
     from kvlab.studies.experiment import to_markdown
 
-    order = list(dict.fromkeys(table.policy))
+    if "setting" not in table:
+        table = table.assign(setting="prefill")
     parts = []
-    for col, label in (("length", "prompt tokens"), ("depth", "needle depth")):
-        pv = table.pivot_table(index="policy", columns=col, values="accuracy", aggfunc="mean").loc[order]
-        pv.columns = [f"{label} {c:g}" for c in pv.columns]
-        pv["mean"] = table.groupby("policy", sort=False)["accuracy"].mean().loc[order]
-        parts.append(f"Exact passkey retrieval by {label} (mean over the other axis):\n\n"
-                     + to_markdown(pv.reset_index(), floatfmt=".2f"))
-    n = int(table.n.sum() / max(1, table.policy.nunique()))
+    for setting in dict.fromkeys(table.setting):
+        t = table[table.setting == setting]
+        order = list(dict.fromkeys(t.policy))
+        for col, label in (("length", "prompt tokens"), ("depth", "needle depth (0 = oldest)")):
+            pv = t.pivot_table(index="policy", columns=col, values="accuracy", aggfunc="mean").loc[order]
+            pv.columns = [f"{label.split(' (')[0]} {c:g}" for c in pv.columns]
+            pv["mean"] = t.groupby("policy", sort=False)["accuracy"].mean().loc[order]
+            if "mean_cache_len" in t:
+                pv["mean cache"] = t.groupby("policy", sort=False)["mean_cache_len"].mean().loc[order]
+            parts.append(f"Setting `{setting}`: exact passkey retrieval by {label} (mean over the other axis):\n\n"
+                         + to_markdown(pv.reset_index(), floatfmt=".2f"))
+    n = int(table.n.sum() / max(1, table.groupby(["setting", "policy"]).ngroups))
     from kvlab.viz.tableview import plural
 
     return "\n".join(parts) + f"\n{plural(n, 'prompt')} per policy; greedy; accuracy = exact 5-digit match.\n"
 
 
 __all__ = ["NeedleCase", "build_case", "make_cases", "parse_key", "is_correct", "digits_correct", "needle_config",
-           "needle_run", "needle_runs", "needle_table", "needle_markdown", "LENGTHS", "DEPTHS"]
+           "needle_run", "needle_runs", "matched_needle_runs", "matched_needle_policies", "needle_confkv",
+           "question_ids", "needle_table", "needle_markdown", "LENGTHS", "DEPTHS", "SETTINGS"]
 
 
 def check_grid(lengths: Sequence[int], depths: Sequence[float], reps: int, budget: int) -> None:

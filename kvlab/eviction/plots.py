@@ -9,7 +9,7 @@ from kvlab.viz.base import figure, new_figure
 EVICT_COLORS = {"full": "#222222", "sliding": "#1b9e77", "h2o": "#d95f02", "random": "#999999", "block": "#7570b3",
                 "confkv": "#e7298a", "confkv_recency": "#66a61e", "confkv_attention": "#e6ab02",
                 "random_rate": "#a6761d", "confkv_int8": "#1f78b4", "confkv_pyramidal": "#fb9a99",
-                "confkv+overfill+refresh": "#6a3d9a"}
+                "confkv+overfill+refresh": "#6a3d9a", "confkv_fixed": "#000080", "snapkv": "#b15928"}
 
 
 def _color(name: str, i: int) -> str:
@@ -71,25 +71,64 @@ def evict_sawtooth_figure(tables, policies=None):
 
 @figure("evict_needle", needs=("evict_needle",))
 def evict_needle_figure(tables):
-    """Passkey retrieval accuracy per policy: needle depth (rows) × prompt length (columns)."""
+    """Passkey retrieval heat-maps in KVCache-Factory's style: one panel per policy (columns) and
+    setting (rows: ``streamed`` question through the loop, ``prefill`` question prefilled), needle
+    depth (rows of a panel) × prompt length (columns), at matched mean memory per setting."""
     df = tables["evict_needle"]
+    if "setting" not in df:
+        df = df.assign(setting="prefill")
+    settings = list(dict.fromkeys(df.setting))
     names = list(dict.fromkeys(df.policy))
-    fig = new_figure(figsize=(2.6 * len(names) + 1, 3.0))
-    axes = np.atleast_1d(fig.subplots(1, len(names), sharey=True))
+    fig = new_figure(figsize=(2.3 * len(names) + 1.2, 2.6 * len(settings) + 0.6))
+    axes = np.atleast_2d(fig.subplots(len(settings), len(names), sharey=True, squeeze=False))
     im = None
-    for ax, name in zip(axes, names):
-        pv = df[df.policy == name].pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
-        im = ax.imshow(pv.to_numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(pv.shape[1]), [str(c) for c in pv.columns], fontsize=7)
-        ax.set_yticks(range(pv.shape[0]), [f"{d:g}" for d in pv.index], fontsize=7)
-        for (r, c), v in np.ndenumerate(pv.to_numpy()):
-            ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6.5)
-        ax.set_title(f"{name}: {df[df.policy == name].accuracy.mean():.2f}", fontsize=9)
-        ax.set_xlabel("prompt tokens")
-    axes[0].set_ylabel("needle depth (0 = oldest)")
+    for r, setting in enumerate(settings):
+        for c, name in enumerate(names):
+            ax = axes[r, c]
+            g = df[(df.setting == setting) & (df.policy == name)]
+            if not len(g):
+                ax.set_axis_off()
+                continue
+            pv = g.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
+            im = ax.imshow(pv.to_numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(pv.shape[1]), [str(x) for x in pv.columns], fontsize=7)
+            ax.set_yticks(range(pv.shape[0]), [f"{d:g}" for d in pv.index], fontsize=7)
+            for (i, j), v in np.ndenumerate(pv.to_numpy()):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6.5)
+            mem = f", {g.mean_cache_len.mean():.0f} entries" if "mean_cache_len" in g else ""
+            ax.set_title(f"{setting} · {name}\n{g.accuracy.mean():.2f}{mem}", fontsize=7.5)
+            if r == len(settings) - 1:
+                ax.set_xlabel("prompt tokens")
+        axes[r, 0].set_ylabel("needle depth\n(0 = oldest, 1 = by the question)", fontsize=8)
     if im is not None:
-        fig.colorbar(im, ax=list(axes), shrink=0.8, label="exact retrieval")
-    fig.suptitle("Passkey retrieval under eviction (greedy; title: mean exact retrieval)", y=1.06)
+        fig.colorbar(im, ax=list(axes.ravel()), shrink=0.8, label="exact retrieval")
+    fig.suptitle("Passkey retrieval under eviction at matched mean memory (greedy; title: setting · policy: mean "
+                 "exact retrieval, mean cache entries)", y=1.02, fontsize=10)
+    return fig
+
+
+@figure("evict_gamma", needs=("evict_gamma",))
+def evict_gamma_figure(tables):
+    """The γ sweep: Conf-KV's KL to the full cache against its mean cache length, one point per γ
+    (labelled, with ±1 per-prompt std), and the fixed-budget control and H2O as reference points."""
+    df = tables["evict_gamma"]
+    fig = new_figure(figsize=(7.5, 4.6))
+    ax = fig.subplots(1, 1)
+    sw = df[df.gamma.notna()].sort_values("gamma")
+    ax.errorbar(sw.mean_len, sw.kl, yerr=sw.kl_std, color=_color("confkv", 0), marker="o", lw=1.2, capsize=3,
+                label="Conf-KV, γ sweep")
+    for _, r in sw.iterrows():
+        ax.annotate(f"γ={r.gamma:g}\n{r.frac_loose:.0%} loose", (r.mean_len, r.kl), fontsize=7,
+                    textcoords="offset points", xytext=(5, 4))
+    for i, (_, r) in enumerate(df[df.gamma.isna()].iterrows()):
+        ax.errorbar([r.mean_len], [r.kl], yerr=[r.kl_std], marker="s", color=_color(r.policy, i + 3), capsize=3,
+                    ls="none", label=r.policy)
+    ax.set_xlabel("mean cache entries per layer (memory)")
+    ax.set_ylabel("KL(p_full ‖ p_evicted), nats / token")
+    ax.grid(linestyle=":", linewidth=0.6)
+    ax.legend(fontsize=8)
+    ax.set_title("Conf-KV's quality–memory knob: γ (higher γ → more steps on the loose budget)", fontsize=10)
+    fig.tight_layout()
     return fig
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below, unit_float
+from .base import EvictView, Keep, check_sinks, keep_all, nonneg_int, positive_int, protected_below, sink_counts, unit_float
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,14 @@ class RandomEvict:
     """When the cache exceeds ``budget`` — and, with ``rate < 1``, only on a seeded fraction
     ``rate`` of such steps (the per-step eviction probability to match another policy's schedule) —
     keep the newest ``recent`` slots and a uniformly random ``budget - recent`` of the others.
-    The draw depends only on ``(seed, step)``, so runs are reproducible."""
+    The draw depends only on ``(seed, step)``, so runs are reproducible. ``sinks``: the first
+    ``sinks`` positions are never evicted (StreamingLLM's attention sinks; default 0)."""
 
     budget: int
     recent: int
     seed: int = 0
     rate: float = 1.0
+    sinks: int = 0
 
     def __post_init__(self):
         positive_int("budget", self.budget)
@@ -29,6 +31,7 @@ class RandomEvict:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
         unit_float("rate", self.rate)
+        check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
 
     def keep(self, view: EvictView) -> Keep:
         n = view.length
@@ -37,6 +40,7 @@ class RandomEvict:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + view.step)
         if self.rate < 1.0 and float(torch.rand((), generator=gen)) >= self.rate:
             return keep_all(view, budget=self.budget)
+        s = sink_counts(view, self.sinks)[0]
         m = n - self.recent
-        pick = torch.randperm(m, generator=gen)[: self.budget - self.recent].tolist()
-        return Keep(tuple(sorted(pick)) + tuple(range(m, n)), budget=self.budget)
+        pick = (torch.randperm(m - s, generator=gen)[: self.budget - self.recent - s] + s).tolist()
+        return Keep(tuple(range(s)) + tuple(sorted(pick)) + tuple(range(m, n)), budget=self.budget)

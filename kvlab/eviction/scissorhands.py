@@ -15,7 +15,8 @@ whole measured life (``w = ∞``) and the cache is cut to ``budget`` on every ov
 matched-memory study's convention for fixed-budget families). Each layer's count is over the
 head mean of its attention. :meth:`Scissorhands.layer_keep` is one layer's decision.
 ``per_layer=False`` is the earlier one-live-set ranking (the same slots on every layer, by the
-layer mean of ``low``; needs a uniform cache), kept to measure the difference.
+layer mean of ``low``; needs a uniform cache), kept to measure the difference. ``sinks`` (default
+0, as the paper): the first ``sinks`` positions are never evicted (StreamingLLM's attention sinks).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, keep_all, layer_rows, layer_stat, nonneg_int, over_budget,
-                   positive_int, protected_below, top_and_recent_layers, top_slots)
+from .base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_rows, layer_stat, nonneg_int,
+                   over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
 from .base import per_layer as layer_decision
 
 
@@ -34,12 +35,14 @@ class Scissorhands:
     recent: int
     ema_decay: float = 0.9        # unused; the cache's EMA needs a β
     per_layer: bool = True
+    sinks: int = 0
 
     def __post_init__(self):
         positive_int("budget", self.budget)
         nonneg_int("recent", self.recent)
         protected_below("recent", self.recent, "budget", self.budget)
         check_bool("per_layer", self.per_layer)
+        check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
 
     @property
     def needs_attention(self) -> bool:
@@ -49,21 +52,22 @@ class Scissorhands:
     def attention_below(self) -> bool:
         return True
 
-    def layer_keep(self, low: torch.Tensor, n: int, budget: int) -> tuple[int, ...]:
-        """One layer's decision from its low counts ``(n,)``: the slots it keeps."""
+    def layer_keep(self, low: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
+        """One layer's decision from its low counts ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
         if n <= budget:
             return tuple(range(n))
-        cand = list(range(n - self.recent))
-        kept = top_slots(-low[: n - self.recent].float(), cand, budget - self.recent)
-        return tuple(kept) + tuple(range(n - self.recent, n))
+        cand = list(range(sinks, n - self.recent))
+        kept = top_slots(-low[sinks: n - self.recent].float(), cand, budget - self.recent - sinks)
+        return tuple(range(sinks)) + tuple(kept) + tuple(range(n - self.recent, n))
 
     def keep(self, view: EvictView) -> Keep:
         if not over_budget(view, self.budget, self.per_layer):
             return keep_all(view, budget=self.budget)
         if self.per_layer:
             kept = top_and_recent_layers([-low.float() for low in layer_rows(view, "low")],
-                                         [len(p) for p in view.layer_positions], self.budget, self.recent)
+                                         [len(p) for p in view.layer_positions], self.budget, self.recent,
+                                         sink_counts(view, self.sinks))
             return layer_decision(kept, budget=self.budget)
         n = view.length
         low = layer_stat(view, "low").float().mean(0)     # (T,) one live set for all layers: the layer mean
-        return Keep(self.layer_keep(low, n, self.budget), budget=self.budget)
+        return Keep(self.layer_keep(low, n, self.budget, sink_counts(view, self.sinks)[0]), budget=self.budget)

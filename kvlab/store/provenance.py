@@ -32,7 +32,7 @@ from pathlib import Path
 #     shallowest layer keeps B, the deepest rho*B); PyramidKV; per-layer re-rotation.
 #   2026-11-23.per-layer-ranking: H2O, Scissorhands, SnapKV and uniform Conf-KV decide per layer too, each layer
 #     keeping its own top entries by its own attention statistic (per_layer=False: the layer-mean ranking).
-CODE_VERSION = "2026-11-23.per-layer-ranking"
+CODE_VERSION = "2026-11-23.per-layer-ranking.issue25-evict"
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]   # kvlab/
 

@@ -85,8 +85,8 @@ def stored_config(teacher, student, prompt: str, cfg: DecodeConfig) -> dict:
 def records_columns(records) -> dict:
     """Per-step records as compact columns (what figures of traces need)."""
     keep = ("token_id", "logprob", "entropy_bits", "top1_prob", "margin", "cache_len", "source",
-            "refreshed", "evicted", "cache_bytes", "meta_bytes", "forward_bytes", "wall_s", "spliced", "teacher_tokens",
-            "probe_tokens", "probed")
+            "refreshed", "evicted", "cache_bytes", "cache_bytes16", "meta_bytes", "forward_bytes", "wall_s", "spliced",
+            "teacher_tokens", "probe_tokens", "probed")
     rows = [asdict(r) for r in records]
     out = {k: [r[k] for r in rows] for k in keep}
     out["signals"] = [dict(r.signals) for r in records]
