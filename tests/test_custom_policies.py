@@ -195,7 +195,7 @@ def test_the_matched_table_and_the_sawtooth_include_it(registered, tiny_teacher,
 
     spec = RunSpec(prompts=(PROMPT, "hello world, how are you today? " * 2), tokens=40,
                    sampling=kvlab.Sampling(temperature=0.8, top_p=0.95, seed=1))
-    study = EvictStudy(gamma=0.5, tight=12, loose=24, protect=4, block_size=4, tol=0.03, only=("tova", "sliding"))
+    study = EvictStudy(gamma=0.5, tight=16, loose=24, protect=4, sinks=2, block_size=4, tol=0.03, only=("tova", "sliding"))
     store = RunStore(tmp_path / "runs")
     per_run, info, pols = matched_runs(tiny_teacher, spec, store, study, progress=False)
     m = matched_table(per_run, info).set_index("policy")
