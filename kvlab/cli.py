@@ -14,7 +14,7 @@ from kvlab.studies.args import run_spec as _spec
 def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> None:
     p.add_argument("--prompts", type=positive_int("--prompts"), default=prompts, help="number of prompts")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
-                   help=f"new tokens per run (N; default {tokens}, or 48 with --prompt-set long)")
+                   help=f"new tokens per run (N) (default: {tokens}) — 48 with --prompt-set long")
     p.add_argument("--prompt-set", default="default", choices=["default", "long"],
                    help="default: data/prompts.jsonl (short ELI5 prompts, long answers); long: data/long_prompts.jsonl "
                         "(300-800 token documents / few-shot / multi-turn prompts with 32-64 token answers, the regime "

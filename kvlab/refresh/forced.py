@@ -238,7 +238,7 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
     (e.g. the ``standalone`` row decodes with another student)."""
     import hashlib
 
-    from kvlab.studies.experiment import scored_run
+    from kvlab.studies.experiment import scored_run, stored_config
 
     rows = []
     for i, prompt in enumerate(spec.prompts):
@@ -253,7 +253,10 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
             if progress:
                 print(f"forced: prompt {i + 1}/{len(spec.prompts)} {name}", flush=True)
             res = store.get_or_run(key, lambda c=cfg, s=st, p=prompt: forced_scores(teacher, s, p, c, ref))
-            toks = scored_run(teacher, st, prompt, cfg, store)["steps"]["token_id"]
+            run_ = store.get(stored_config(teacher, st, prompt, cfg))        # the table's free run (not counted)
+            if run_ is None:
+                run_ = scored_run(teacher, st, prompt, cfg, store)
+            toks = run_["steps"]["token_id"]
             rows.append({"policy": name, "prompt_idx": i, "kl_forced": res["kl_forced"], "nll_forced": res["nll_forced"],
                          "distinct2": distinct_n(toks, 2)})
     return pd.DataFrame(rows)
