@@ -40,3 +40,20 @@ def test_baselines_has_both_baselines_and_forced_scores(tiny_teacher, tiny_stude
     assert reg[["regime", "baseline"]].values.tolist() == [["short", "student"], ["short", "standalone"],
                                                            ["long", "student"]]
     assert reg.d_kl_forced.iloc[0] == t.loc["student", "d_kl_forced"]
+
+
+def test_train_study_table_reads_both_baselines_and_kl_forced(tiny_teacher, tiny_student, tmp_path):
+    from kvlab.train.study import study_runs, study_table
+
+    students = {"pruned": tiny_student, "standalone": make_tiny_lm(seed=7, intermediate_size=48),
+                "overfill": make_tiny_lm(seed=8, intermediate_size=48)}
+    spec = RunSpec(prompts=PROMPTS, tokens=6, sampling=Sampling(temperature=0.8, top_p=0.9, seed=0))
+    per = study_runs(tiny_teacher, students, spec, RunStore(tmp_path), T=2, progress=False)
+    assert set(per.policy) == {f"{v}:{m}" for v in students for m in ("overfill", "refresh", "student")}
+    t = study_table(per, students, T=2).set_index("variant")
+    assert t.loc["overfill", "student_alone"] == "standalone" and t.loc["pruned", "student_alone"] == "pruned"
+    p = per.set_index(["policy", "prompt_idx"]).kl_forced
+    d = [p[("overfill:overfill", i)] - p[("overfill:student", i)] for i in range(5)]
+    assert abs(t.loc["overfill", "dklf_OF_vs_own"] - sum(d) / 5) < 1e-9
+    assert t.loc["overfill", "klf_S"] == per[per.policy == "standalone:student"].kl_forced.mean()
+    assert t.loc["overfill", "dklf_refresh_mde"] > 0
