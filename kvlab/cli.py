@@ -186,6 +186,7 @@ def cmd_refresh(args) -> list[Path]:
     store = RunStore(args.runs)
     if choice is not None:
         tables = single_policy_tables(teacher, student, spec, store, calib, choice, progress=progress, **timing)
+        tables = {f"{k}{_set_suffix(args)}": v for k, v in tables.items()}
         paths = write_refresh(tables, args.out)
         for name in tables:
             print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
@@ -304,7 +305,22 @@ def cmd_train_study(args) -> list[Path]:
 
 # The main job: every table/figure, in order. Each entry: (name, handler). First the trained students that
 # are missing, last the training study that compares them.
-JOBS = [("train", cmd_train_missing), ("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim),
+def _baselines_long(args) -> list[Path]:
+    """The baselines table on the long-prompt / short-answer set too (``baselines_long`` and the side-by-side
+    ``baselines_regimes``), same --prompts, 48 new tokens; skipped when the main job already used that set
+    or a custom --prompts-file."""
+    from argparse import Namespace
+
+    from kvlab.core.data import SET_TOKENS
+
+    if _set_suffix(args) or getattr(args, "prompts_file", None) is not None:
+        print("baselines-long: skipped (the prompt set is not the default one)", flush=True)
+        return []
+    return cmd_baselines(Namespace(**{**vars(args), "prompt_set": "long", "tokens": SET_TOKENS["long"]}))
+
+
+JOBS = [("train", cmd_train_missing), ("baselines", cmd_baselines), ("baselines-long", _baselines_long),
+        ("mc-sim", cmd_mc_sim),
         ("mc-real", _mc_real_small), ("refresh", cmd_refresh), ("evict", cmd_evict),
         ("train-study", cmd_train_study)]
 

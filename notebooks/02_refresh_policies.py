@@ -201,8 +201,9 @@ display(Markdown(readings.read_forced(forced)))
 # ## What the committed tables say
 # The refresh tables `make figures` committed under `figures/` (the cells above use this notebook's
 # parameters; these are the repository's), in both prompt regimes when both are there: `refresh_*` on the
-# default short prompts with long answers, `refresh_*_long` on the long-prompt / short-answer set. Each
-# reading is computed from the file it names, `kl_forced` first.
+# default short prompts with long answers, `refresh_*_long` on the long-prompt / short-answer set (single
+# policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
+# periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
 
 # %%
 from pathlib import Path
@@ -210,9 +211,10 @@ from pathlib import Path
 import pandas as pd
 
 FIG = Path(readings.__file__).resolve().parents[2] / "figures"
-for suffix in ("", "_long"):
-    for name, read in (("refresh_periodic", readings.read_periodic), ("refresh_entropy", readings.read_entropy),
-                       ("refresh_methods", readings.read_methods)):
-        f = FIG / f"{name}{suffix}.csv"
-        if f.is_file() and "kl_forced" in pd.read_csv(f):
-            display(Markdown(f"**figures/{name}{suffix}.md** — " + read(pd.read_csv(f))))
+READERS = {"refresh_periodic": readings.read_periodic, "refresh_entropy": readings.read_entropy,
+           "refresh_methods": readings.read_methods}
+for f in sorted(FIG.glob("refresh_*.csv")):
+    kind = next((k for k in READERS if f.stem.startswith(k)), None)
+    if kind is None or f.stem.endswith(("_runs", "_timing")) or "kl_forced" not in pd.read_csv(f):
+        continue
+    display(Markdown(f"**figures/{f.stem}.md** — " + READERS[kind](pd.read_csv(f))))
