@@ -179,3 +179,11 @@ def test_regimes_reading_quotes_each_row():
     text = R.read_regimes(t)
     assert "long prompts, short answers (long), student: Δkl_forced +0.100 [+0.050, +0.200]: OverFill better" in text
     assert "Δteacher-PPL +1.000 [-1.000, +3.000]: no measurable change" in text      # no MDE column for PPL
+
+
+def test_forced_reading_states_the_detectable_difference():
+    t = pd.DataFrame([{"condition": c, "kl": 1.0, "d_kl_vs_overfill": d, "d_lo": lo, "d_hi": hi, "d_mde": m, "n_prompts": 8}
+                      for c, d, lo, hi, m in (("student", 0.17, 0.1, 0.24, 0.1), ("overfill", 0.0, 0.0, 0.0, float("nan")),
+                                               ("refreshed", 0.015, -0.03, 0.06, 0.07))])
+    text = R.read_forced(t)
+    assert "a teacher re-prefill of the generated text: ΔKL +0.015 [-0.030, +0.060]: no detectable difference at n = 8 (MDE 0.070)" in text

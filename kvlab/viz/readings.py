@@ -285,7 +285,8 @@ def read_forced(table: pd.DataFrame) -> str:
                        ("student", "the student's own prefill (no teacher at all)")):
         r = _row(table, cond, "condition")
         if r is not None:
-            parts.append(f"{what}: ΔKL {interval_verdict(r.d_kl_vs_overfill, r.d_lo, r.d_hi, one)}.")
+            m = float(r["d_mde"]) if "d_mde" in r.index else None
+            parts.append(f"{what}: ΔKL {interval_verdict(r.d_kl_vs_overfill, r.d_lo, r.d_hi, one, mde=m, n=_n(table))}.")
     parts.append(f"{cap(BLOG)} argues that a refresh re-anchors the student's state and lowers "
                  "KL(p_T‖q) for the tokens after it; a `refreshed` interval below 0 is that effect, measured with the "
                  "sampling noise removed.")
