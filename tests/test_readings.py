@@ -187,3 +187,16 @@ def test_forced_reading_states_the_detectable_difference():
                                                ("refreshed", 0.015, -0.03, 0.06, 0.07))])
     text = R.read_forced(t)
     assert "a teacher re-prefill of the generated text: ΔKL +0.015 [-0.030, +0.060]: no detectable difference at n = 8 (MDE 0.070)" in text
+
+
+def test_refresh_readings_quote_kl_forced_with_power():
+    rows = [{"policy": "none", "T": float("nan"), "tau_bits": float("nan"), "d_kl_forced": 0.0}] + [
+        {"policy": f"periodic_T{T}", "T": T, "d_kl_forced": d, "d_kl_forced_lo": lo, "d_kl_forced_hi": hi,
+         "d_kl_forced_mde": 0.05} for T, d, lo, hi in ((27, -0.01, -0.04, 0.02), (7, -0.08, -0.12, -0.04))]
+    t = pd.DataFrame(rows).assign(teacher_ppl=[3.0, 3.1, 3.2], kl=1.0, d_kl=[0.0, 0.01, -0.02], d_kl_lo=-0.1,
+                                  d_kl_hi=0.1, teacher_tokens=[0, 5, 20], n_prompts=8)
+    text = R.read_periodic(t)
+    assert "T=27: -0.010 [-0.040, +0.020]: no detectable difference at n = 8 (MDE 0.050)" in text
+    assert "T=7: -0.080 [-0.120, -0.040]: better" in text
+    m = R.read_methods(t)
+    assert "Δkl_forced vs no refresh: periodic_T27: -0.010" in m

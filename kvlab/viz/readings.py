@@ -199,7 +199,7 @@ def read_periodic(table: pd.DataFrame) -> str:
                                          for r in per.itertuples()) + ".")
     if "d_kl_forced" in table.columns:
         parts.append("Δkl_forced (teacher-forced on the teacher's reference, loops can't fool it) by T: "
-                     + "; ".join(f"T={int(r.T)}: {_fv(r, 'kl_forced', one, n)}" for _, r in per.iterrows()) + ".")
+                     + "; ".join(f"T={int(r['T'])}: {_fv(r, 'kl_forced', one, n)}" for _, r in per.iterrows()) + ".")
     ppl = [float(base.teacher_ppl)] + [float(v) for v in per.teacher_ppl]
     falls = all(b < a for a, b in zip(ppl, ppl[1:]))
     seq = " → ".join(fmt(v, 2) for v in ppl)
