@@ -204,6 +204,16 @@ display(Markdown(readings.read_forced(forced)))
 # default short prompts with long answers, `refresh_*_long` on the long-prompt / short-answer set (single
 # policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
 # periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
+#
+# **As committed (issue 27, first pass).** `figures/refresh_periodic_T7.md` (untrained pruned student — no
+# trained student was cached — 8 prompts × 64 tokens): a full teacher refresh every 7 tokens **lowers
+# `kl_forced`** from 3.817 to 2.614 nats, Δ −1.203 [−1.402, −1.049] (MDE 0.272): teacher-forced on the same
+# reference text, the refreshed cache brings the student much closer to the teacher. The blog's on-path
+# scores tell a muddier story on the same runs: on-path KL +0.275 [−0.061, +0.573] (no detectable difference
+# at n = 8, MDE 0.493) and repeat@3 *rises* 0.44 → 0.69 (distinct-2 0.46 → 0.27) while teacher-PPL falls
+# 59.7 → 33.1 — the refreshed student drifts into repetitive text the teacher finds easy. The full refresh
+# tables (`refresh_periodic`, `refresh_entropy`, `refresh_methods`) are still the earlier trained-student
+# runs without `kl_forced`; they regenerate with it on the next `make figures`.
 
 # %%
 from pathlib import Path

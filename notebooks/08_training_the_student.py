@@ -145,6 +145,17 @@ display(Markdown(readings.read_baselines(rows[list(rows)[-1]])))  # noqa: F821
 # ## What the committed tables say
 # The tables `make figures` committed under `figures/` (the run above uses this notebook's parameters;
 # these are the repository's). Each reading is computed from the file it names.
+#
+# **As committed (issue 27, first pass).** No trained student was cached when the tables were regenerated,
+# so `figures/baselines.md` is the *untrained* pruned pair (`--student pruned`, h0.20,i0.50), 8 prompts ×
+# 64 tokens, and has no `standalone` row. It shows why the loop-proof score matters: on the student's own
+# path the on-path KL *favours the student alone* (OverFill − student: KL 1.944 vs 1.509, Δ student − OverFill
+# −0.434 [−0.758, −0.140]), but teacher-forced on the teacher's reference text OverFill is closer to the
+# teacher (`kl_forced` 3.817 vs 4.594, Δ +0.777 [+0.563, +0.995], MDE 0.328): the teacher's prefill does
+# help this student, and the on-path score hid it. Whether the *trained* `overfill` student beats its own
+# decoder alone and the `standalone` baseline (the blog's and the paper's baselines) is open until the
+# trained students are cached and the table is regenerated (`python -m kvlab baselines`, and
+# `--prompt-set long` for the long-prompt regime).
 
 # %%
 from pathlib import Path
