@@ -15,9 +15,15 @@ from kvlab.studies.args import run_spec as _spec
 
 def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> None:
     p.add_argument("--prompts", type=positive_int("--prompts"), default=prompts, help="number of prompts")
-    p.add_argument("--tokens", type=positive_int("--tokens"), default=tokens, help="new tokens per run (N)")
+    p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
+                   help=f"new tokens per run (N) (default: {tokens}) — 48 with --prompt-set long")
+    p.add_argument("--prompt-set", default="default", choices=["default", "long"],
+                   help="default: data/prompts.jsonl (short ELI5 prompts, long answers); long: data/long_prompts.jsonl "
+                        "(300-800 token documents / few-shot / multi-turn prompts with 32-64 token answers, the regime "
+                        "OverFill is for); tables get the suffix _long")
     p.add_argument("--prompts-file", type=Path, default=None,
-                   help="JSON Lines file, one {\"prompt\": ...} per line (default data/prompts.jsonl)")
+                   help="JSON Lines file, one {\"prompt\": ...} per line (overrides --prompt-set)")
+    p.set_defaults(default_tokens=tokens)
     p.add_argument("--out", type=Path, default=Path("figures"), help="where tables and figures go")
     p.add_argument("--runs", type=Path, default=None,
                    help="run store (default $KVLAB_RUNS, else the project's runs/ — not the working directory)")
@@ -76,10 +82,41 @@ def cmd_baselines(args) -> list[Path]:
     table, per_run = baselines(teacher, student, spec, RunStore(args.runs), progress=not args.no_progress,
                                rebuild_student_cache=getattr(args, "rebuild_student_cache", False),
                                alone=_alone_student(args, student))
-    paths = write_baselines(table, per_run, args.out)
-    paths += [render("baselines", args.out), render("baselines_timing", args.out)]
-    print((args.out / "baselines.md").read_text() + "\n" + (args.out / "baselines_timing.md").read_text())
+    name = "baselines" + _set_suffix(args)
+    paths = write_baselines(table, per_run, args.out, name=name)
+    if name == "baselines":
+        paths += [render("baselines", args.out), render("baselines_timing", args.out)]
+    paths += _write_regimes(args.out)
+    print((args.out / f"{name}.md").read_text() + "\n" + (args.out / f"{name}_timing.md").read_text())
     return paths
+
+
+def _set_suffix(args) -> str:
+    """Table-name suffix of the prompt set: "" for the default set, "_long" for the long one (a custom
+    --prompts-file keeps the default names)."""
+    return "_long" if getattr(args, "prompt_set", "default") == "long" and getattr(args, "prompts_file", None) is None else ""
+
+
+def _write_regimes(out: Path) -> list[Path]:
+    """``baselines_regimes``: OverFill vs each student baseline in both prompt sets side by side (when both
+    ``baselines`` and ``baselines_long`` are in ``out``)."""
+    import pandas as pd
+
+    from kvlab.studies.baselines import regimes_table
+    from kvlab.studies.experiment import write_table
+    from kvlab.core.metrics import MDE_NOTE
+    from kvlab.refresh.forced import FORCED_SCORE_NOTE
+
+    files = {"short prompts, long answers (default)": out / "baselines.csv", "long prompts, short answers (long)": out / "baselines_long.csv"}
+    if not all(f.is_file() for f in files.values()):
+        return []
+    tables = {k: pd.read_csv(f) for k, f in files.items()}
+    if any("d_kl_forced" not in t for t in tables.values()):
+        return []
+    note = ("`d_*` = baseline − overfill, paired over prompts (bootstrap 95 % interval); positive: OverFill better. "
+            "`student` = the OverFill decoder alone (the blog's Student); `standalone` = a separately trained student "
+            "(the OverFill paper's equal-budget baseline).")
+    return write_table(regimes_table(tables).round(4), out, "baselines_regimes", notes=[note, FORCED_SCORE_NOTE, MDE_NOTE])
 
 
 def cmd_mc_sim(args) -> list[Path]:
@@ -114,11 +151,25 @@ def cmd_mc_real(args) -> list[Path]:
     return paths
 
 
+def _calib_prompts(args, spec) -> tuple[str, ...]:
+    """Calibration prompts: data/calibration.jsonl for the default set; for the long set the *last*
+    ``--calib-prompts`` prompts of the long file, which must not overlap the ``--prompts`` evaluated."""
+    from kvlab.core.data import calibration_file, load_prompts, prompt_set_file
+
+    k = min(getattr(args, "calib_prompts", 4), 32)
+    if _set_suffix(args):
+        rows = load_prompts(prompt_set_file("long"))
+        if len(spec.prompts) + k > len(rows):
+            raise ValueError(f"--prompt-set long holds {len(rows)} prompts: --prompts {len(spec.prompts)} + "
+                             f"--calib-prompts {k} (taken from its end) would overlap; lower one of them")
+        return tuple(r["prompt"] for r in rows[-k:])
+    return tuple(r["prompt"] for r in load_prompts(calibration_file(), n=k))
+
+
 def cmd_refresh(args) -> list[Path]:
     """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.refresh.choice)."""
     from dataclasses import replace as _replace
 
-    from kvlab.core.data import calibration_file, load_prompts
     from kvlab.viz.figures import render
     from kvlab.refresh.forced import forced_table
     from kvlab.refresh.choice import policy_choice, single_policy_tables
@@ -134,13 +185,13 @@ def cmd_refresh(args) -> list[Path]:
     if getattr(args, "timing_repeats", 2) < 0:
         raise ValueError(f"--timing-repeats={args.timing_repeats} must be >= 0 (0 = no overhead timing)")
     progress = not args.no_progress
-    calib_rows = load_prompts(calibration_file(), n=min(getattr(args, "calib_prompts", 4), 32))
-    calib = _replace(spec, prompts=tuple(r["prompt"] for r in calib_rows))
+    calib = _replace(spec, prompts=_calib_prompts(args, spec))
     timing = {"timing_prompts": getattr(args, "timing_prompts", 2), "timing_repeats": getattr(args, "timing_repeats", 2)}
     teacher, student = _pair(args)
     store = RunStore(args.runs)
     if choice is not None:
         tables = single_policy_tables(teacher, student, spec, store, calib, choice, progress=progress, **timing)
+        tables = {f"{k}{_set_suffix(args)}": v for k, v in tables.items()}
         paths = write_refresh(tables, args.out)
         for name in tables:
             print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
@@ -152,12 +203,16 @@ def cmd_refresh(args) -> list[Path]:
             print(f"forced table: {len(spec.prompts)} prompts (stored runs are reused)", flush=True)
         tables["refresh_forced"], _ = forced_table(teacher, student, spec.prompts, store, tokens=spec.tokens,
                                                    split=split, window=max(1, min(8, split - 1)))
-    tables["refresh_provenance"] = provenance_table(teacher, student, spec, progress=progress)
+    suffix = _set_suffix(args)
+    if not suffix:
+        tables["refresh_provenance"] = provenance_table(teacher, student, spec, progress=progress)
+    tables = {f"{k}{suffix}": v for k, v in tables.items()}
     paths = write_refresh(tables, args.out)
-    paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := render(n, args.out)) is not None]
+    if not suffix:
+        paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := render(n, args.out)) is not None]
     for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_timing", "refresh_forced"):
-        if (args.out / f"{name}.md").is_file():
-            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+        if (args.out / f"{name}{suffix}.md").is_file():
+            print(f"### {name}{suffix}\n" + (args.out / f"{name}{suffix}.md").read_text())
     return paths
 
 
@@ -262,7 +317,22 @@ def cmd_train_study(args) -> list[Path]:
 
 # The main job: every table/figure, in order. Each entry: (name, handler). First the trained students that
 # are missing, last the training study that compares them.
-JOBS = [("train", cmd_train_missing), ("baselines", cmd_baselines), ("mc-sim", cmd_mc_sim),
+def _baselines_long(args) -> list[Path]:
+    """The baselines table on the long-prompt / short-answer set too (``baselines_long`` and the side-by-side
+    ``baselines_regimes``), same --prompts, 48 new tokens; skipped when the main job already used that set
+    or a custom --prompts-file."""
+    from argparse import Namespace
+
+    from kvlab.core.data import SET_TOKENS
+
+    if _set_suffix(args) or getattr(args, "prompts_file", None) is not None:
+        print("baselines-long: skipped (the prompt set is not the default one)", flush=True)
+        return []
+    return cmd_baselines(Namespace(**{**vars(args), "prompt_set": "long", "tokens": SET_TOKENS["long"]}))
+
+
+JOBS = [("train", cmd_train_missing), ("baselines", cmd_baselines), ("baselines-long", _baselines_long),
+        ("mc-sim", cmd_mc_sim),
         ("mc-real", _mc_real_small), ("refresh", cmd_refresh), ("evict", cmd_evict),
         ("train-study", cmd_train_study)]
 
@@ -559,6 +629,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("MPLBACKEND", "Agg")   # headless rendering; kvlab figures never need pyplot
     ap = build_parser()
     args = ap.parse_args(argv)
+    if getattr(args, "default_tokens", None) is not None and getattr(args, "tokens", 0) is None:
+        from kvlab.core.data import SET_TOKENS
+
+        args.tokens = SET_TOKENS["long"] if _set_suffix(args) else args.default_tokens
     from .store import SESSION
 
     SESSION.clear()

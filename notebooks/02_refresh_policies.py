@@ -36,8 +36,11 @@ SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
 # the embedded student: pruned (untrained) | standalone | overfill | refresh-aware; the trained ones must be
 # trained once first (`python -m kvlab train-student`); smoke runs use the untrained one
 STUDENT = "pruned" if SMOKE else "overfill"
+# "default": short ELI5 prompts, 128-token answers; "long": 300-800 token documents / few-shot / multi-turn
+# prompts with 32-64 token answers (data/long_prompts.jsonl), the regime OverFill is for
+PROMPT_SET = "default"
 PROMPTS = 1 if SMOKE else 8           # prompts for the tables
-TOKENS = 16 if SMOKE else 128         # new tokens per run (N)
+TOKENS = 16 if SMOKE else (128 if PROMPT_SET == "default" else 48)   # new tokens per run (N)
 CALIB_PROMPTS = 1 if SMOKE else 4     # calibration prompts for τ / κ
 TRACE_TOKENS = 24 if SMOKE else 200   # the single traced generation
 TIMING_REPEATS = 1 if SMOKE else 3    # side-by-side timings per prompt and policy (overhead)
@@ -47,7 +50,7 @@ SEED = 0
 from IPython.display import Markdown, display
 
 from kvlab.viz import readings
-from kvlab.core.data import calibration_file, load_prompts
+from kvlab.core.data import calibration_file, load_prompts, prompt_set_file
 from kvlab.decode import DecodeConfig, Decoding, Sampling
 from kvlab.studies.experiment import RunSpec
 from kvlab.train.pair import load_pair
@@ -62,9 +65,12 @@ display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
 sampling = Sampling(temperature=0.7, top_p=0.9, seed=SEED)
 store = RunStore()
-spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=PROMPTS)), tokens=TOKENS, sampling=sampling)
-calib = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(calibration_file(), n=CALIB_PROMPTS)),
-                tokens=TOKENS, sampling=sampling)
+spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(prompt_set_file(PROMPT_SET), n=PROMPTS)),
+               tokens=TOKENS, sampling=sampling)
+# the long set calibrates on its own last prompts (never among the first PROMPTS evaluated)
+calib_rows = (load_prompts(calibration_file(), n=CALIB_PROMPTS) if PROMPT_SET == "default"
+              else load_prompts(prompt_set_file(PROMPT_SET))[-CALIB_PROMPTS:])
+calib = RunSpec(prompts=tuple(r["prompt"] for r in calib_rows), tokens=TOKENS, sampling=sampling)
 
 # %% [markdown]
 # ## Calibrating τ
@@ -119,7 +125,13 @@ display(Markdown(readings.read_provenance(matrix_gate, len(gate.prompt_ids), f"E
 # %% [markdown]
 # ## The refresh tables
 # Every policy runs on the same prompts with the same per-prompt seed; ΔKL is paired against no
-# refresh with a bootstrap 95 % interval. Those quality columns come from the run store. The
+# refresh with a bootstrap 95 % interval. Beside the blog's teacher-PPL and on-path KL, every policy is
+# also scored **teacher-forced** on one fixed reference text per prompt (the teacher's own sampled
+# continuation): `kl_forced` is the student's KL to the teacher on those tokens, with the refreshes at the
+# policy's steps on that path. Teacher-PPL and on-path KL score each run on the text it wrote, so a run
+# stuck in a loop (text the teacher finds easy to predict) can score *better*; `kl_forced` cannot be
+# fooled that way. `MDE` is the smallest paired difference these prompts could detect (2.8 × SD / √n,
+# 80 % power at α = 0.05). Those quality columns come from the run store. The
 # overhead does not: it is a ratio of times, so `refresh_timing` re-times each policy and the
 # no-refresh run back to back in this kernel (same prompt and seed, fixed N, order alternating,
 # repeated) and reports the median per-pair overhead with its quartiles; the `none` row times no
@@ -128,9 +140,12 @@ display(Markdown(readings.read_provenance(matrix_gate, len(gate.prompt_ids), f"E
 
 # %%
 tables = refresh_tables(teacher, student, spec, store, calib, progress=True, timing_repeats=TIMING_REPEATS)
-QUALITY = {"policy": "policy", "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"), "KL(p_T‖q) ↓": ("kl", "kl_std"),
+QUALITY = {"policy": "policy", "kl_forced ↓": "kl_forced",
+           "Δkl_forced vs none (95 % CI)": ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"),
+           "MDE": "d_kl_forced_mde", "teacher-PPL ↓": ("teacher_ppl", "teacher_ppl_std"), "KL(p_T‖q) ↓": ("kl", "kl_std"),
            "ΔKL vs none (95 % CI)": ("d_kl", "d_kl_lo", "d_kl_hi"), "repeat@3 ↓": ("repeat3", "repeat3_std"),
-           "refreshes": "refreshes", "teacher tokens": "teacher_tokens", "prompts": "n_prompts"}
+           "distinct-2 ↑": "distinct2", "refreshes": "refreshes", "teacher tokens": "teacher_tokens",
+           "prompts": "n_prompts"}
 periodic = show(tables["refresh_periodic"], {**QUALITY, "T": "T"})
 periodic       # every column: periodic.full
 
@@ -183,6 +198,37 @@ display(show(forced, {"cache written by": "condition", "KL(p_T‖q_S) ↓": ("kl
 display(Markdown(readings.read_forced(forced)))
 
 # %% [markdown]
+# ## What the committed tables say
+# The refresh tables `make figures` committed under `figures/` (the cells above use this notebook's
+# parameters; these are the repository's), in both prompt regimes when both are there: `refresh_*` on the
+# default short prompts with long answers, `refresh_*_long` on the long-prompt / short-answer set (single
+# policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
+# periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
+#
+# **As committed (issue 27, first pass).** `figures/refresh_periodic_T7.md` (untrained pruned student — no
+# trained student was cached — 8 prompts × 64 tokens): a full teacher refresh every 7 tokens **lowers
+# `kl_forced`** from 3.817 to 2.614 nats, Δ −1.203 [−1.402, −1.049] (MDE 0.272): teacher-forced on the same
+# reference text, the refreshed cache brings the student much closer to the teacher. The blog's on-path
+# scores tell a muddier story on the same runs: on-path KL +0.275 [−0.061, +0.573] (no detectable difference
+# at n = 8, MDE 0.493) and repeat@3 *rises* 0.44 → 0.69 (distinct-2 0.46 → 0.27) while teacher-PPL falls
+# 59.7 → 33.1 — the refreshed student drifts into repetitive text the teacher finds easy. The full refresh
+# tables (`refresh_periodic`, `refresh_entropy`, `refresh_methods`) are still the earlier trained-student
+# runs without `kl_forced`; they regenerate with it on the next `make figures`.
+
+# %%
+from pathlib import Path
+
+import pandas as pd
+
+FIG = Path(readings.__file__).resolve().parents[2] / "figures"
+READERS = {"refresh_periodic": readings.read_periodic, "refresh_entropy": readings.read_entropy,
+           "refresh_methods": readings.read_methods}
+for f in sorted(FIG.glob("refresh_*.csv")):
+    kind = next((k for k in READERS if f.stem.startswith(k)), None)
+    if kind is None or f.stem.endswith(("_runs", "_timing")) or "kl_forced" not in pd.read_csv(f):
+        continue
+    display(Markdown(f"**figures/{f.stem}.md** — " + READERS[kind](pd.read_csv(f))))
+
 # ## Your own policy in one cell
 # A refresh policy is one short class with a `should_refresh(record) -> bool` method; `kvlab.register_refresh`
 # makes it a family everywhere kvlab offers policies by name: sweeps (`[refresh.margin_gate]`), the playground's

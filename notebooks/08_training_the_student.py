@@ -37,8 +37,9 @@ import os
 
 SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
 SHAPE = None                       # prune shape; None = kvlab.core.models.DEFAULT_SHAPE
+PROMPT_SET = "default"             # "default" (short prompts, 128-token answers) or "long" (300-800 token prompts)
 N_PROMPTS = 1 if SMOKE else 8      # prompts of the before/after table
-N_TOKENS = 8 if SMOKE else 128     # tokens per run
+N_TOKENS = 8 if SMOKE else (128 if PROMPT_SET == "default" else 48)   # tokens per run
 
 # %% [markdown]
 # ## What one training example looks like
@@ -103,19 +104,23 @@ display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "
 # %% [markdown]
 # ## Baselines before and after training
 # Before: the untrained `pruned` student for both OverFill and the student alone. After: OverFill with
-# the `overfill` student, the student alone = `standalone` (OverFill's own baseline).
+# the `overfill` student, and both baselines: `student` = the same `overfill` decoder alone on its own
+# prefill (the blog's Student row) and `standalone` = the separately trained student (the OverFill
+# paper's equal-budget baseline). `kl_forced` scores every row teacher-forced on the teacher's own
+# sampled continuation, so a decoder that loops cannot look better by writing easy text.
 # **Smoke mode / untrained cache:** only the untrained pair is shown (a note says so).
 
 # %%
 from kvlab.studies.baselines import baselines
-from kvlab.core.data import load_prompts
+from kvlab.core.data import load_prompts, prompt_set_file
 from kvlab.studies.experiment import RunSpec
 from kvlab.core.models import load_teacher
 from kvlab.train.pair import load_student
 from kvlab.store import RunStore
 
 teacher = load_teacher()
-spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=N_PROMPTS)), tokens=N_TOKENS)
+spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(prompt_set_file(PROMPT_SET), n=N_PROMPTS)),
+               tokens=N_TOKENS)
 pruned = load_student("pruned", "i0.30" if SMOKE else shape)
 before, _ = baselines(teacher, pruned, spec, RunStore(), progress=False)
 rows = {"before (pruned)": before}
@@ -125,4 +130,40 @@ if trained:
 else:
     print("NOTE: showing the untrained pair only (smoke mode or students not trained yet)")
 
-pd.concat({k: t.set_index("policy")[["teacher_ppl", "kl", "repeat3"]] for k, t in rows.items()}).round(3)
+COLS = ["teacher_ppl", "kl", "repeat3", "distinct2", "kl_forced", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi",
+        "d_kl_forced_mde"]
+display(pd.concat({k: t.set_index("policy")[COLS] for k, t in rows.items()}).round(3))  # noqa: F821
+
+# %%
+from IPython.display import Markdown
+
+from kvlab.viz import readings
+
+display(Markdown(readings.read_baselines(rows[list(rows)[-1]])))  # noqa: F821
+
+# %% [markdown]
+# ## What the committed tables say
+# The tables `make figures` committed under `figures/` (the run above uses this notebook's parameters;
+# these are the repository's). Each reading is computed from the file it names.
+#
+# **As committed (issue 27, first pass).** No trained student was cached when the tables were regenerated,
+# so `figures/baselines.md` is the *untrained* pruned pair (`--student pruned`, h0.20,i0.50), 8 prompts ×
+# 64 tokens, and has no `standalone` row. It shows why the loop-proof score matters: on the student's own
+# path the on-path KL *favours the student alone* (OverFill − student: KL 1.944 vs 1.509, Δ student − OverFill
+# −0.434 [−0.758, −0.140]), but teacher-forced on the teacher's reference text OverFill is closer to the
+# teacher (`kl_forced` 3.817 vs 4.594, Δ +0.777 [+0.563, +0.995], MDE 0.328): the teacher's prefill does
+# help this student, and the on-path score hid it. Whether the *trained* `overfill` student beats its own
+# decoder alone and the `standalone` baseline (the blog's and the paper's baselines) is open until the
+# trained students are cached and the table is regenerated (`python -m kvlab baselines`, and
+# `--prompt-set long` for the long-prompt regime).
+
+# %%
+from pathlib import Path
+
+FIG = Path(readings.__file__).resolve().parents[2] / "figures"
+for name in ("baselines", "baselines_long"):
+    f = FIG / f"{name}.csv"
+    if f.is_file() and "kl_forced" in pd.read_csv(f):
+        display(Markdown(f"**figures/{name}.md** — " + readings.read_baselines(pd.read_csv(f))))  # noqa: F821
+if (FIG / "baselines_regimes.csv").is_file():
+    display(Markdown("**figures/baselines_regimes.md** — " + readings.read_regimes(pd.read_csv(FIG / "baselines_regimes.csv"))))  # noqa: F821

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvlab.refresh.forced import condition_caches, forced_kl, forced_table
 from kvlab.store import RunStore
@@ -43,3 +44,99 @@ def test_bad_parameters(tiny_teacher, kw, name):
     args = {"tokens": 12, "split": 6, "window": 2, **kw}
     with pytest.raises(ValueError, match=name):
         forced_kl(tiny_teacher, tiny_teacher, "p", **args)
+
+
+# --------------------------------------------------------------------------- forced scores (issue 27)
+
+from kvlab.decode import DecodeConfig, Sampling, run  # noqa: E402
+from kvlab.refresh.forced import (ForcedDecoding, distinct_n, forced_columns, forced_dists, forced_scores,  # noqa: E402
+                                  reference_tokens)
+from kvlab.refresh.policies import EntropyGate, Periodic  # noqa: E402
+
+FORCED_CONFIGS = {
+    "teacher": DecodeConfig(mode="teacher", max_new_tokens=14),
+    "student": DecodeConfig(mode="student", max_new_tokens=14),
+    "overfill": DecodeConfig(mode="overfill", max_new_tokens=14),
+    "periodic_T4": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(4)),
+    "periodic_T1": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(1)),
+    "periodic_T13": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(13)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_teacher):
+    return run(tiny_teacher, None, "a fixed prompt", mode="teacher", max_new_tokens=14,
+               sampling=Sampling(temperature=1.0, seed=3)).tokens
+
+
+@pytest.mark.parametrize("name", list(FORCED_CONFIGS))
+def test_forced_scorer_matches_step_by_step_forced_decode(tiny_teacher, tiny_student, reference, name):
+    """The batched scorer equals the decode loop forced onto the same tokens: same q_t, same KL, every step."""
+    from kvlab.core.metrics import kl_rows, teacher_logprobs
+
+    cfg = FORCED_CONFIGS[name]
+    q_fast, src_fast = forced_dists(tiny_teacher, tiny_student, "a fixed prompt", cfg, reference)
+    d = ForcedDecoding(tiny_teacher, tiny_student, "a fixed prompt", cfg, reference)
+    recs = list(d)
+    q_loop = torch.stack(d.dists)
+    assert d.tokens == list(reference) and [r.token_id for r in recs] == list(reference)
+    assert src_fast == [r.source for r in recs]
+    if cfg.refresh is not None:
+        assert [r.step for r in recs if r.refreshed] == [t for t in range(1, 14) if t % cfg.refresh.T == 0]
+    p = teacher_logprobs(tiny_teacher, d.prompt_ids, reference)
+    torch.testing.assert_close(q_fast, q_loop, atol=2e-5, rtol=0)
+    torch.testing.assert_close(kl_rows(p, q_fast), kl_rows(p, q_loop), atol=2e-5, rtol=0)
+
+
+def test_forced_decoding_equals_free_run_on_its_own_tokens(tiny_teacher, tiny_student):
+    """Forced onto a free-running decode's own tokens, the loop sees the same distributions (refresh included)."""
+    cfg = DecodeConfig(mode="overfill", max_new_tokens=12, refresh=EntropyGate(0.5), keep_dists=True,
+                       sampling=Sampling(temperature=1.0, seed=1))
+    free = run(tiny_teacher, tiny_student, "p q r", cfg)
+    d = ForcedDecoding(tiny_teacher, tiny_student, "p q r", cfg, free.tokens)
+    recs = list(d)
+    assert [r.refreshed for r in recs] == [r.refreshed for r in free.records]
+    torch.testing.assert_close(torch.stack(d.dists), free.model_logprobs, atol=1e-5, rtol=0)
+
+
+def test_forced_scores_fallback_policy_and_zero_for_teacher(tiny_teacher, tiny_student, reference):
+    t = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["teacher"], reference)
+    assert abs(t["kl_forced"]) < 1e-6 and t["forced_steps"] == 14 and t["nll_forced"] > 0
+    of = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["overfill"], reference)
+    assert of["forced_steps"] == 13 and of["kl_forced"] > 0 and of["kl_forced_steps"][0] == 0.0
+    # windowed refresh is not on the fast path: the forced loop scores it
+    w = forced_scores(tiny_teacher, tiny_student, "a fixed prompt",
+                      DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(4, 2)), reference)
+    assert w["forced_steps"] == 13 and w["kl_forced"] > 0
+    # the student as its own teacher: KL 0 in every mode
+    same = forced_scores(tiny_teacher, tiny_teacher, "a fixed prompt", FORCED_CONFIGS["periodic_T4"], reference)
+    assert abs(same["kl_forced"]) < 1e-5
+
+
+def test_forced_scores_refuse_a_short_reference(tiny_teacher, tiny_student):
+    with pytest.raises(ValueError, match="reference holds 3 tokens"):
+        forced_scores(tiny_teacher, tiny_student, "x", FORCED_CONFIGS["overfill"], [1, 2, 3])
+
+
+def test_distinct_n_sees_loops():
+    assert distinct_n([1, 2, 3, 4]) == 1.0
+    assert distinct_n([1, 2, 1, 2, 1, 2]) == 2 / 5
+    assert distinct_n([1]) != distinct_n([1])   # NaN: no bigram
+
+
+def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_path):
+    from kvlab.studies.experiment import RunSpec
+
+    store = RunStore(tmp_path)
+    spec = RunSpec(prompts=("abc", "xyz q"), tokens=8, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0))
+    pol = {k: FORCED_CONFIGS[k] for k in ("teacher", "overfill", "periodic_T4")}
+    cols = forced_columns(tiny_teacher, tiny_student, spec, pol, store)
+    assert list(cols.columns) == ["policy", "prompt_idx", "kl_forced", "nll_forced", "distinct2"]
+    assert len(cols) == 6 and cols.set_index("policy").loc["teacher", "kl_forced"].abs().max() < 1e-6
+    ref = reference_tokens(tiny_teacher, "abc", 8, spec.sampling_for(0), store)
+    teacher_run = run(tiny_teacher, None, "abc", mode="teacher", max_new_tokens=8, sampling=spec.sampling_for(0))
+    assert ref == teacher_run.tokens                                   # the teacher's own sampled continuation
+    kinds = RunStore(tmp_path).load().kind.value_counts()
+    assert kinds["reference"] == 2 and kinds["forced_score"] == 6
+    again = forced_columns(tiny_teacher, tiny_student, spec, pol, RunStore(tmp_path))
+    assert again.equals(cols)

@@ -165,3 +165,19 @@ def test_every_written_table_states_its_kl(tmp_path):
     for md in (methods, forced, calib):
         assert f"kvlab code {provenance.CODE_VERSION}, commit {provenance.source_label()}" in md
     assert list(pd.read_csv(tmp_path / "refresh_methods.csv").columns) == ["policy", "kl", "kl_all"]
+
+
+def test_mde_is_2p8_sd_over_sqrt_n_and_add_mde_pairs_by_prompt():
+    import math
+
+    import pandas as pd
+
+    from kvlab.core.metrics import add_mde, mde
+
+    d = [0.1, -0.2, 0.3, 0.0]
+    sd = pd.Series(d).std(ddof=1)
+    assert abs(mde(d) - 2.8 * sd / math.sqrt(4)) < 1e-12 and math.isnan(mde([0.1]))
+    per = pd.DataFrame({"policy": ["a"] * 4 + ["b"] * 4, "prompt_idx": [0, 1, 2, 3, 3, 2, 1, 0],
+                        "kl": [1.0, 1.0, 1.0, 1.0, 1.0, 1.3, 0.8, 1.1]})
+    out = add_mde(pd.DataFrame({"policy": ["a", "b"]}), per, "a", ["kl"])
+    assert math.isnan(out.d_kl_mde[0]) and abs(out.d_kl_mde[1] - mde([0.1, -0.2, 0.3, 0.0])) < 1e-12

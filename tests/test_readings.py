@@ -142,3 +142,61 @@ def test_confidence_reading_sees_conf_kv_signals(tiny_teacher):
         mode="teacher", max_new_tokens=6, evict=ConfKV(gamma=0.0, tight=20, loose=30, protect=4)))
     text = R.read_confidence(list(d), 0.0)
     assert "6 of 6 steps were confident" in text and "cut at 6 steps" in text
+
+
+# --------------------------------------------------------------------------- issue 27: both baselines, kl_forced, power
+
+def _baselines4(d_student=(0.2, 0.1, 0.3), d_alone=(0.02, -0.1, 0.14), n=8):
+    rows = _baselines((2.0, 3.0, 3.5), n=n).to_dict("records") + [
+        {"policy": "standalone", "teacher_ppl": 2.9, "kl": 0.6, "repeat3": 0.6, "teacher_ppl_std": 0.3, "kl_std": 0.1,
+         "repeat3_std": 0.1, "n_prompts": n}]
+    t = pd.DataFrame(rows)
+    t["d_kl_forced"], t["d_kl_forced_lo"], t["d_kl_forced_hi"], t["d_kl_forced_mde"] = float("nan"), float("nan"), float("nan"), float("nan")
+    for p, (d, lo, hi) in (("student", d_student), ("standalone", d_alone)):
+        t.loc[t.policy == p, ["d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde"]] = [d, lo, hi, 0.25]
+    return t
+
+
+def test_baselines_reading_names_both_baselines_and_reads_kl_forced_with_power():
+    text = R.read_baselines(_baselines4())
+    assert "`student` is the OverFill decoder itself" in text and "equal-budget baseline" in text
+    assert "student (the blog's baseline) − OverFill: +0.200 [+0.100, +0.300]: OverFill better" in text  # Δ > 0
+    assert "standalone (the paper's) − OverFill: +0.020 [-0.100, +0.140]: no detectable difference at n = 8 (MDE 0.250)" in text
+    assert "looping decoder" in text and "copying" in text
+    assert "no such student" in R.read_baselines(_baselines((2.0, 3.0, 3.5)))
+
+
+def test_interval_verdict_states_the_detectable_difference():
+    assert R.interval_verdict(0.01, -0.1, 0.12, False, mde=0.3, n=32).endswith("no detectable difference at n = 32 (MDE 0.300)")
+    assert "no measurable change" in R.interval_verdict(0.01, -0.1, 0.12, False)
+    assert "no detectable" not in R.interval_verdict(-0.2, -0.3, -0.1, False, mde=0.1, n=32)
+
+
+def test_regimes_reading_quotes_each_row():
+    t = pd.DataFrame([{"regime": "long prompts, short answers (long)", "baseline": "student", "n_prompts": 8,
+                       "d_kl_forced": 0.1, "d_kl_forced_lo": 0.05, "d_kl_forced_hi": 0.2, "d_kl_forced_mde": 0.1,
+                       "d_teacher_ppl": 1.0, "d_teacher_ppl_lo": -1.0, "d_teacher_ppl_hi": 3.0}])
+    text = R.read_regimes(t)
+    assert "long prompts, short answers (long), student: Δkl_forced +0.100 [+0.050, +0.200]: OverFill better" in text
+    assert "Δteacher-PPL +1.000 [-1.000, +3.000]: no measurable change" in text      # no MDE column for PPL
+
+
+def test_forced_reading_states_the_detectable_difference():
+    t = pd.DataFrame([{"condition": c, "kl": 1.0, "d_kl_vs_overfill": d, "d_lo": lo, "d_hi": hi, "d_mde": m, "n_prompts": 8}
+                      for c, d, lo, hi, m in (("student", 0.17, 0.1, 0.24, 0.1), ("overfill", 0.0, 0.0, 0.0, float("nan")),
+                                               ("refreshed", 0.015, -0.03, 0.06, 0.07))])
+    text = R.read_forced(t)
+    assert "a teacher re-prefill of the generated text: ΔKL +0.015 [-0.030, +0.060]: no detectable difference at n = 8 (MDE 0.070)" in text
+
+
+def test_refresh_readings_quote_kl_forced_with_power():
+    rows = [{"policy": "none", "T": float("nan"), "tau_bits": float("nan"), "d_kl_forced": 0.0}] + [
+        {"policy": f"periodic_T{T}", "T": T, "d_kl_forced": d, "d_kl_forced_lo": lo, "d_kl_forced_hi": hi,
+         "d_kl_forced_mde": 0.05} for T, d, lo, hi in ((27, -0.01, -0.04, 0.02), (7, -0.08, -0.12, -0.04))]
+    t = pd.DataFrame(rows).assign(teacher_ppl=[3.0, 3.1, 3.2], kl=1.0, d_kl=[0.0, 0.01, -0.02], d_kl_lo=-0.1,
+                                  d_kl_hi=0.1, teacher_tokens=[0, 5, 20], n_prompts=8)
+    text = R.read_periodic(t)
+    assert "T=27: -0.010 [-0.040, +0.020]: no detectable difference at n = 8 (MDE 0.050)" in text
+    assert "T=7: -0.080 [-0.120, -0.040]: better" in text
+    m = R.read_methods(t)
+    assert "Δkl_forced vs no refresh: periodic_T27: -0.010" in m

@@ -147,10 +147,11 @@ def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tin
     argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
             "--runs", str(tmp_path / "runs"), "--no-progress"]
     assert cli.main(argv) == 0
-    assert f"run store {tmp_path / 'runs'}: 0 reused, 6 computed" in capsys.readouterr().out
+    # 6 runs + 2 teacher references + 6 teacher-forced scores (kvlab.refresh.forced)
+    assert f"run store {tmp_path / 'runs'}: 0 reused, 14 computed" in capsys.readouterr().out
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "6 reused, 0 computed" in out
+    assert "14 reused, 0 computed" in out
     md = (tmp_path / "out" / "baselines.md").read_text()
     assert "`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose" in md
     assert "`kl_all`" in md and f"kvlab code {provenance.CODE_VERSION}, commit " in md

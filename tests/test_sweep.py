@@ -498,7 +498,7 @@ def test_tables_from_store_rows_match_the_tables(tmp_path):
     n = len(load(tmp_path / "runs"))
     teacher, student = tiny_pair(0.3)
     run_spec = RunSpec(prompts=spec.prompts, tokens=6, sampling=spec.tasks()[0].decode.sampling)
-    table, _ = baselines(teacher, student, run_spec, store, progress=False)
+    table, _ = baselines(teacher, student, run_spec, store, progress=False, forced=False)
     assert store.stats.computed == 0 and len(load(tmp_path / "runs")) == n      # the table reused the sweep's runs
     write_from_results(load(tmp_path / "runs"), tmp_path / "out")
     from_rows = pd.read_csv(tmp_path / "out" / "baselines.csv")

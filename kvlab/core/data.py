@@ -23,6 +23,26 @@ def calibration_file() -> Path:
     return _packaged("calibration.jsonl")
 
 
+# Named prompt sets (``--prompt-set``): the default short ELI5-style prompts (about 65 tokens with the chat
+# template, 128-token answers) and the long-prompt / short-answer set OverFill is for (issue 27: 300-800 token
+# documents, few-shot prompts and multi-turn histories, each ending in a question answered in 32-64 tokens;
+# written by data/long_prompts_source.py).
+PROMPT_SETS = {"default": "prompts.jsonl", "long": "long_prompts.jsonl"}
+# New tokens per run that fits each set (the long set's answers are 32-64 tokens).
+SET_TOKENS = {"default": 128, "long": 48}
+
+
+def prompt_set_file(name: str) -> Path:
+    """The prompts file of a named set (:data:`PROMPT_SETS`)."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"--prompt-set={name!r} must be one of {sorted(PROMPT_SETS)} (or pass --prompts-file)")
+    return _packaged(PROMPT_SETS[name])
+
+
+def long_prompts_file() -> Path:
+    return prompt_set_file("long")
+
+
 def load_prompts(path=None, n: int | None = None) -> list[dict]:
     """Rows of a prompts file (default ``data/prompts.jsonl``); the first ``n`` if given."""
     if n is not None and (not isinstance(n, int) or n <= 0):

@@ -103,3 +103,47 @@ def score(trace, teacher) -> dict:
         out["kl"] = out["kl_all"] = float("nan")
     out["teacher_logprobs"] = chosen.tolist()
     return out
+
+
+# --------------------------------------------------------------------------- power (issue 27)
+
+MDE_FACTOR = 2.8   # z_{1-α/2} + z_{power} = 1.96 + 0.84: 80 % power at two-sided α = 0.05
+MDE_NOTE = ("`*_mde`: the smallest paired mean difference detectable at this n with 80 % power at α = 0.05, "
+            "MDE = 2.8 × SD(per-prompt differences) / √n; an interval that crosses 0 with |Δ| < MDE is "
+            "\"no detectable difference at n\", not evidence of no effect.")
+
+
+def mde(diffs) -> float:
+    """Minimum detectable paired mean difference: ``2.8 · SD(diffs) / √n`` (80 % power, two-sided α = 0.05,
+    normal approximation); NaN below 2 pairs."""
+    import numpy as np
+
+    d = np.asarray(diffs, dtype=float)
+    d = d[~np.isnan(d)]
+    return float("nan") if len(d) < 2 else float(MDE_FACTOR * d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def add_mde(paired, per_run, base: str, metrics) -> "object":
+    """``paired`` (one row per ``policy``, from a paired bootstrap against ``base``) with a
+    ``d_<m>_mde`` column per metric, from the per-prompt differences in ``per_run``."""
+    b = per_run[per_run.policy == base].set_index("prompt_idx")
+    out = paired.copy()
+    for m in metrics:
+        vals = []
+        for name in out.policy:
+            g = per_run[per_run.policy == name].set_index("prompt_idx")
+            idx = b.index.intersection(g.index)
+            vals.append(float("nan") if name == base else mde((g.loc[idx, m] - b.loc[idx, m]).to_numpy()))
+        out[f"d_{m}_mde"] = vals
+    return out
+
+
+def verdict(d: float, lo: float, hi: float, mde_: float, n: int, lower_is_better: bool = True) -> str:
+    """One phrase for a paired difference: which side the interval lies on, or "no detectable
+    difference at n = N (MDE x)" when it crosses 0."""
+    if any(v != v for v in (lo, hi)):
+        return f"n too small for an interval (n = {n})"
+    if lo > 0 or hi < 0:
+        better = (hi < 0) == lower_is_better
+        return f"{'lower' if hi < 0 else 'higher'} ({'better' if better else 'worse'}): Δ {d:+.3f} [{lo:+.3f}, {hi:+.3f}], n = {n}"
+    return f"no detectable difference at n = {n} (Δ {d:+.3f} [{lo:+.3f}, {hi:+.3f}]; MDE {mde_:.3f})"

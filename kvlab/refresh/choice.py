@@ -16,7 +16,8 @@ import pandas as pd
 from kvlab.decode import REFRESH_NEXT, DecodeConfig
 from kvlab.studies.experiment import RunSpec, run_policies
 from .policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
-from .tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary)
+from .tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary,
+                     with_forced)
 from kvlab.store import RunStore
 
 # policy -> {parameter: CLI flag}; required: tuples of alternatives (one of them must be given)
@@ -155,8 +156,8 @@ def build_policy(choice: PolicyChoice, teacher, student, calib: RunSpec, store: 
 def single_policy_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunSpec, choice: PolicyChoice,
                          progress: bool = True, timing_prompts: int = TIMING_PROMPTS,
                          timing_repeats: int = TIMING_REPEATS) -> dict[str, pd.DataFrame]:
-    """The chosen policy vs no refresh: ``refresh_<label>`` (quality, paired ΔKL / Δteacher-PPL with
-    bootstrap CIs, from stored runs) and ``refresh_<label>_timing`` (overhead from side-by-side
+    """The chosen policy vs no refresh: ``refresh_<label>`` (quality, paired Δkl_forced / ΔKL / Δteacher-PPL
+    with bootstrap CIs and minimum detectable differences, from stored runs) and ``refresh_<label>_timing`` (overhead from side-by-side
     timing; ``timing_repeats=0`` skips it)."""
     policy, info = build_policy(choice, teacher, student, calib, store, progress)
     base = DecodeConfig(mode="overfill")
@@ -165,6 +166,7 @@ def single_policy_tables(teacher, student, spec: RunSpec, store: RunStore, calib
                          {"policy": choice.label, "family": choice.policy, "refresh_next": choice.refresh_next,
                           **info}])
     per_run = run_policies(teacher, student, spec, cfgs, store, progress)
+    per_run = with_forced(teacher, student, spec, cfgs, store, per_run, progress)
     tables = {f"refresh_{choice.label}": summary(per_run, rows)}
     if timing_repeats:
         timing = paired_timing(teacher, student, spec, cfgs, prompts=timing_prompts, repeats=timing_repeats,

@@ -18,18 +18,21 @@ distributions (one uncached teacher forward).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 import torch
 
 from kvlab.cache import KVCache
-from kvlab.decode import run
-from kvlab.core.metrics import kl_rows, teacher_logprobs
+from kvlab.decode import Decoding, DecodeConfig, Sampling, run
+from kvlab.core.metrics import kl_rows, mde, teacher_logprobs
 from kvlab.store import RunStore
 
 CONDITIONS = ("student", "overfill", "window", "refreshed")
 FORCED_NOTE = ("`kl`: mean KL(p_T‖q_S) in nats over the teacher-forced tokens y_split … y_{N-1}; every one is a "
-               "student prediction (tokens fixed to the teacher's greedy continuation, only the cache's writer differs).")
+               "student prediction (tokens fixed to the teacher's greedy continuation, only the cache's writer differs). "
+               "`d_mde`: the smallest paired difference detectable at this n (2.8 × SD / √n; 80 % power, α = 0.05).")
 
 
 def _check(tokens: int, split: int, window: int) -> None:
@@ -87,6 +90,177 @@ def forced_table(teacher, student, prompts, store: RunStore, *, tokens: int = 96
         boots = rng.choice(d, size=(n_boot, len(d)), replace=True).mean(1)
         lo, hi = np.percentile(boots, [2.5, 97.5])
         table.append({"condition": c, "kl": per[c].mean(), "kl_std": per[c].std(ddof=1) if len(per) > 1 else 0.0,
-                      "d_kl_vs_overfill": d.mean(), "d_lo": lo, "d_hi": hi, "n_prompts": len(per),
+                      "d_kl_vs_overfill": d.mean(), "d_lo": lo, "d_hi": hi,
+                      "d_mde": float("nan") if c == "overfill" else mde(d), "n_prompts": len(per),
                       "tokens": tokens, "split": split, "window": window})
     return pd.DataFrame(table), per
+
+
+# --------------------------------------------------------------------------- forced scores of a decode config
+#
+# Issue 27: a score loops can't fool. Teacher-PPL and on-path KL score each decoder on the text it
+# wrote itself, and a decoder stuck in a loop writes text the teacher finds easy to predict (a
+# repeated phrase is cheap once seen), so a looping decoder can win on both. Here every decoder is
+# scored on the *same* tokens: a fixed reference continuation per prompt (the teacher's own sampled
+# continuation, stored once), fed to the decoder teacher-forced while it is conditioned exactly as
+# its mode says (OverFill: the teacher's prefill of x, its own entries over y; student: its own
+# prefill; refresh: the teacher rewrites the cache at the policy's steps on the forced path).
+
+FORCED_SCORE_NOTE = ("`kl_forced`: mean KL(p_T‖q) in nats over a fixed reference continuation per prompt (the teacher's "
+                     "own sampled continuation, stored once), each decoder fed those tokens teacher-forced and conditioned "
+                     "as its mode says (OverFill: teacher prefill of the prompt; student: its own; refresh: at the "
+                     "policy's steps on the forced path); averaged over the steps the decoder predicts (as `kl`); "
+                     "`nll_forced`: the decoder's mean NLL of the reference over the same steps; neither rewards loops.")
+DISTINCT_NOTE = "`distinct2`: distinct bigrams / bigrams of the generated text (1 = no repeated bigram; loops pull it down)."
+
+
+def reference_tokens(teacher, prompt: str, tokens: int, sampling, store: RunStore, chat: bool = True) -> list[int]:
+    """The teacher's own sampled continuation of ``prompt`` (``tokens`` long, EOS ignored), stored once per
+    (teacher, prompt, length, sampling) — whatever student a table pairs it with."""
+    from dataclasses import asdict
+
+    cfg = {"kind": "reference", "teacher": teacher.fingerprint, "prompt": prompt, "tokens": tokens,
+           "sampling": asdict(sampling), "chat": chat}
+
+    def compute():
+        tr = run(teacher, None, prompt, DecodeConfig(mode="teacher", max_new_tokens=tokens, sampling=sampling,
+                                                     chat=chat))
+        return {"tokens": tr.tokens, "text": tr.text}
+
+    return list(store.get_or_run(cfg, compute)["tokens"])
+
+
+class ForcedDecoding(Decoding):
+    """The decode loop (:class:`kvlab.decode.Decoding`) with every token forced to ``reference[t]``
+    instead of chosen: prefill, probe, refresh and eviction phases run as in a free-running decode
+    (a policy sees the forced path's records); only the choice is overridden. Records keep
+    ``source`` (who produced each distribution) and ``dists`` the decoder's log-distributions
+    ``q_t`` — the step-by-step reference :func:`forced_dists` must match."""
+
+    def __init__(self, teacher, student, prompt: str, config: DecodeConfig, reference):
+        ref = [int(t) for t in reference]
+        if len(ref) < config.max_new_tokens:
+            raise ValueError(f"reference holds {len(ref)} tokens; max_new_tokens={config.max_new_tokens} needs as many")
+        super().__init__(teacher, student, prompt, replace(config, keep_dists=True, sampling=Sampling(),
+                                                           ignore_eos=True))
+        self._ref = ref
+
+    def _score(self, step, logits, source):
+        rec = super()._score(step, logits, source)          # greedy choice, then overridden
+        tok = self._ref[step - self.first_step]
+        self.tokens[-1] = tok
+        return replace(rec, token_id=tok, token=self.decoder.tokenizer.decode([tok]), logprob=float(self.dists[-1][tok]))
+
+
+def _fast_path(config) -> bool:
+    """Configs :func:`forced_scores` computes in a few batched forwards: no eviction, and no refresh or
+    a fixed-schedule full refresh (``Periodic(T)`` with no window, ``refresh_next="rerun"``)."""
+    from .policies import Periodic
+
+    if config.evict is not None or config.rebuild_student_cache:
+        return False
+    pol = config.refresh
+    return pol is None or (type(pol) is Periodic and pol.W is None and config.refresh_next == "rerun")
+
+
+@torch.inference_mode()
+def forced_dists(teacher, student, prompt: str, config, reference) -> tuple[torch.Tensor, list[str]]:
+    """``(q, sources)``: the decoder's log-distributions ``(N, V)`` over the reference tokens (row ``t``:
+    ``log q(· | x, y_<t)`` under ``config``'s conditioning) and which model produced each row.
+
+    Fast path (see :func:`_fast_path`): teacher → one teacher forward; student → its prefill of ``x`` and
+    one forward over ``y_<N``; OverFill → the teacher's prefill of ``x`` (row 1 is ``p_T``) and one
+    student forward over ``y_<N``; ``Periodic(T)`` → after each refresh at step ``r`` the cache over
+    ``x, y_<r`` is the teacher's (what a full "rerun" refresh leaves), and the student reads
+    ``y_r … `` in one forward until the next refresh. Anything else runs :class:`ForcedDecoding`
+    step by step."""
+    N = config.max_new_tokens
+    y = [int(t) for t in reference[:N]]
+    if len(y) < N:
+        raise ValueError(f"reference holds {len(reference)} tokens; max_new_tokens={N} needs as many")
+    if not _fast_path(config):
+        d = ForcedDecoding(teacher, student, prompt, config, y)
+        recs = list(d)
+        return torch.stack(d.dists).float(), [r.source for r in recs]
+    probe = Decoding(teacher, student, prompt, config)       # validates; knows who prefills and decodes
+    x = list(probe.prompt_ids)
+    if config.mode == "teacher":
+        return teacher_logprobs(teacher, x, y), ["teacher"] * N
+    model = student.model
+    if config.mode == "student":
+        cache, first = KVCache.prefill(model, x, writer="student")
+        src0 = "student"
+    else:
+        cache, first = KVCache.prefill(teacher.model, x, writer="teacher")
+        src0 = "teacher"
+    rows, sources = [torch.log_softmax(first.float(), -1).cpu().reshape(1, -1)], [src0]
+    pol = config.refresh
+    # refresh steps r (never after the last step): the student then reads y_r.. on a teacher-written x, y_<r
+    refresh = [r for r in range(1, N) if pol is not None and r % pol.T == 0]
+    bounds = [1] + refresh + [N]            # segment k: rows q_{b_k + 1} .. q_{b_{k+1}}, fed y_{b_k} .. y_{b_{k+1}-1}
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        if a == b:
+            continue
+        if k > 0:                            # a refresh after step a: teacher cache over x, y_<a
+            cache, _ = KVCache.prefill(teacher.model, x + y[:a - 1], writer="teacher")
+        q = cache.forward(model, y[a - 1:b - 1], writer="student", logits="all")   # (b - a, V)
+        q = q.reshape(b - a, -1)
+        rows.append(torch.log_softmax(q.float(), -1).cpu())
+        sources += ["student"] * (b - a)
+    return torch.cat(rows)[:N], sources[:N]
+
+
+def forced_scores(teacher, student, prompt: str, config, reference) -> dict:
+    """``kl_forced`` / ``nll_forced`` of one decode config on the reference tokens, plus the per-step KL.
+    Averages run over the steps whose distribution is the decoder's own (``source`` = the decoder; all steps
+    in teacher mode, where KL = 0), as ``kl`` does for free-running runs."""
+    N = config.max_new_tokens
+    y = [int(t) for t in reference[:N]]
+    q, sources = forced_dists(teacher, student, prompt, config, y)
+    x = teacher.encode_prompt(prompt, chat=config.chat)
+    p = teacher_logprobs(teacher, x, y)                                   # (N, V)
+    kl = kl_rows(p, q)
+    own = "teacher" if config.mode == "teacher" else "student"
+    mine = torch.tensor([s == own for s in sources], dtype=torch.bool)
+    kl = torch.where(torch.tensor([s == "teacher" for s in sources]), torch.zeros_like(kl), kl) \
+        if config.evict is None else kl
+    nll = -q[torch.arange(N), torch.tensor(y)]
+    return {"kl_forced": float(kl[mine].mean()), "nll_forced": float(nll[mine].mean()), "forced_steps": int(mine.sum()),
+            "kl_forced_steps": kl.tolist()}
+
+
+def distinct_n(tokens, n: int = 2) -> float:
+    """Distinct n-grams / n-grams of ``tokens`` (1.0 = no repeats; NaN for fewer than ``n`` tokens)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return float("nan") if not grams else len(set(grams)) / len(grams)
+
+
+def forced_columns(teacher, students, spec, policies: dict, store: RunStore, progress: bool = False) -> pd.DataFrame:
+    """Per (policy, prompt): ``kl_forced``, ``nll_forced`` (stored under the reference's hash) and
+    ``distinct2`` of the stored free-running run. ``students``: one model, or a dict policy → model
+    (e.g. the ``standalone`` row decodes with another student)."""
+    import hashlib
+
+    from kvlab.studies.experiment import scored_run, stored_config
+
+    rows = []
+    for i, prompt in enumerate(spec.prompts):
+        ref = reference_tokens(teacher, prompt, spec.tokens, spec.sampling_for(i), store)
+        h = hashlib.sha256(str(ref).encode()).hexdigest()[:16]
+        for name, cfg in policies.items():
+            st = students.get(name) if isinstance(students, dict) else students
+            cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
+            key = {"kind": "forced_score", "teacher": teacher.fingerprint,
+                   "student": None if st is None else st.fingerprint, "prompt": prompt,
+                   "decode": replace(cfg, sampling=Sampling()).to_dict(), "reference": h, "ref_tokens": spec.tokens}
+            if progress:
+                print(f"forced: prompt {i + 1}/{len(spec.prompts)} {name}", flush=True)
+            res = store.get_or_run(key, lambda c=cfg, s=st, p=prompt: forced_scores(teacher, s, p, c, ref))
+            run_ = store.get(stored_config(teacher, st, prompt, cfg))        # the table's free run (not counted)
+            if run_ is None:
+                run_ = scored_run(teacher, st, prompt, cfg, store)
+            toks = run_["steps"]["token_id"]
+            rows.append({"policy": name, "prompt_idx": i, "kl_forced": res["kl_forced"], "nll_forced": res["nll_forced"],
+                         "distinct2": distinct_n(toks, 2)})
+    return pd.DataFrame(rows)

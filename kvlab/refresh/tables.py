@@ -102,15 +102,20 @@ def refresh_policies(tokens: int, cal: Calibration) -> tuple[dict[str, DecodeCon
 
 
 def paired(per_run: pd.DataFrame, base: str = "none", n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """Per-policy paired quality statistics against ``base`` on the same prompts: ΔKL and
-    Δteacher-PPL with a bootstrap 95 % interval over prompts. (No timing: see :func:`paired_timing`.)"""
-    return paired_bootstrap(per_run, base, ("kl", "teacher_ppl"), n_boot=n_boot, seed=seed)
+    """Per-policy paired quality statistics against ``base`` on the same prompts: ΔKL, Δteacher-PPL and
+    (when the runs have it) Δkl_forced with a bootstrap 95 % interval over prompts and the minimum
+    detectable difference ``d_<m>_mde`` (kvlab.core.metrics.mde). (No timing: see :func:`paired_timing`.)"""
+    from kvlab.core.metrics import add_mde
+
+    metrics = tuple(m for m in ("kl_forced", "kl", "teacher_ppl") if m in per_run)
+    return add_mde(paired_bootstrap(per_run, base, metrics, n_boot=n_boot, seed=seed), per_run, base, metrics)
 
 
 def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     """One row per policy: quality means, per-prompt std, paired quality statistics, cost in tokens
     (deterministic for fixed seeds; no timing columns)."""
     cols = ["teacher_ppl", "kl", "kl_all", "repeat3", "refreshes", "teacher_tokens", "probe_tokens", "tokens"]
+    cols += [c for c in FORCED_COLS if c in per_run]
     g = per_run.groupby("policy", sort=False)
     s = g[cols].mean()
     for m in ("teacher_ppl", "kl", "repeat3", "refreshes"):
@@ -121,13 +126,16 @@ def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     return info.merge(s, on="policy")
 
 
-PERIODIC_COLS = ["policy", "T", "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi",
-                 "repeat3", "repeat3_std", "refreshes", "teacher_tokens", "n_prompts"]
-ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", "teacher_ppl", "teacher_ppl_std",
-                "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3", "repeat3_std", "teacher_tokens", "n_prompts"]
+FORCED_COLS = ["kl_forced", "nll_forced", "distinct2"]
+_FORCED_D = ["kl_forced", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "nll_forced", "distinct2"]
+PERIODIC_COLS = ["policy", "T", *_FORCED_D, "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo",
+                 "d_kl_hi", "d_kl_mde", "repeat3", "repeat3_std", "refreshes", "teacher_tokens", "n_prompts"]
+ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", *_FORCED_D,
+                "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo", "d_kl_hi", "d_kl_mde", "repeat3",
+                "repeat3_std", "teacher_tokens", "n_prompts"]
 METHODS_COLS = ["policy", "family", "refresh_next", "refreshes", "teacher_tokens", "probe_tokens", "max_delta",
-                "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "kl_all", "d_kl", "d_kl_lo", "d_kl_hi", "repeat3",
-                "repeat3_std", "n_prompts"]
+                *_FORCED_D, "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "kl_all", "d_kl", "d_kl_lo", "d_kl_hi",
+                "d_kl_mde", "repeat3", "repeat3_std", "n_prompts"]
 TIMING_COLS = ["policy", "overhead_pct", "overhead_pct_q25", "overhead_pct_q75", "overhead_pct_min", "overhead_pct_max",
                "pairs", "total_s", "ref_total_s", "tps", "teacher_pct", "refreshes", "tokens", "timing_prompts", "repeats"]
 # Per-run columns that are machine-dependent times (kept out of the tracked quality tables).
@@ -213,6 +221,7 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
     per_run = run_policies(teacher, student, spec, cfgs, store, progress)
     per_run["max_delta"] = [_max_delta(teacher, student, spec, cfgs[r.policy], r.prompt_idx, store)
                             for r in per_run.itertuples()]
+    per_run = with_forced(teacher, student, spec, cfgs, store, per_run, progress)
     tables = tables_from_runs(per_run, info, ["none", f"periodic_T{min(periods_for(spec.tokens))}", f"speculative_k{SPEC_K}",
                                               f"probe_kl_M{PROBE_M}", f"entropy_p{ENTROPY_PCTS[1]:g}"])
     tables["refresh_calibration"] = pd.DataFrame([{"n_steps": len(cal.entropy),
@@ -227,6 +236,18 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
         tables["refresh_timing"] = overhead_table(timing)
         tables["refresh_timing_runs"] = timing
     return tables
+
+
+def with_forced(teacher, student, spec: RunSpec, cfgs: dict, store: RunStore, per_run: pd.DataFrame,
+                progress: bool = False) -> pd.DataFrame:
+    """``per_run`` with ``kl_forced`` / ``nll_forced`` / ``distinct2`` per run (kvlab.refresh.forced: every
+    policy scored on the teacher's stored reference continuation, refreshing at its own steps on it)."""
+    from .forced import forced_columns
+
+    if progress:
+        print(f"forced scores: {len(cfgs)} configurations × {len(spec.prompts)} prompts on the teacher's reference "
+              "(stored)", flush=True)
+    return per_run.merge(forced_columns(teacher, student, spec, cfgs, store), on=["policy", "prompt_idx"], how="left")
 
 
 def tables_from_runs(per_run: pd.DataFrame, info: pd.DataFrame, methods: list[str] | None = None) -> dict[str, pd.DataFrame]:
@@ -259,18 +280,29 @@ CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody 
 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
-    from .forced import FORCED_NOTE
+    from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE, MDE_NOTE
+    from .forced import DISTINCT_NOTE, FORCED_NOTE, FORCED_SCORE_NOTE
 
     paths = []
     for name, df in tables.items():
-        if name in CSV_ONLY:
+        base = name.removesuffix("_long")
+        if base in CSV_ONLY:
             Path(out).mkdir(parents=True, exist_ok=True)
             df.to_csv(Path(out) / f"{name}.csv", index=False)
             paths.append(Path(out) / f"{name}.csv")
             continue
-        notes = [FORCED_NOTE] if name == "refresh_forced" else None   # None: the KL captions
+        if base == "refresh_forced":
+            notes = [FORCED_NOTE]
+        elif "kl_forced" in df:
+            notes = [KL_NOTE, FORCED_SCORE_NOTE, DISTINCT_NOTE, MDE_NOTE,
+                     "`d_*`: paired mean difference policy − `none` (no refresh) over the same prompts and seeds, "
+                     "bootstrap 95 % interval (`_lo`, `_hi`); negative = refresh lowers it."]
+            if "kl_all" in df:
+                notes.insert(1, KL_ALL_NOTE)
+        else:
+            notes = None                                             # None: the KL captions
         paths += write_table(df.round(4), out, name, notes=notes)
-        if name.endswith("_timing") and len(df):
+        if base.endswith("_timing") and len(df):
             md = Path(out) / f"{name}.md"
             md.write_text(timing_note(df) + md.read_text())
     return paths

@@ -40,8 +40,13 @@ def run_spec(args):
     from kvlab.decode import Sampling
     from kvlab.studies.experiment import RunSpec
 
+    from kvlab.core.data import SET_TOKENS, prompt_set_file
+
     check_model_args(args)
-    rows = load_prompts(args.prompts_file, n=args.prompts)
+    pset = getattr(args, "prompt_set", None) or "default"
+    path = args.prompts_file if args.prompts_file is not None else prompt_set_file(pset)
+    rows = load_prompts(path, n=args.prompts)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens, sampling=sampling,
+    tokens = args.tokens if args.tokens is not None else SET_TOKENS[pset]
+    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=tokens, sampling=sampling,
                    batch=getattr(args, "batch", None))

@@ -32,9 +32,11 @@ def train_study(args, T: int = 27) -> list[Path]:
     per_run = study_runs(teacher, students, spec, RunStore(args.runs), T, progress)
     table = study_table(per_run, students, T)
     out = Path(args.out)
-    paths = write_table(table.round(4), out, "train_study", notes=STUDY_NOTES)
+    # the long-prompt set's tables carry the suffix _long (python -m kvlab train-study --prompt-set long)
+    sfx = "_long" if getattr(args, "prompt_set", "default") == "long" and getattr(args, "prompts_file", None) is None else ""
+    paths = write_table(table.round(4), out, f"train_study{sfx}", notes=STUDY_NOTES)
     paths += write_table(per_run.drop(columns=[c for c in ("ttft_s", "tps", "total_s", "e2e_tps") if c in per_run]),
-                         out, "train_study_runs", notes=STUDY_NOTES)
+                         out, f"train_study{sfx}_runs", notes=STUDY_NOTES)
     speed = decode_speed(teacher, students["overfill"], spec.prompts[0])
     speed_df = pd.DataFrame([{"shape": shape.label, **{k: round(v, 3) if isinstance(v, float) else v
                                                        for k, v in speed.items()}}])
@@ -46,5 +48,5 @@ def train_study(args, T: int = 27) -> list[Path]:
         paths += write_table(curves.round(5), out, "train_curves", notes=["Training logs of the cached students."])
         if (p := render("train_curves", out)) is not None:
             paths.append(p)
-    print((out / "train_study.md").read_text() + "\n" + (out / "train_speed_timing.md").read_text())
+    print((out / f"train_study{sfx}.md").read_text() + "\n" + (out / "train_speed_timing.md").read_text())
     return paths

@@ -30,26 +30,50 @@ def _ci(df: pd.DataFrame, name: str, m: str) -> tuple[float, float, float]:
     return r[f"d_{m}"], r[f"d_{m}_lo"], r[f"d_{m}_hi"]
 
 
-def study_runs(teacher, students: dict, spec: RunSpec, store, T: int, progress: bool = True) -> pd.DataFrame:
-    """Per-run rows, ``policy`` = ``<variant>:overfill`` / ``<variant>:refresh`` / ``<variant>:student``."""
+def study_runs(teacher, students: dict, spec: RunSpec, store, T: int, progress: bool = True,
+               forced: bool = True) -> pd.DataFrame:
+    """Per-run rows, ``policy`` = ``<variant>:overfill`` / ``<variant>:refresh`` / ``<variant>:student`` (every
+    variant's decoder alone on its own prefill: the blog's Student baseline; for ``standalone`` it is also the
+    paper's equal-budget baseline). With ``forced``, each run also gets ``kl_forced`` / ``nll_forced`` /
+    ``distinct2`` (kvlab.refresh.forced: teacher-forced on the teacher's stored reference continuation)."""
+    from kvlab.refresh.forced import forced_columns
+
     frames = []
     for v, lm in students.items():
         pol = {f"{v}:overfill": DecodeConfig(mode="overfill"),
-               f"{v}:refresh": DecodeConfig(mode="overfill", refresh=Periodic(T))}
-        if v in ("pruned", "standalone"):
-            pol[f"{v}:student"] = DecodeConfig(mode="student")
-        frames.append(run_policies(teacher, lm, spec, pol, store, progress))
+               f"{v}:refresh": DecodeConfig(mode="overfill", refresh=Periodic(T)),
+               f"{v}:student": DecodeConfig(mode="student")}
+        runs = run_policies(teacher, lm, spec, pol, store, progress)
+        if forced:
+            runs = runs.merge(forced_columns(teacher, lm, spec, pol, store), on=["policy", "prompt_idx"], how="left")
+        frames.append(runs)
     return pd.concat(frames, ignore_index=True)
 
 
+def _paired(sub: pd.DataFrame, base: str, name: str, m: str) -> tuple[float, float, float, float]:
+    """(Δ, lo, hi, MDE) of ``name`` − ``base`` for metric ``m`` over the prompts both ran."""
+    from kvlab.core.metrics import add_mde
+
+    pb = add_mde(paired_bootstrap(sub, base, metrics=(m,)), sub, base, (m,)).set_index("policy").loc[name]
+    return pb[f"d_{m}"], pb[f"d_{m}_lo"], pb[f"d_{m}_hi"], pb[f"d_{m}_mde"]
+
+
 def study_table(per_run: pd.DataFrame, students: dict, T: int) -> pd.DataFrame:
+    """One row per variant: OverFill vs the student alone (``pruned`` for the untrained pair, ``standalone``
+    for the trained ones: the paper's baseline) and, with ``kl_forced``, vs the same decoder alone (the blog's),
+    and the refresh effect; paired differences with bootstrap 95 % intervals (and MDE for ``kl_forced``)."""
     rows = []
+    forced = "kl_forced" in per_run
     for v in students:
         alone = "pruned:student" if v == "pruned" else "standalone:student"
-        sub = per_run[per_run.policy.isin([alone, f"{v}:overfill", f"{v}:refresh"])]
-        of = paired_bootstrap(sub, alone, metrics=("teacher_ppl", "kl"))
-        rf = paired_bootstrap(sub, f"{v}:overfill", metrics=("teacher_ppl", "kl"))
-        mean = sub.groupby("policy")[["teacher_ppl", "kl"]].mean()
+        if alone not in set(per_run.policy):
+            alone = f"{v}:student"
+        own = f"{v}:student"
+        sub = per_run[per_run.policy.isin([alone, own, f"{v}:overfill", f"{v}:refresh"])]
+        metrics = ("teacher_ppl", "kl") + (("kl_forced",) if forced else ())
+        of = paired_bootstrap(sub, alone, metrics=metrics)
+        rf = paired_bootstrap(sub, f"{v}:overfill", metrics=metrics)
+        mean = sub.groupby("policy")[list(metrics)].mean()
         row = {"variant": v, "student_alone": alone.split(":")[0],
                "ppl_S": mean.loc[alone, "teacher_ppl"], "ppl_OF": mean.loc[f"{v}:overfill", "teacher_ppl"],
                "ppl_OF_refresh": mean.loc[f"{v}:refresh", "teacher_ppl"],
@@ -60,6 +84,14 @@ def study_table(per_run: pd.DataFrame, students: dict, T: int) -> pd.DataFrame:
             row.update({f"d{tag}_OF_vs_S": d, f"d{tag}_OF_vs_S_lo": lo, f"d{tag}_OF_vs_S_hi": hi})
             d, lo, hi = _ci(rf, f"{v}:refresh", m)
             row.update({f"d{tag}_refresh": d, f"d{tag}_refresh_lo": lo, f"d{tag}_refresh_hi": hi})
+        if forced:
+            row.update({"klf_S": mean.loc[alone, "kl_forced"], "klf_own": mean.loc[own, "kl_forced"],
+                        "klf_OF": mean.loc[f"{v}:overfill", "kl_forced"],
+                        "klf_OF_refresh": mean.loc[f"{v}:refresh", "kl_forced"]})
+            for tag, base, name in (("OF_vs_S", alone, f"{v}:overfill"), ("OF_vs_own", own, f"{v}:overfill"),
+                                    ("refresh", f"{v}:overfill", f"{v}:refresh")):
+                d, lo, hi, mde_ = _paired(sub, base, name, "kl_forced")
+                row.update({f"dklf_{tag}": d, f"dklf_{tag}_lo": lo, f"dklf_{tag}_hi": hi, f"dklf_{tag}_mde": mde_})
         row["refresh"] = f"Periodic(T={T})"
         row["n_prompts"] = int(sub.prompt_idx.nunique())
         rows.append(row)
@@ -141,4 +173,10 @@ STUDY_NOTES = ["`dppl_OF_vs_S`, `dkl_OF_vs_S`: OverFill with this variant's stud
                "`dkl_refresh`, `dppl_refresh`: OverFill + `refresh` minus OverFill without refresh, same student, "
                "paired; < 0 = refresh helps.",
                "`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose; `ppl`: teacher perplexity of "
-               "the generated text."]
+               "the generated text.",
+               "`klf_*`: `kl_forced` (teacher-forced KL on the teacher's stored reference continuation; loops can't fool "
+               "it): `klf_S` the student alone of `student_alone`, `klf_own` this variant's decoder alone on its own "
+               "prefill (the blog's Student), `klf_OF` / `klf_OF_refresh` OverFill without / with refresh. "
+               "`dklf_OF_vs_S`, `dklf_OF_vs_own`, `dklf_refresh`: paired differences (< 0 = OverFill / refresh better) "
+               "with bootstrap 95 % CI and `_mde` = 2.8 × SD / √n, the smallest difference detectable at this n "
+               "(80 % power, α = 0.05)."]

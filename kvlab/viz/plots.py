@@ -6,7 +6,7 @@ import numpy as np
 from .base import figure, new_figure
 from .tableview import plural
 
-POLICY_COLORS = {"teacher": "#1b9e77", "overfill": "#7570b3", "student": "#d95f02"}
+POLICY_COLORS = {"teacher": "#1b9e77", "overfill": "#7570b3", "student": "#d95f02", "standalone": "#e7298a"}
 
 
 def _bars(ax, df, col, label, colors):
@@ -23,11 +23,14 @@ def baselines_figure(tables):
     """Teacher / OverFill / Student quality (teacher-PPL, KL, repeat@3), with per-prompt std.
     (Speed is machine-dependent: :func:`baselines_timing_figure`.)"""
     df = tables["baselines"]
-    fig = new_figure(figsize=(10, 3.2))
-    axes = fig.subplots(1, 3)
+    cols = [("teacher_ppl", "teacher-PPL ↓"), ("kl", "KL(p_T‖q) nats ↓")]
+    if "kl_forced" in df and df["kl_forced"].notna().any():     # issue 27: the score loops can't fool
+        cols.append(("kl_forced", "KL teacher-forced on the reference ↓"))
+    cols.append(("repeat3", "repeat@3 ↓"))
+    fig = new_figure(figsize=(3.4 * len(cols), 3.2))
+    axes = fig.subplots(1, len(cols))
     colors = [POLICY_COLORS.get(p, "gray") for p in df["policy"]]
-    for ax, col, label in zip(axes, ["teacher_ppl", "kl", "repeat3"],
-                              ["teacher-PPL ↓", "KL(p_T‖q) nats ↓", "repeat@3 ↓"]):
+    for ax, (col, label) in zip(axes, cols):
         _bars(ax, df, col, label, colors)
     n = int(df["n_prompts"].iloc[0]) if "n_prompts" in df else 0
     spread = "mean ± per-prompt std" if n > 1 else "one prompt: no spread"

@@ -56,8 +56,11 @@ def _join(parts) -> str:
     return " ".join(p.strip() for p in parts if p.strip())
 
 
-def interval_verdict(d: float, lo: float, hi: float, one: bool, lower_is_better: bool = True) -> str:
-    """What a paired difference and its bootstrap 95 % interval say, in words."""
+def interval_verdict(d: float, lo: float, hi: float, one: bool, lower_is_better: bool = True,
+                     mde: float | None = None, n: int | None = None) -> str:
+    """What a paired difference and its bootstrap 95 % interval say, in words; with ``mde`` and ``n`` an
+    interval that spans 0 reads "no detectable difference at n = N (MDE x)": how large an effect these
+    prompts could have seen (kvlab.core.metrics.mde: 2.8 × SD / √n, 80 % power at α = 0.05)."""
     if one:
         return f"{fmt(d, 3, signed=True)} (one prompt: no interval, not evidence either way)"
     if lo is None or (isinstance(lo, float) and math.isnan(lo)):
@@ -66,7 +69,24 @@ def interval_verdict(d: float, lo: float, hi: float, one: bool, lower_is_better:
     if lo > 0 or hi < 0:
         good = (hi < 0) == lower_is_better
         return f"{span}: {'better' if good else 'worse'} (the interval excludes 0)"
+    if mde is not None and n is not None and not (isinstance(mde, float) and math.isnan(mde)):
+        return f"{span}: no detectable difference at n = {n} (MDE {fmt(mde, 3)})"
     return f"{span}: no measurable change (the interval spans 0)"
+
+
+def _fv(r, m: str, one: bool, n: int, lower_is_better: bool = True) -> str:
+    """:func:`interval_verdict` of row ``r``'s paired columns ``d_<m>``, ``_lo``, ``_hi``, ``_mde``."""
+    g = (lambda c: float(r[c]) if c in r.index and pd.notna(r[c]) else float("nan"))
+    return interval_verdict(g(f"d_{m}"), g(f"d_{m}_lo"), g(f"d_{m}_hi"), one, lower_is_better,
+                            mde=g(f"d_{m}_mde"), n=n)
+
+
+LOOPS = ("Why teacher-PPL and on-path KL can favour a looping decoder: both score each decoder on the text it wrote "
+         "itself. Once a phrase has appeared, the teacher predicts its repetition with high confidence (copying from "
+         "context is what attention does best), so a decoder stuck in a loop writes text the teacher finds *easy*: "
+         "teacher-PPL drops and, on those confident steps, KL(p_T‖q) is small too. `kl_forced` / `nll_forced` score "
+         "every decoder on the same reference text (the teacher's own sampled continuation), teacher-forced, so a "
+         "decoder cannot choose easy text; repeat@3 and distinct-2 show the loops directly.")
 
 
 def spread_sentence(table: pd.DataFrame) -> str:
@@ -89,16 +109,24 @@ def smoke_banner(smoke: bool) -> str:
 
 # --- notebook 01: baselines ------------------------------------------------------------------------------------
 def read_baselines(table: pd.DataFrame) -> str:
-    """Teacher / OverFill / Student rows (``policy``, ``teacher_ppl``, ``kl``, ``repeat3``, ``*_std``, ``n_prompts``)."""
+    """Teacher / OverFill / Student (/ Standalone) rows (``policy``, ``teacher_ppl``, ``kl``, ``repeat3``,
+    ``*_std``, ``n_prompts``; with ``kl_forced`` and the paired ``d_*`` columns when the table has them)."""
     r = {p: _row(table, p) for p in ("teacher", "overfill", "student")}
     if any(v is None for v in r.values()):
         raise ValueError("read_baselines needs rows 'teacher', 'overfill' and 'student' in column 'policy'")
+    alone = _row(table, "standalone")
     T, O, S = (float(r[p].teacher_ppl) for p in ("teacher", "overfill", "student"))
     one = single_prompt(table)
+    n = _n(table)
     order = " < ".join(f"{p} {fmt(float(r[p].teacher_ppl), 2)}" for p in sorted(r, key=lambda p: r[p].teacher_ppl))
-    text = [HOW + "Lower is better in every column: teacher-PPL (how likely the teacher finds the text), "
-            "KL(p_T‖q) (how far the decoder's next-token distribution is from the teacher's, in nats; 0 for the "
-            "teacher by construction) and repeat@3 (the share of repeated 3-grams). " + spread_sentence(table)]
+    text = [HOW + "Lower is better in every column but distinct-2: teacher-PPL (how likely the teacher finds the "
+            "text), KL(p_T‖q) (how far the decoder's next-token distribution is from the teacher's, in nats; 0 for "
+            "the teacher by construction), repeat@3 (the share of repeated 3-grams) and the teacher-forced "
+            "`kl_forced` / `nll_forced` (on one fixed reference text per prompt). " + spread_sentence(table)]
+    text.append("Two baselines: `student` is the OverFill decoder itself run alone on its own prefill — the blog's "
+                "Student row (its student is OverFill's trained decoder); `standalone` is a separately trained "
+                "student of the same shape — the OverFill paper's equal-budget baseline"
+                + (" (no such student in this table: the pair is untrained)." if alone is None else "."))
     rel = "better" if O < S else "worse"
     gap = abs(O - S)
     sd = max(float(r["overfill"].get("teacher_ppl_std", float("nan"))), float(r["student"].get("teacher_ppl_std", float("nan"))))
@@ -118,13 +146,41 @@ def read_baselines(table: pd.DataFrame) -> str:
         agree = "This table differs: OverFill scores better than the teacher here."
     text.append(f"{cap(BLOG)} ({BLOG_SETTING}) found Teacher {b['teacher']['teacher_ppl']} < OverFill "
                 f"{b['overfill']['teacher_ppl']} < Student {b['student']['teacher_ppl']}. {agree}")
+    if "d_kl_forced" in table.columns and pd.notna(r["student"].get("d_kl_forced", float("nan"))):
+        parts = []
+        for name, row in (("student (the blog's baseline)", r["student"]), ("standalone (the paper's)", alone)):
+            if row is not None and pd.notna(row.get("d_kl_forced", float("nan"))):
+                v = _fv(row, "kl_forced", one, n, lower_is_better=False)     # Δ > 0: the baseline is further off
+                v = v.replace(": better (", ": OverFill better (").replace(": worse (", ": OverFill worse (")
+                parts.append(f"{name} − OverFill: {v}")
+        text.append("**Teacher-forced KL on the teacher's reference text** (`kl_forced`, the score loops can't fool; "
+                    "Δ = baseline − OverFill, so above 0 means OverFill is closer to the teacher): "
+                    + "; ".join(parts) + ".")
     rep = {p: float(r[p].repeat3) for p in r}
     worst = max(rep, key=rep.get)
     here = (f"the most repetitive text here is {worst}'s ({fmt(rep[worst], 3)})" if rep[worst] > 0
             else "no decoder repeats a 3-gram here")
     text.append(f"PPL rewards repetition loops, so read it with repeat@3: {here} (the blog: OverFill "
                 f"{b['overfill']['repeat3']}, teacher {b['teacher']['repeat3']}, student {b['student']['repeat3']}).")
+    text.append(LOOPS)
     return _join(text)
+
+
+def read_regimes(table: pd.DataFrame) -> str:
+    """``baselines_regimes``: per (``regime``, ``baseline``) the paired ``d_kl_forced`` (+ ``_lo``/``_hi``/``_mde``),
+    ``d_kl``, ``d_teacher_ppl`` of baseline − OverFill."""
+    if table.empty:
+        raise ValueError("read_regimes needs at least one (regime, baseline) row")
+    parts = [HOW + "Each row compares OverFill with one baseline in one prompt regime, paired over the same prompts; "
+             "Δ = baseline − OverFill, so above 0 favours OverFill. " + cap(BLOG) + " says OverFill pays off for "
+             "long prompts and short answers, where most of the context the decoder reads was written by the teacher."]
+    for r in table.itertuples():
+        row = pd.Series(r._asdict())
+        n = int(r.n_prompts)
+        vs = [_fv(row, m, n == 1, n, lower_is_better=False).replace(": better (", ": OverFill better (")
+              .replace(": worse (", ": OverFill worse (") for m in ("kl_forced", "teacher_ppl")]
+        parts.append(f"{r.regime}, {r.baseline}: Δkl_forced {vs[0]}; Δteacher-PPL {vs[1]}.")
+    return _join(parts)
 
 
 # --- notebook 02: refresh ----------------------------------------------------------------------------------------
@@ -138,8 +194,12 @@ def read_periodic(table: pd.DataFrame) -> str:
     parts = [HOW + "Each row refreshes every T tokens; smaller T = more teacher work. Lower KL and teacher-PPL are "
              "better; ΔKL is the paired difference to no refresh on the same prompts and seeds (below 0 = the "
              "refresh brought the student closer to the teacher). " + spread_sentence(table)]
+    n = _n(table)
     parts.append("ΔKL by T: " + "; ".join(f"T={int(r.T)}: {interval_verdict(r.d_kl, r.d_kl_lo, r.d_kl_hi, one)}"
                                          for r in per.itertuples()) + ".")
+    if "d_kl_forced" in table.columns:
+        parts.append("Δkl_forced (teacher-forced on the teacher's reference, loops can't fool it) by T: "
+                     + "; ".join(f"T={int(r['T'])}: {_fv(r, 'kl_forced', one, n)}" for _, r in per.iterrows()) + ".")
     ppl = [float(base.teacher_ppl)] + [float(v) for v in per.teacher_ppl]
     falls = all(b < a for a, b in zip(ppl, ppl[1:]))
     seq = " → ".join(fmt(v, 2) for v in ppl)
@@ -161,6 +221,9 @@ def read_entropy(table: pd.DataFrame) -> str:
     parts.append("By τ: " + "; ".join(f"τ = {fmt(r.tau_bits, 2)} bits ({fmt(r.refreshes_per_1k, 1)} refreshes / 1k "
                                       f"tokens): ΔKL {interval_verdict(r.d_kl, r.d_kl_lo, r.d_kl_hi, one)}"
                                       for r in ent.itertuples()) + ".")
+    if "d_kl_forced" in table.columns:
+        parts.append("Δkl_forced by τ: " + "; ".join(f"τ = {fmt(r.tau_bits, 2)}: {_fv(r, 'kl_forced', one, _n(table))}"
+                                                   for _, r in ent.iterrows()) + ".")
     best = ent.loc[ent.d_kl.idxmin()]
     parts.append(f"The lowest ΔKL here is {best.policy}'s ({fmt(best.d_kl, 3, signed=True)}). {cap(BLOG)} "
                  f"found τ = 5.5 bits fired {BLOG_ENTROPY[5.5][0]} times per generation and reached PPL "
@@ -181,6 +244,9 @@ def read_methods(table: pd.DataFrame) -> str:
              "teacher's work per run (refresh prefills + probes). " + spread_sentence(table)]
     parts.append(f"Lowest KL: {best.policy} ({fmt(best.kl, 3)}, ΔKL {interval_verdict(best.d_kl, best.d_kl_lo, best.d_kl_hi, one)}); "
                  f"least teacher work: {cheap.policy} ({fmt(cheap.teacher_tokens, 1)} tokens).")
+    if "d_kl_forced" in table.columns:
+        parts.append("Δkl_forced vs no refresh: " + "; ".join(f"{r.policy}: {_fv(r, 'kl_forced', one, _n(table))}"
+                                                           for _, r in meth.iterrows()) + ".")
     k, ppl, over = BLOG_SPECULATIVE
     parts.append(f"{cap(BLOG)} found speculative refresh (k = {k}) at PPL {ppl} with ~{over} % latency "
                  f"overhead against periodic T = 64 at {BLOG_PERIODIC[64][0]} with {BLOG_PERIODIC[64][1]} %: a little "
@@ -219,7 +285,8 @@ def read_forced(table: pd.DataFrame) -> str:
                        ("student", "the student's own prefill (no teacher at all)")):
         r = _row(table, cond, "condition")
         if r is not None:
-            parts.append(f"{what}: ΔKL {interval_verdict(r.d_kl_vs_overfill, r.d_lo, r.d_hi, one)}.")
+            m = float(r["d_mde"]) if "d_mde" in r.index else None
+            parts.append(f"{what}: ΔKL {interval_verdict(r.d_kl_vs_overfill, r.d_lo, r.d_hi, one, mde=m, n=_n(table))}.")
     parts.append(f"{cap(BLOG)} argues that a refresh re-anchors the student's state and lowers "
                  "KL(p_T‖q) for the tokens after it; a `refreshed` interval below 0 is that effect, measured with the "
                  "sampling noise removed.")
