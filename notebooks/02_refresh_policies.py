@@ -211,7 +211,10 @@ display(Markdown(readings.read_forced(forced)))
 # reference text, the refreshed cache brings the student much closer to the teacher. The blog's on-path
 # scores tell a muddier story on the same runs: on-path KL +0.275 [−0.061, +0.573] (no detectable difference
 # at n = 8, MDE 0.493) and repeat@3 *rises* 0.44 → 0.69 (distinct-2 0.46 → 0.27) while teacher-PPL falls
-# 59.7 → 33.1 — the refreshed student drifts into repetitive text the teacher finds easy. The full refresh
+# 59.7 → 33.1 — the refreshed student drifts into repetitive text the teacher finds easy. On the long-prompt
+# set (`figures/refresh_periodic_T8_long.md`, 8 prompts × 48 tokens, 5 refreshes per run) the forced score
+# falls as much: `kl_forced` 3.862 → 2.708, Δ −1.154 [−1.439, −0.876] (MDE 0.436); on-path KL +0.009
+# [−0.371, +0.410], no detectable difference at n = 8 (MDE 0.577). The full refresh
 # tables (`refresh_periodic`, `refresh_entropy`, `refresh_methods`) are still the earlier trained-student
 # runs without `kl_forced`; they regenerate with it on the next `make figures`.
 
