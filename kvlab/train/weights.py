@@ -119,9 +119,11 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
                     checkpoint_s=checkpoint_s, stop_after=stop_after)
     if not res.finished:
         return run_dir
+    adapter = None
     if cfg.lora_rank:
-        from .lora import merged
+        from .lora import adapter_tensors, merged
 
+        adapter = adapter_tensors(student)      # fp16: what the repository ships (kvlab.train.shipped)
         student = merged(student)
     meta = {"variant": variant, "shape": shape.label, "config": cfg.__dict__, "data_key": train_data_key(cfg),
             "train_examples": len(train_ex), "heldout_examples": len(held),
@@ -134,6 +136,11 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
         student.model.save_pretrained(tmp)
         student.tokenizer.save_pretrained(tmp)
         write_log(res.log, tmp, meta)
+        if adapter is not None:
+            from .shipped import write_adapter
+
+            write_adapter(tmp / "adapter.safetensors", *adapter, meta={"variant": variant, "shape": shape.label,
+                                                                       "key": target.name})
 
     _atomic_save(target, write)
     (run_dir / "ckpt.pt").unlink(missing_ok=True)
