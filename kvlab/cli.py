@@ -36,12 +36,26 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
                         "prefills its own cache from the text (no refresh possible)")
 
 
+def _announce(args, variants) -> None:
+    """Say up front which trained students this command will train (or rebuild from the shipped adapters),
+    roughly how long, and how to skip it (kvlab.train.plan); silent when they are cached."""
+    from kvlab.core.models import resolve_device
+    from kvlab.train.command import student_choice, train_choice
+    from kvlab.train.plan import announce
+
+    variant, shape = student_choice(args)
+    if variant is not None:
+        announce(variants or [variant], shape, train_choice(args), resolve_device(args.device))
+
+
 def _pair(args):
     """(teacher, student): ``--student`` variant at ``--prune`` (trained and cached first if missing)."""
     from kvlab.train.pair import load_pair
     from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
+    if variant is not None:   # baselines also needs the standalone student (its equal-budget row)
+        _announce(args, [variant] + (["standalone"] if getattr(args, "fn", None) is cmd_baselines else []))
     if variant is None:
         return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
     return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,
@@ -231,20 +245,24 @@ def cmd_train_missing(args) -> list[Path]:
     """Train (or find cached) every trained variant of the embedded student's shape."""
     from kvlab.train.command import student_choice, train_choice
     from kvlab.train.config import TRAINED_VARIANTS
-    from kvlab.train.weights import train_student
+    from kvlab.train.weights import trained_student_path
 
     variant, shape = student_choice(args)
     if variant is None:
         print("train: skipped (--student is a model folder/hub id)", flush=True)
         return []
-    return [train_student(v, shape, train_choice(args), device=args.device, progress=not args.no_progress)
-            for v in TRAINED_VARIANTS]
+    _announce(args, list(TRAINED_VARIANTS))
+    # cached, else built from the shipped adapters, else trained (make figures trains nothing when they match)
+    return [trained_student_path(v, shape, train_choice(args), train_if_missing=True, device=args.device,
+                                 progress=not args.no_progress) for v in TRAINED_VARIANTS]
 
 
 def cmd_train_study(args) -> list[Path]:
+    from kvlab.train.config import TRAINED_VARIANTS
     from kvlab.train.report import train_study
 
     _check_model_args(args)
+    _announce(args, list(TRAINED_VARIANTS))
     return train_study(args)
 
 

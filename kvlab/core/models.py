@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,55 @@ def _atomic_save(target: Path, write) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def cache_lock(name: str, doing: str, *, poll_s: float = 2.0, say=None):
+    """Hold ``<cache>/locks/<name>.lock`` while ``doing`` (e.g. "training the overfill student").
+
+    A second process that needs the same thing waits, saying once who holds it and why it waits (``say``:
+    a print-like callable, default stderr); it then re-checks the cache (the first one's result is usually
+    there). An OS file lock (``fcntl.flock``): released when its holder exits, even if killed, so a lock is
+    never stale. Where ``fcntl`` is missing (Windows) it is a no-op."""
+    import sys
+    import time
+
+    try:
+        import fcntl
+    except ImportError:          # pragma: no cover - no POSIX locks: concurrent work stays safe (atomic saves)
+        yield
+        return
+    root = cache_dir() / "locks"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{name}.lock"
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            say(f"kvlab: waiting: {holder} (lock {path}). This process needs the same result and will use it "
+                "when that finishes, instead of doing the work twice.")
+            t0 = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(poll_s)
+            say(f"kvlab: lock {path.name} free after {time.monotonic() - t0:.0f} s")
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} is {doing} since {time.strftime('%H:%M:%S')}")
+            f.flush()
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def teacher_path() -> Path:
