@@ -330,6 +330,19 @@ def cmd_bench(args) -> None:
         prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
+    elif args.what == "students":   # the student's speed-up over the teacher beside its held-out KL, per shape
+        from kvlab.train.speed import speed_quality
+
+        df = speed_quality(args.shapes or [None], device=args.device, dtype=args.dtype, steps=args.tokens or 32,
+                           repeats=args.repeats)
+        print(df.to_string(index=False))
+        if args.out is not None:
+            from kvlab.studies.experiment import write_table
+
+            write_table(df, args.out, "students_speed_timing", notes=[
+                "Decode ms per cached step (batch 1), teacher and student timed alternately in one process; "
+                "held-out KL: the training log's teacher-forced KL on the held-out prompts (untrained: measured "
+                f"here). `python -m kvlab bench students --shapes {' '.join(args.shapes or [])}`. Machine-dependent."])
     elif args.what == "evict":
         from kvlab.studies.bench import bench_evict
 
@@ -348,7 +361,7 @@ def cmd_bench(args) -> None:
                                                      + _evict_bench_table(res) + "\n```\n")
 
 
-BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict")
+BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict", "students")
 
 
 POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
@@ -494,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int("--repeats"), default=3)
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
     p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
