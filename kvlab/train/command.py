@@ -117,7 +117,7 @@ def cmd_train_student(args) -> list:
         raise ValueError("--ship needs LoRA students (--lora-rank > 0): full-weight students are too large to ship")
     from .plan import announce
 
-    announce(args.student, shape, cfg, resolve_device(args.device), shipped=False)
+    announce(args.student, shape, cfg, resolve_device(args.device), use_shipped=False)
     paths = []
     for v in args.student:      # always trained here (from scratch unless cached): never built from shipped
         path = train_student(v, shape, cfg, device=args.device, progress=not args.no_progress,

@@ -34,7 +34,8 @@ def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
 
 
 def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
-    extra = "" if cfg == DEFAULT_TRAIN else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
+    same = cfg.replace(threads=DEFAULT_TRAIN.threads, eval_every=DEFAULT_TRAIN.eval_every) == DEFAULT_TRAIN
+    extra = "" if same else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
     if (cfg.lora_rank, cfg.lr) != (DEFAULT_TRAIN.lora_rank, DEFAULT_TRAIN.lr):
         extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"

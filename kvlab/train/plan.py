@@ -25,6 +25,7 @@ class TrainPlan:
     shipped: tuple = ()            # variants rebuilt from the repository's adapters (seconds)
     train: tuple = ()              # variants to train
     need_data: bool = False        # the teacher's training responses are not cached yet
+    skip_hint: bool = True         # say how to skip it (not for `train-student`, whose job it is)
 
     def estimate_s(self, device=None) -> float:
         """Rough seconds for the training part (0 when nothing is trained)."""
@@ -60,15 +61,18 @@ class TrainPlan:
                 f"{self.cfg.batch}, LoRA r{self.cfg.lora_rank}).",
                 f"kvlab: it trains them first: {data}~{per:.0f} min per student — about {est / 60:.0f} min in all "
                 f"on {where}. They are cached: later commands start at once.",
-                "kvlab: to skip training, pass --student pruned (the untrained pruned student), or train them "
-                f"ahead in another terminal: `{train_command(self.train[0], self.shape, self.cfg).replace(self.train[0], ' '.join(self.train), 1)}`.",
             ]
+            if self.skip_hint:
+                lines.append("kvlab: to skip training, pass --student pruned (the untrained pruned student), or train "
+                             "them ahead in another terminal: `"
+                             + train_command(self.train[0], self.shape, self.cfg).replace(
+                                 self.train[0], " ".join(self.train), 1) + "`.")
         return "\n".join(lines)
 
 
-def plan(variants, shape, cfg=None, *, shipped: bool = True) -> TrainPlan:
+def plan(variants, shape, cfg=None, *, use_shipped: bool = True) -> TrainPlan:
     """What loading ``variants`` at ``shape`` under ``cfg`` will do (no model loads, nothing trained).
-    ``shipped=False``: ``train-student``, which trains from scratch even where an adapter is shipped."""
+    ``use_shipped=False``: ``train-student``, which trains from scratch even where an adapter is shipped."""
     from .config import DEFAULT_TRAIN, TRAINED_VARIANTS
     from .data import _data_dir, data_key, load_train_prompts
     from .shipped import shipped_entry
@@ -82,7 +86,7 @@ def plan(variants, shape, cfg=None, *, shipped: bool = True) -> TrainPlan:
             continue
         if (trained_dir(v, shape, cfg) / "config.json").is_file():
             cached.append(v)
-        elif shipped and shipped_entry(v, shape, cfg) is not None:
+        elif use_shipped and shipped_entry(v, shape, cfg) is not None:
             shipped.append(v)
         else:
             train.append(v)
@@ -92,16 +96,16 @@ def plan(variants, shape, cfg=None, *, shipped: bool = True) -> TrainPlan:
 
         key = data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
         need_data = not (_data_dir(key) / "examples.pt").is_file()
-    return TrainPlan(shape, cfg, tuple(cached), tuple(shipped), tuple(train), need_data)
+    return TrainPlan(shape, cfg, tuple(cached), tuple(shipped), tuple(train), need_data, skip_hint=use_shipped)
 
 
 _SAID: set = set()
 
 
-def announce(variants, shape, cfg=None, device=None, file=None, *, shipped: bool = True) -> TrainPlan:
+def announce(variants, shape, cfg=None, device=None, file=None, *, use_shipped: bool = True) -> TrainPlan:
     """Print :meth:`TrainPlan.message` (stderr) before a command trains or rebuilds anything; each plan
     is said once per process."""
-    p = plan(variants, shape, cfg, shipped=shipped)
+    p = plan(variants, shape, cfg, use_shipped=use_shipped)
     msg = p.message(device)
     if msg and msg not in _SAID:
         _SAID.add(msg)
