@@ -10,10 +10,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-# Measured on the 2-core development CPU (Intel Xeon, torch 2.13, 2 threads), default recipe: the teacher's
-# responses to the 424 training prompts and one 80-step × 4 LoRA student. Rough: the machine was shared.
-CPU_DATA_S_PER_TOKEN = 0.011      # teacher generation, batch 53, per response token (≤ prompts × tokens)
-CPU_TRAIN_S_PER_EXAMPLE = 1.3     # one student, per example forward + backward (steps × batch)
+# Rates from the README's timed `make figures` run on the 2-core development CPU (2 threads, default recipe):
+# teacher responses to 424 prompts × ≤ 128 tokens in 7.9 min; the overfill / standalone / refresh-aware
+# students (80 steps × 4) in 4.4 / 3.8 / 4.9 min. A loaded machine takes 2-3x longer (README: 18.4 min of data
+# at load ≈ 10), so the notice says "about".
+CPU_DATA_S_PER_TOKEN = 7.9 * 60 / (424 * 128)        # per response-token budget (prompts × tokens)
+CPU_TRAIN_S_PER_EXAMPLE = 4.4 * 60 / (80 * 4)        # one student, per example (steps × batch)
 GPU_SPEEDUP = 10.0                # rough, not measured here: a lent GPU was not available to time it
 
 
