@@ -16,6 +16,7 @@ from kvlab.train.shipped import (SHIPPED_DIR, ShippedAdapterMismatch, manifest, 
 # default recipe). Changing them changes every committed student table: update these only with a retrain.
 PINNED = {
     "overfill-h0.20-i0.50.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
+    "standalone-h0.20-i0.50.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
 }
 
 
