@@ -47,12 +47,26 @@ def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> 
                         "prefills its own cache from the text (no refresh possible)")
 
 
+def _announce(args, variants) -> None:
+    """Say up front which trained students this command will train (or rebuild from the shipped adapters),
+    roughly how long, and how to skip it (kvlab.train.plan); silent when they are cached."""
+    from kvlab.core.models import resolve_device
+    from kvlab.train.command import student_choice, train_choice
+    from kvlab.train.plan import announce
+
+    variant, shape = student_choice(args)
+    if variant is not None:
+        announce(variants or [variant], shape, train_choice(args), resolve_device(args.device))
+
+
 def _pair(args):
     """(teacher, student): ``--student`` variant at ``--prune`` (trained and cached first if missing)."""
     from kvlab.train.pair import load_pair
     from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
+    if variant is not None:   # baselines also needs the standalone student (its equal-budget row)
+        _announce(args, [variant] + (["standalone"] if getattr(args, "fn", None) is cmd_baselines else []))
     if variant is None:
         return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
     return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,
@@ -298,20 +312,24 @@ def cmd_train_missing(args) -> list[Path]:
     """Train (or find cached) every trained variant of the embedded student's shape."""
     from kvlab.train.command import student_choice, train_choice
     from kvlab.train.config import TRAINED_VARIANTS
-    from kvlab.train.weights import train_student
+    from kvlab.train.weights import trained_student_path
 
     variant, shape = student_choice(args)
     if variant is None:
         print("train: skipped (--student is a model folder/hub id)", flush=True)
         return []
-    return [train_student(v, shape, train_choice(args), device=args.device, progress=not args.no_progress)
-            for v in TRAINED_VARIANTS]
+    _announce(args, list(TRAINED_VARIANTS))
+    # cached, else built from the shipped adapters, else trained (make figures trains nothing when they match)
+    return [trained_student_path(v, shape, train_choice(args), train_if_missing=True, device=args.device,
+                                 progress=not args.no_progress) for v in TRAINED_VARIANTS]
 
 
 def cmd_train_study(args) -> list[Path]:
+    from kvlab.train.config import TRAINED_VARIANTS
     from kvlab.train.report import train_study
 
     _check_model_args(args)
+    _announce(args, list(TRAINED_VARIANTS))
     return train_study(args)
 
 
@@ -439,6 +457,19 @@ def cmd_bench(args) -> None:
         prompts = [r["prompt"] for r in load_prompts(n=args.prompts)]
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
+    elif args.what == "students":   # the student's speed-up over the teacher beside its held-out KL, per shape
+        from kvlab.train.speed import speed_quality
+
+        df = speed_quality(args.shapes or [None], device=args.device, dtype=args.dtype, steps=args.tokens or 32,
+                           repeats=args.repeats)
+        print(df.to_string(index=False))
+        if args.out is not None:
+            from kvlab.studies.experiment import write_table
+
+            write_table(df, args.out, "students_speed_timing", notes=[
+                "Decode ms per cached step (batch 1), teacher and student timed alternately in one process; "
+                "held-out KL: the training log's teacher-forced KL on the held-out prompts (untrained: measured "
+                f"here). `python -m kvlab bench students --shapes {' '.join(args.shapes or [])}`. Machine-dependent."])
     elif args.what == "evict":
         from kvlab.studies.bench import bench_evict
 
@@ -457,7 +488,7 @@ def cmd_bench(args) -> None:
                                                      + _evict_bench_table(res) + "\n```\n")
 
 
-BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict")
+BENCHES = ("decode", "refresh", "surgery", "mc", "sweep", "evict", "students")
 
 
 POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
@@ -610,6 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "size, plus eviction and refresh at batch 8; evict: eviction speed-up per size)")
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
     p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,86 @@ def check_model_ref(name_or_path) -> str:
     return src
 
 
-def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool | None = None) -> LM:
+def _first_line(e: BaseException) -> str:
+    """The cause of ``e`` in one line (a strict-config error's first line names only the validator)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(e).__name__
+
+
+def is_width_pruned(cfg: dict) -> bool:
+    """A config (``config.json`` as a dict) whose attention width ``heads × head_dim`` is its own, not
+    ``hidden_size``: a width-pruned checkpoint (Minitron/OverFill ``pruned-h0.45``: 24 heads × 128 on a
+    hidden size of 1689). Such a model is well defined (q/k/v map hidden → heads·head_dim, o_proj back),
+    but transformers 5's strict configs reject a hidden size that is not a multiple of the head count."""
+    hd, h, hid = cfg.get("head_dim"), cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hd, h, hid)):
+        return False
+    return hid % h != 0 or hid != h * hd
+
+
+_PRUNED_CONFIGS: dict = {}
+
+
+def width_pruned_config_class(base: type) -> type:
+    """``base`` (a transformers config class) with the architecture check of a width-pruned model: an
+    explicit ``head_dim`` and whole KV groups, instead of ``hidden_size % num_attention_heads == 0``.
+
+    A strict-dataclass subclass (validators are bound per class), same ``model_type``, so the
+    architecture's own modeling code loads it unchanged: nothing in attention is patched."""
+    if base in _PRUNED_CONFIGS:
+        return _PRUNED_CONFIGS[base]
+    from huggingface_hub.dataclasses import strict
+
+    def validate_architecture(self):
+        hd, h = getattr(self, "head_dim", None), self.num_attention_heads
+        kv = getattr(self, "num_key_value_heads", None) or h
+        if not isinstance(hd, int) or hd <= 0:
+            raise ValueError(f"head_dim={hd!r}: a width-pruned config needs an explicit positive head_dim")
+        if h % kv:
+            raise ValueError(f"num_attention_heads={h} is not a multiple of num_key_value_heads={kv}")
+
+    cls = strict(type(f"WidthPruned{base.__name__}", (base,),
+                      {"validate_architecture": validate_architecture, "__module__": __name__,
+                       "kvlab_base_config": base, "__doc__": f"{base.__name__} of a width-pruned checkpoint (kvlab.core.models)."}))
+    _PRUNED_CONFIGS[base] = cls
+    return cls
+
+
+def load_config(name_or_path, *, local_files_only: bool = False):
+    """The transformers config of ``name_or_path``; a width-pruned one (:func:`is_width_pruned`) gets
+    :func:`width_pruned_config_class`. Raises ValueError naming the path and the cause."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    src = str(name_or_path)
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(src, local_files_only=local_files_only)
+    except Exception as e:   # unreadable / missing / unreachable: the caller's message names the fix
+        raise ValueError(f"name_or_path={src!r}: its config could not be read ({type(e).__name__}: "
+                         f"{_first_line(e)})") from e
+    raw = {k: v for k, v in raw.items() if k not in ("_commit_hash", "transformers_version")}
+    try:
+        if is_width_pruned(raw):
+            from transformers import CONFIG_MAPPING
+
+            mt = raw.get("model_type")
+            if mt not in CONFIG_MAPPING:
+                raise ValueError(f"model_type={mt!r} is not an architecture transformers knows")
+            return width_pruned_config_class(CONFIG_MAPPING[mt]).from_dict(raw)
+        return AutoConfig.from_pretrained(src, local_files_only=local_files_only)
+    except Exception as e:   # strict-dataclass errors are not ValueErrors
+        raise ValueError(f"name_or_path={src!r}: config.json is not a valid config ({type(e).__name__}: "
+                         f"{_first_line(e)})") from e
+
+
+def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool | None = None,
+               tokenizer=None) -> LM:
     """Load any HF causal LM (hub id or local folder) and its tokenizer, in eval mode.
 
-    Raises ``ValueError``/``FileNotFoundError`` naming ``name_or_path`` when nothing loadable is there.
+    Width-pruned checkpoints (hidden size not a multiple of the head count, explicit ``head_dim``:
+    OverFill's ``pruned-h0.45-i0.45`` decoders) load through :func:`load_config`. ``tokenizer``: use this
+    one instead of the folder's (e.g. the teacher's, for a student folder saved without one).
+    Raises ``ValueError``/``FileNotFoundError`` naming ``name_or_path`` and the cause when nothing
+    loadable is there.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,13 +209,32 @@ def load_model(name_or_path, device=None, dtype=None, *, local_files_only: bool 
     dt = resolve_dtype(dtype, dev)
     if local_files_only is None:
         local_files_only = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    hint = ("pass a local folder with config.json and weights, or a hub id that is reachable or already in "
+            "the HF cache")
     try:
-        tok = AutoTokenizer.from_pretrained(src, local_files_only=local_files_only)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt, local_files_only=local_files_only)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"name_or_path={src!r} could not be loaded as a causal LM ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0]}); pass a local folder with config.json and weights, "
-                         "or a hub id that is reachable or already in the HF cache") from e
+        config = load_config(src, local_files_only=local_files_only)
+    except ValueError as e:
+        raise ValueError(f"{e}; {hint}") from e.__cause__
+    stage = "tokenizer"
+    try:
+        tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
+            src, config=config, local_files_only=local_files_only)
+        stage = "weights"
+        model_cls = AutoModelForCausalLM
+        base = getattr(type(config), "kvlab_base_config", None)
+        if base is not None:     # the Auto mapping is keyed by the architecture's own config class
+            from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[base]
+        model, info = model_cls.from_pretrained(src, config=config, dtype=dt, local_files_only=local_files_only,
+                                                output_loading_info=True)
+        holes = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "mismatched_keys")}
+        if any(holes.values()):   # transformers would fill these with random weights and only warn
+            raise ValueError("the checkpoint does not cover the config: " + "; ".join(
+                f"{k} {v[:3]}{' …' if len(v) > 3 else ''}" for k, v in holes.items() if v))
+    except Exception as e:   # any transformers/safetensors failure becomes one clear error
+        raise ValueError(f"name_or_path={src!r}: its {stage} could not be loaded ({type(e).__name__}: "
+                         f"{_first_line(e)}); {hint}") from e
     model.to(dev).eval()
     return LM(model=model, tokenizer=tok, name=path.name if path.exists() else src)
 
@@ -182,6 +278,55 @@ def _atomic_save(target: Path, write) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def cache_lock(name: str, doing: str, *, poll_s: float = 2.0, say=None):
+    """Hold ``<cache>/locks/<name>.lock`` while ``doing`` (e.g. "training the overfill student").
+
+    A second process that needs the same thing waits, saying once who holds it and why it waits (``say``:
+    a print-like callable, default stderr); it then re-checks the cache (the first one's result is usually
+    there). An OS file lock (``fcntl.flock``): released when its holder exits, even if killed, so a lock is
+    never stale. Where ``fcntl`` is missing (Windows) it is a no-op."""
+    import sys
+    import time
+
+    try:
+        import fcntl
+    except ImportError:          # pragma: no cover - no POSIX locks: concurrent work stays safe (atomic saves)
+        yield
+        return
+    root = cache_dir() / "locks"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{name}.lock"
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            say(f"kvlab: waiting: {holder} (lock {path}). This process needs the same result and will use it "
+                "when that finishes, instead of doing the work twice.")
+            t0 = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(poll_s)
+            say(f"kvlab: lock {path.name} free after {time.monotonic() - t0:.0f} s")
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} is {doing} since {time.strftime('%H:%M:%S')}")
+            f.flush()
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def teacher_path() -> Path:

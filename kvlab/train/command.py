@@ -87,6 +87,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between checkpoints (an interrupted run resumes from the last one)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ship", action="store_true",
+                   help="copy the trained students' fp16 LoRA adapters into kvlab/train/shipped/ (+ manifest.json) so "
+                        "every machine rebuilds exactly these students; commit that folder afterwards")
 
 
 def train_config(args):
@@ -111,10 +114,21 @@ def cmd_train_student(args) -> list:
     _, shape = check_student("pruned", args.prune if args.prune is not None else DEFAULT_SHAPE)
     cfg = train_config(args)            # validates steps, batch, lr, ... (ValueError naming the flag)
     resolve_device(args.device)
+    if args.ship and not cfg.lora_rank:
+        raise ValueError("--ship needs LoRA students (--lora-rank > 0): full-weight students are too large to ship")
+    from .plan import announce
+
+    announce(args.student, shape, cfg, resolve_device(args.device), use_shipped=False)
     paths = []
-    for v in args.student:
+    for v in args.student:      # always trained here (from scratch unless cached): never built from shipped
         path = train_student(v, shape, cfg, device=args.device, progress=not args.no_progress,
                              checkpoint_s=args.checkpoint_s)
         print(f"{v} {shape.flag}: {path}", flush=True)
+        if args.ship:
+            from .shipped import ship
+
+            e = ship(v, shape, cfg)
+            print(f"  shipped: kvlab/train/shipped/{e['file']} (sha256 {e['sha256'][:12]}…, held-out KL "
+                  f"{e['heldout_kl']:.4f}); commit kvlab/train/shipped/", flush=True)
         paths.append(path)
     return paths

@@ -100,6 +100,7 @@ class TrainConfig:
             d.pop("lora_rank")       # full-weight keys are the ones from before LoRA existed
         else:
             d["lora_init"] = "seeded"   # adapters drawn from `seed` (kvlab.train.lora), not the process RNG
+            d["lora_merge"] = "fp16"    # merged through the fp16 adapter file (kvlab.train.lora.merged)
         blob = json.dumps({"v": TRAIN_VERSION, "variant": variant, "shape": shape_label, "data": data_key, **d},
                           sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]

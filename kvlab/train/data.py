@@ -81,41 +81,51 @@ def teacher_responses(teacher, prompts: list[dict], tokens: int = 128, topk: int
     root = _data_dir(key)
     final = root / "examples.pt"
     if not final.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]["prompt"]), i))
-        chunks = [order[i:i + batch] for i in range(0, len(order), batch)]
-        t0, done_tokens = time.perf_counter(), 0
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        from kvlab.core.models import cache_lock
 
-            bar = tqdm(total=len(chunks), desc=f"teacher responses ({len(prompts)} prompts × ≤{tokens})")
-        for ci, chunk in enumerate(chunks):
-            part = root / f"part-{ci:04d}.pt"
-            if not part.is_file():
-                res = _generate_batch(teacher, [prompts[i] for i in chunk], tokens, topk, seed + ci)
-                tmp = part.with_suffix(".tmp")
-                torch.save(res, tmp)
-                tmp.rename(part)
-                done_tokens += sum(len(r["response_ids"]) for r in res)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-        if bar is not None:
-            bar.close()
-        rows = {r["id"]: r for ci in range(len(chunks)) for r in torch.load(root / f"part-{ci:04d}.pt")}
-        ordered = [rows[p["id"]] for p in prompts]
-        meta = {"key": key, "teacher": teacher.name, "tokens": tokens, "topk": topk, "n": len(ordered),
-                "response_tokens": sum(len(r["response_ids"]) for r in ordered),
-                "generation_s_this_run": round(time.perf_counter() - t0, 1)}
-        torch.save(ordered, final.with_suffix(".tmp"))
-        final.with_suffix(".tmp").rename(final)
-        (root / "meta.json").write_text(json.dumps(meta, indent=1))
-        for ci in range(len(chunks)):
-            (root / f"part-{ci:04d}.pt").unlink(missing_ok=True)
+        with cache_lock(root.name, f"generating the teacher's training responses ({len(prompts)} prompts)"):
+            if not final.is_file():
+                _generate_all(teacher, prompts, root, final, key, tokens, topk, batch, seed, progress)
     rows = torch.load(final)
     return [Example(r["id"], tuple(r["prompt_ids"]), tuple(r["response_ids"]), r["topk_idx"].long(),
                     r["topk_logp"].float()) for r in rows]
+
+
+def _generate_all(teacher, prompts, root: Path, final: Path, key: str, tokens: int, topk: int, batch: int,
+                  seed: int, progress: bool) -> None:
+    """Generate every batch (part files, so an interrupted run resumes), then write ``examples.pt``."""
+    root.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]["prompt"]), i))
+    chunks = [order[i:i + batch] for i in range(0, len(order), batch)]
+    t0, done_tokens = time.perf_counter(), 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(chunks), desc=f"teacher responses ({len(prompts)} prompts × ≤{tokens})")
+    for ci, chunk in enumerate(chunks):
+        part = root / f"part-{ci:04d}.pt"
+        if not part.is_file():
+            res = _generate_batch(teacher, [prompts[i] for i in chunk], tokens, topk, seed + ci)
+            tmp = part.with_suffix(".tmp")
+            torch.save(res, tmp)
+            tmp.rename(part)
+            done_tokens += sum(len(r["response_ids"]) for r in res)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{done_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+    if bar is not None:
+        bar.close()
+    rows = {r["id"]: r for ci in range(len(chunks)) for r in torch.load(root / f"part-{ci:04d}.pt")}
+    ordered = [rows[p["id"]] for p in prompts]
+    meta = {"key": key, "teacher": teacher.name, "tokens": tokens, "topk": topk, "n": len(ordered),
+            "response_tokens": sum(len(r["response_ids"]) for r in ordered),
+            "generation_s_this_run": round(time.perf_counter() - t0, 1)}
+    torch.save(ordered, final.with_suffix(".tmp"))
+    final.with_suffix(".tmp").rename(final)
+    (root / "meta.json").write_text(json.dumps(meta, indent=1))
+    for ci in range(len(chunks)):
+        (root / f"part-{ci:04d}.pt").unlink(missing_ok=True)
 
 
 def load_train_prompts(n: int | None = None, path=None) -> list[dict]:

@@ -53,6 +53,16 @@ def load_pair(teacher=None, student=None, device=None, dtype=None, ratio: float 
         variant, shape = "pruned", PruneShape(0.0, ratio)
     check_student(variant, shape)   # before any model loads
     t = models.load_teacher(device, dtype) if teacher is None else models.load_model(teacher, device, dtype)
-    s = (load_student(variant, shape, device, dtype, train_if_missing=train_if_missing, train=train)
-         if student is None else models.load_model(student, device, dtype))
+    if student is None:
+        s = load_student(variant, shape, device, dtype, train_if_missing=train_if_missing, train=train)
+    else:   # a decoder folder saved without a tokenizer reads the teacher's (a KV-sharing pair shares one)
+        s = models.load_model(student, device, dtype, tokenizer=None if _has_tokenizer(student) else t.tokenizer)
     return t, s
+
+
+def _has_tokenizer(ref) -> bool:
+    from pathlib import Path
+
+    p = Path(str(ref)).expanduser()
+    return not p.is_dir() or any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                             "tokenizer.model"))

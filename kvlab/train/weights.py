@@ -15,55 +15,36 @@ import time
 from pathlib import Path
 
 from .config import DEFAULT_TRAIN, TRAINED_VARIANTS, TrainConfig
-
-
-def _shape(shape):
-    from kvlab.core.prune import PruneShape
-
-    return PruneShape.parse(shape)
-
-
-def train_data_key(cfg: TrainConfig) -> str:
-    from kvlab.core.models import TEACHER_NAME
-    from .data import data_key, load_train_prompts
-
-    return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
-
-
-def trained_name(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
-    from kvlab.core.models import TEACHER_NAME
-
-    shape = _shape(shape)
-    return f"{TEACHER_NAME}-{variant}-{shape.label}-t{cfg.key(variant, shape.label, train_data_key(cfg))}"
-
-
-def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
-    from kvlab.core.models import cache_dir
-
-    return cache_dir() / "models" / trained_name(variant, shape, cfg)
-
-
-def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
-    extra = "" if cfg == DEFAULT_TRAIN else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
-    if (cfg.lora_rank, cfg.lr) != (DEFAULT_TRAIN.lora_rank, DEFAULT_TRAIN.lr):
-        extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
-    return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"
+from .names import _shape, train_command, train_data_key, trained_dir, trained_name  # noqa: F401  (public here too)
 
 
 def trained_student_path(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, train_if_missing: bool = False,
-                         progress: bool = True) -> Path:
-    """The cached trained student; trains it only with ``train_if_missing`` (else a clear error)."""
+                         progress: bool = True, device=None) -> Path:
+    """The cached trained student; else rebuilt from the adapter the repository ships for it
+    (:mod:`kvlab.train.shipped`, when its key matches); else trained on ``device``, only with
+    ``train_if_missing`` (else a clear error naming ``train-student``)."""
     if variant not in TRAINED_VARIANTS:
         raise ValueError(f"--student={variant!r}: trained variants are {TRAINED_VARIANTS}")
+    from .shipped import build_from_shipped, shipped_entry
+
     target = trained_dir(variant, shape, cfg)
     if (target / "config.json").is_file():
         return target
+    entry = shipped_entry(variant, shape, cfg)      # raises (naming train-student) if shipped under another key
+    if entry is not None:
+        from .plan import announce
+
+        announce([variant], shape, cfg)
+        return build_from_shipped(entry, target)
     if not train_if_missing:
         raise FileNotFoundError(
             f"the {variant!r} student ({_shape(shape).flag}) is not trained yet (no {target.name} in the model "
             f"cache); train it first with `{train_command(variant, shape, cfg)}` (~10 min on a 2-core CPU), "
             "use variant='pruned' for the untrained student, or pass train_if_missing=True")
-    return train_student(variant, shape, cfg, progress=progress)
+    from .plan import announce
+
+    announce([variant], shape, cfg)                  # a caller that announced the whole set said it already
+    return train_student(variant, shape, cfg, device=device, progress=progress)
 
 
 def training_data(cfg: TrainConfig, teacher, progress: bool = True):
@@ -85,10 +66,7 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
     Returns the weights folder; with ``stop_after`` it may stop early (checkpointed) and return the run
     folder instead. Only the student is trained; the teacher is loaded frozen.
     """
-    import torch
-
-    from kvlab.core.models import _atomic_save, cache_dir, load_model, load_teacher, pruned_student_path, resolve_device
-    from .trainer import train, write_log
+    from kvlab.core.models import cache_lock
 
     shape = _shape(shape)
     if variant not in TRAINED_VARIANTS:
@@ -96,6 +74,20 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
     target = trained_dir(variant, shape, cfg)
     if (target / "config.json").is_file():
         return target
+    # one trainer per student: a second process needing it waits here (saying why), then finds it cached
+    with cache_lock(target.name, f"training the {variant} student ({shape.flag}) into {target.parent}"):
+        if (target / "config.json").is_file():
+            return target
+        return _train(variant, shape, cfg, target, device=device, progress=progress, stop_after=stop_after,
+                      checkpoint_s=checkpoint_s)
+
+
+def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpoint_s) -> Path:
+    import torch
+
+    from kvlab.core.models import _atomic_save, cache_dir, load_model, load_teacher, pruned_student_path, resolve_device
+    from .trainer import train, write_log
+
     dev = resolve_device(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -120,9 +112,11 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
                     checkpoint_s=checkpoint_s, stop_after=stop_after)
     if not res.finished:
         return run_dir
+    adapter = None
     if cfg.lora_rank:
-        from .lora import merged
+        from .lora import adapter_tensors, merged
 
+        adapter = adapter_tensors(student)      # fp16: what the repository ships (kvlab.train.shipped)
         student = merged(student)
     meta = {"variant": variant, "shape": shape.label, "config": cfg.__dict__, "data_key": train_data_key(cfg),
             "train_examples": len(train_ex), "heldout_examples": len(held),
@@ -135,6 +129,11 @@ def train_student(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, devi
         student.model.save_pretrained(tmp)
         student.tokenizer.save_pretrained(tmp)
         write_log(res.log, tmp, meta)
+        if adapter is not None:
+            from .shipped import write_adapter
+
+            write_adapter(tmp / "adapter.safetensors", *adapter, meta={"variant": variant, "shape": shape.label,
+                                                                       "key": target.name})
 
     _atomic_save(target, write)
     (run_dir / "ckpt.pt").unlink(missing_ok=True)

@@ -1,0 +1,41 @@
+"""Names and keys of trained students in the model cache: ``<cache>/models/<teacher>-<variant>-<shape>-t<key>/``
+(no training code here, so the shipped-adapter check and the up-front plan can use them)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import DEFAULT_TRAIN, TrainConfig
+
+
+def _shape(shape):
+    from kvlab.core.prune import PruneShape
+
+    return PruneShape.parse(shape)
+
+
+def train_data_key(cfg: TrainConfig) -> str:
+    from kvlab.core.models import TEACHER_NAME
+    from .data import data_key, load_train_prompts
+
+    return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
+
+
+def trained_name(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
+    from kvlab.core.models import TEACHER_NAME
+
+    shape = _shape(shape)
+    return f"{TEACHER_NAME}-{variant}-{shape.label}-t{cfg.key(variant, shape.label, train_data_key(cfg))}"
+
+
+def trained_dir(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> Path:
+    from kvlab.core.models import cache_dir
+
+    return cache_dir() / "models" / trained_name(variant, shape, cfg)
+
+
+def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
+    same = cfg.replace(threads=DEFAULT_TRAIN.threads, eval_every=DEFAULT_TRAIN.eval_every) == DEFAULT_TRAIN
+    extra = "" if same else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
+    if (cfg.lora_rank, cfg.lr) != (DEFAULT_TRAIN.lora_rank, DEFAULT_TRAIN.lr):
+        extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
+    return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"

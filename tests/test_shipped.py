@@ -1,0 +1,162 @@
+"""The trained default students shipped as fp16 LoRA adapters (kvlab/train/shipped): pinned content, used only
+under a matching key (a mismatch is an error naming train-student), rebuilt exactly, reproducible by retraining."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_TRAIN, TRAINED_VARIANTS
+from kvlab.train.shipped import (SHIPPED_DIR, ShippedAdapterMismatch, manifest, read_adapter, recipe, sha256,
+                                 shipped_entry)
+
+# The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship` with the
+# default recipe). Changing them changes every committed student table: update these only with a retrain.
+PINNED = {
+    "overfill-h0.20-i0.50.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
+    "standalone-h0.20-i0.50.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
+    "refresh-aware-h0.20-i0.50.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
+}
+
+
+def _entry(tmp_path, variant="overfill", cfg=DEFAULT_TRAIN, **over):
+    from kvlab.train.names import train_data_key, trained_name
+    from kvlab.train.config import TRAIN_VERSION
+
+    e = {"variant": variant, "shape": "h0.20-i0.50", "name": trained_name(variant, DEFAULT_SHAPE, cfg),
+         "file": f"{variant}.safetensors", "log": f"{variant}.log.jsonl", "sha256": "0" * 64, "base": "b",
+         "data_key": train_data_key(cfg), "train_version": TRAIN_VERSION, "recipe": recipe(cfg), **over}
+    (tmp_path / "manifest.json").write_text(json.dumps({"adapters": [e]}))
+    return e
+
+
+def test_a_shipped_adapter_is_used_only_under_its_key(tmp_path, monkeypatch):
+    e = _entry(tmp_path)
+    assert shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, root=tmp_path) == e
+    # another variant, shape or recipe: nothing shipped (that student is trained as usual)
+    assert shipped_entry("standalone", DEFAULT_SHAPE, DEFAULT_TRAIN, root=tmp_path) is None
+    assert shipped_entry("overfill", "h0.45,i0.45", DEFAULT_TRAIN, root=tmp_path) is None
+    assert shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN.replace(steps=240), root=tmp_path) is None
+    # same variant/shape/recipe, but the training code changed since it was trained: an error naming train-student
+    import kvlab.train.config as config
+
+    monkeypatch.setattr(config, "TRAIN_VERSION", config.TRAIN_VERSION + "x")
+    with pytest.raises(ShippedAdapterMismatch, match=r"training code version.*train-student --student overfill"):
+        shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, root=tmp_path)
+
+
+def test_a_shipped_adapter_trained_on_other_data_is_refused(tmp_path):
+    _entry(tmp_path, name="smollm2-135m-instruct-overfill-h0.20-i0.50-t0123456789", data_key="feedfacecafe")
+    with pytest.raises(ShippedAdapterMismatch, match=r"training-data hash feedfacecafe.*python -m kvlab train-student"):
+        shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, root=tmp_path)
+
+
+def test_a_tampered_adapter_file_is_refused(tmp_path):
+    from kvlab.train.shipped import build_from_shipped, write_adapter
+
+    e = _entry(tmp_path)
+    write_adapter(tmp_path / e["file"], {"m.lora_A": torch.zeros(2, 3, dtype=torch.float16),
+                                         "m.lora_B": torch.zeros(3, 2, dtype=torch.float16)}, 2.0)
+    with pytest.raises(ValueError, match="content hash"):
+        build_from_shipped(e, tmp_path / "target", root=tmp_path)
+
+
+def test_the_shipped_adapters_are_pinned_and_match_this_code():
+    """The committed files hash to the pinned values, are fp16 and a few MB, and their keys match what this
+    code trains with the default recipe (so `make figures` builds them instead of training)."""
+    entries = manifest()
+    assert {e["file"]: e["sha256"] for e in entries} == PINNED
+    assert sorted(e["variant"] for e in entries) == sorted(TRAINED_VARIANTS)
+    for e in entries:
+        f = SHIPPED_DIR / e["file"]
+        assert sha256(f) == e["sha256"] == PINNED[e["file"]]
+        assert f.stat().st_size < 8e6 and (SHIPPED_DIR / e["log"]).is_file()
+        tensors, scale, _ = read_adapter(f)
+        assert scale == 2.0 and all(t.dtype == torch.float16 for t in tensors.values())
+        assert e["recipe"] == recipe(DEFAULT_TRAIN)
+        assert shipped_entry(e["variant"], DEFAULT_SHAPE, DEFAULT_TRAIN) == e      # the key matches: no raise
+
+
+def test_make_figures_on_a_fresh_cache_trains_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    from kvlab.train.plan import plan
+
+    shipped = {e["variant"] for e in manifest()}
+    p = plan(TRAINED_VARIANTS, DEFAULT_SHAPE, DEFAULT_TRAIN)
+    assert set(p.shipped) == shipped and set(p.train) == set(TRAINED_VARIANTS) - shipped
+    q = plan(sorted(shipped), DEFAULT_SHAPE, DEFAULT_TRAIN)
+    assert q.train == () and "shipped" in q.message() and "min" not in q.message()
+
+
+@pytest.mark.integration
+def test_a_student_built_from_its_adapter_is_the_pruned_base_plus_the_merge(tmp_path, monkeypatch):
+    """Building from the shipped adapter gives pruned base + fp16 adapter merged in float64, and it loads
+    like any trained student (here: the overfill one)."""
+    from kvlab.core.models import load_model, pruned_student_path
+    from kvlab.train.lora import merge_adapter
+    from kvlab.train.names import trained_dir
+    from kvlab.train.weights import trained_student_path
+
+    real = __import__("kvlab.core.models", fromlist=["cache_dir"]).cache_dir()
+    (tmp_path / "models").mkdir()
+    for d in (real / "models").glob("*-pruned-*"):          # reuse the pruned bases (built in CI otherwise)
+        (tmp_path / "models" / d.name).symlink_to(d)
+    teacher = real / "models" / "smollm2-135m-instruct"
+    if teacher.is_dir():
+        (tmp_path / "models" / teacher.name).symlink_to(teacher)
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    path = trained_student_path("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)      # no train_if_missing needed
+    assert path == trained_dir("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)
+    meta = json.loads((path / "train_meta.json").read_text())
+    assert meta["source"].startswith("shipped adapter") and (path / "train_log.jsonl").read_text()
+    got = load_model(path, device="cpu", local_files_only=True)
+    want = load_model(pruned_student_path(DEFAULT_SHAPE), device="cpu", local_files_only=True)
+    e = shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)
+    merge_adapter(want.model, *read_adapter(SHIPPED_DIR / e["file"])[:2])
+    sd = want.model.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in got.model.state_dict().items())
+
+
+@pytest.mark.integration
+@pytest.mark.long
+def test_a_short_retrain_follows_the_shipped_recipe(tmp_path, monkeypatch):
+    """`train-student` with the default recipe, stopped after 2 steps in a fresh cache: its first steps'
+    loss is the shipped log's (the same data, batches, init and loss; only float noise between machines)."""
+    from kvlab.core.models import cache_dir
+    from kvlab.train.names import train_data_key
+    from kvlab.train.weights import train_student
+
+    real = cache_dir()
+    e = shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)
+    data = real / "train" / f"data-{e['data_key']}"
+    if not (data / "examples.pt").is_file():
+        pytest.skip("needs the default teacher data in the model cache (any trained default student builds it)")
+    for sub in ("models", "train"):
+        (tmp_path / sub).mkdir()
+    for d in (real / "models").glob("smollm2-135m-instruct*"):
+        if "-pruned-" in d.name or d.name == "smollm2-135m-instruct":
+            (tmp_path / "models" / d.name).symlink_to(d)
+    (tmp_path / "train" / data.name).symlink_to(data)
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    assert train_data_key(DEFAULT_TRAIN) == e["data_key"]
+    run = train_student("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, progress=False, stop_after=2)
+    got = torch.load(run / "ckpt.pt", weights_only=False)["log"]
+    want = [json.loads(x) for x in (SHIPPED_DIR / e["log"]).read_text().splitlines()][:2]
+    assert [r["step"] for r in got] == [1, 2] and [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3) and a["lr"] == pytest.approx(b["lr"])
+    shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_speed_beside_quality_per_shape_in_one_run():
+    """`bench students`: teacher and student timed in one run; an untrained shape says so."""
+    from kvlab.train.speed import speed_quality
+
+    df = speed_quality(["i0.30"], steps=4, repeats=1, device="cpu")
+    row = df.iloc[0]
+    assert row["shape"] == "i0.30" and row["student"] == "pruned (untrained)"
+    assert row["params_M"] < row["teacher_params_M"]
+    assert row["speedup"] == pytest.approx(row["teacher_ms_step"] / row["student_ms_step"], rel=0.01)
