@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kvlab.core.compat import cache_kwarg
 from transformers.cache_utils import DynamicCache
 
 from conftest import make_tiny_lm
@@ -48,13 +50,13 @@ def test_ragged_layers_break_transformers_masks():
 
     with torch.no_grad():
         _set_impl(m, "sdpa")
-        m(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[12]]), past_key_values=ragged())  # works
+        m(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[12]]), **{cache_kwarg(m): ragged()})  # works
         with pytest.raises(RuntimeError):
             m(input_ids=torch.tensor([[7, 8, 9]]), position_ids=torch.tensor([[12, 13, 14]]),
-              past_key_values=ragged())
+              **{cache_kwarg(m): ragged()})
         _set_impl(m, "eager")
         with pytest.raises(RuntimeError):
-            m(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[12]]), past_key_values=ragged())
+            m(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[12]]), **{cache_kwarg(m): ragged()})
         _set_impl(m, "sdpa")
 
 

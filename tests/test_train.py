@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from kvlab.core.compat import cache_kwarg
+
 from kvlab.core.tiny import make_tiny_lm, tiny_examples
 from kvlab.train.config import TrainConfig
 from kvlab.train.data import Example
@@ -94,7 +96,7 @@ def test_overfill_forward_reads_the_teachers_prompt_kv(pair, examples):
     other = spliced_cache(teacher_cache(teacher, [5] * P), P)
     with torch.no_grad():
         out = student.model(input_ids=torch.tensor([list(ex.response_ids[:-1])]), position_ids=fw.positions.view(1, -1),
-                            past_key_values=other)
+                            **{cache_kwarg(student.model): other})
     assert not torch.allclose(out.logits[0], fw.logits.detach(), atol=1e-4)
 
 
@@ -201,7 +203,7 @@ def test_hidden_and_mlp_pruning_keeps_the_kv_geometry(pair):
     tc = teacher_cache(teacher, [5, 6, 7])
     with torch.no_grad():    # the pruned model reads teacher K/V
         out = lm.model(input_ids=torch.tensor([[8, 9]]), position_ids=torch.tensor([[3, 4]]),
-                       past_key_values=spliced_cache(tc, 3))
+                       **{cache_kwarg(lm.model): spliced_cache(tc, 3)})
     assert out.logits.shape == (1, 2, 128) and torch.isfinite(out.logits).all()
     assert PruneShape.parse("h0.45,i0.45") == PruneShape(0.45, 0.45)
     assert PruneShape.parse("i0.3").label == "i0.30" and PruneShape.parse(0.3) == PruneShape(0.0, 0.3)

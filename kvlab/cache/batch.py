@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from . import attn_fn
 from .attention import QueryCapture
 from .storage import MIN_CAPACITY, BufferLayer, KVStore
+from kvlab.core.compat import cache_kwarg
 
 MASKS_KWARG = "kvlab_masks"
 
@@ -253,7 +254,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         pos = torch.tensor(nxt, dtype=torch.long, device=device)[:, None] + torch.arange(n_max, device=device)
         keep = sorted({len(seqs[b]) - 1 for b in active})                                 # logits needed
         attn_fn.use(model)
-        kwargs = dict(input_ids=ids, position_ids=pos, cache=step_cache, use_cache=True,
+        kwargs = dict(input_ids=ids, position_ids=pos, **{cache_kwarg(model): step_cache}, use_cache=True,
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
         want = [b for b in active if attention[b]]

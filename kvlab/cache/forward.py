@@ -13,6 +13,7 @@ import torch
 
 from . import attn_fn
 from .attention import QueryCapture
+from kvlab.core.compat import cache_kwarg
 
 
 @torch.inference_mode()
@@ -42,7 +43,7 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
         store.materialize()
         kwargs = dict(input_ids=ids.to(device).view(1, n),                                  # (1, n)
                       position_ids=torch.tensor([positions], device=device),               # (1, n)
-                      cache=store.hf, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
+                      **{cache_kwarg(model): store.hf}, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
         if attention:
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
@@ -126,5 +127,5 @@ def probe_last(cache, model, n_copies: int) -> torch.Tensor:
     device = next(model.parameters()).device
     out = model(input_ids=torch.full((n_copies, 1), token, dtype=torch.long, device=device),  # (n, 1)
                 position_ids=torch.full((n_copies, 1), position, dtype=torch.long, device=device),
-                cache=tmp, use_cache=True, logits_to_keep=1)
+                **{cache_kwarg(model): tmp}, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :]                                                            # (n, V)

@@ -19,6 +19,7 @@ import torch
 from .evict import move_to
 from .plan import SPLICE_MODES, SurgeryError, TickPlan, TickReport, plan_actions
 from .rope import rope_of
+from kvlab.core.compat import cache_kwarg
 
 
 def _vocab_size(model) -> int:
@@ -196,7 +197,7 @@ def _kv_over_prefix(cache, model, s: int, token_ids: Sequence[int], positions: l
     n = len(token_ids)
     model(input_ids=torch.tensor([list(token_ids)], device=device),               # (1, n)
           position_ids=torch.tensor([positions], device=device),                  # (1, n)
-          cache=tmp, use_cache=True, logits_to_keep=1)
+          **{cache_kwarg(model): tmp}, use_cache=True, logits_to_keep=1)
     return [(lay.keys[:, :, -n:, :], lay.values[:, :, -n:, :]) for lay in tmp.layers]  # (1, H_kv, n, D)
 
 

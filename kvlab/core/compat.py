@@ -6,6 +6,9 @@ positional encoding match (tokenizer, heads, head size, layers, RoPE parameters)
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 from dataclasses import dataclass
 
 
@@ -90,3 +93,16 @@ def kv_compat(teacher, student) -> Compat:
         if a != b:
             out.append(Mismatch("tokenizer", f"{a[0]} tokens", f"{b[0]} tokens" + (" (different map)" if a[0] == b[0] else "")))
     return Compat(tuple(out))
+
+
+def cache_kwarg(model) -> str:
+    """The keyword the installed transformers' ``model.forward`` takes the KV cache under: ``"cache"``
+    (transformers >= 5.24, where ``past_key_values`` is deprecated and warns on every call) or
+    ``"past_key_values"`` (earlier 5.x). Read from the forward's signature, never from a version string."""
+    return _cache_kwarg(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(cls) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -21,6 +21,7 @@ import pandas as pd
 from kvlab.decode import DecodeConfig
 from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, write_table
 from kvlab.refresh.policies import Periodic
+from kvlab.core.compat import cache_kwarg
 
 VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 
@@ -111,7 +112,7 @@ def decode_speed(teacher, student, prompt: str, steps: int = 32, repeats: int = 
             pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = lm.model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+                out = lm.model(input_ids=nxt, **{cache_kwarg(lm.model): pkv}, use_cache=True)
                 pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - t0) / steps * 1000
 
