@@ -205,7 +205,7 @@ display(Markdown(readings.read_forced(forced)))
 # policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
 # periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
 #
-# **As committed (issue 27, first pass).** `figures/refresh_periodic_T7.md` (untrained pruned student — no
+# **As committed (first pass of the teacher-forced refresh study).** `figures/refresh_periodic_T7.md` (untrained pruned student — no
 # trained student was cached — 8 prompts × 64 tokens): a full teacher refresh every 7 tokens **lowers
 # `kl_forced`** from 3.817 to 2.614 nats, Δ −1.203 [−1.402, −1.049] (MDE 0.272): teacher-forced on the same
 # reference text, the refreshed cache brings the student much closer to the teacher. The blog's on-path

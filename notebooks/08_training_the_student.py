@@ -146,7 +146,7 @@ display(Markdown(readings.read_baselines(rows[list(rows)[-1]])))  # noqa: F821
 # The tables `make figures` committed under `figures/` (the run above uses this notebook's parameters;
 # these are the repository's). Each reading is computed from the file it names.
 #
-# **As committed (issue 27, first pass).** No trained student was cached when the tables were regenerated,
+# **As committed (first pass of the two-baseline, teacher-forced study).** No trained student was cached when the tables were regenerated,
 # so `figures/baselines.md` is the *untrained* pruned pair (`--student pruned`, h0.20,i0.50), 8 prompts ×
 # 64 tokens, and has no `standalone` row. It shows why the loop-proof score matters: on the student's own
 # path the on-path KL *favours the student alone* (OverFill − student: KL 1.944 vs 1.509, Δ student − OverFill

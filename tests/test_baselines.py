@@ -1,4 +1,4 @@
-"""The baselines table (issue 27): teacher / overfill / student / standalone rows, kl_forced with paired intervals
+"""The baselines table: teacher / overfill / student / standalone rows, kl_forced with paired intervals
 and the minimum detectable difference; the regimes table side by side."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batched decoding (issue 28): a batch of B prompts gives, row for row, what B single runs give.
+"""Batched decoding: a batch of B prompts gives, row for row, what B single runs give.
 
 Tolerance: the batched forward runs other matmul shapes and a padded, masked attention, so logits
 differ from a single run's by float rounding (~1e-7 on the tiny models). We assert EXACT equality

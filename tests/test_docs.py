@@ -131,10 +131,6 @@ def test_docs_skip_a_foreign_figures_folder(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ README
-# written on the `custom` branch (issue: your own policy in one cell); linked from here before it is merged
-PENDING = {ROOT / "docs" / "custom_policies.md"}
-
-
 def test_readme_is_short_with_a_figure_the_commands_and_links_that_exist():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
@@ -148,7 +144,7 @@ def test_readme_is_short_with_a_figure_the_commands_and_links_that_exist():
             if "://" in link:
                 continue
             target = (page.parent / link).resolve()
-            assert target.exists() or target in PENDING, f"{page.name}: broken link {link}"
+            assert target.exists(), f"{page.name}: broken link {link}"
             if anchor and target.suffix == ".md" and target.exists():
                 assert anchor in _anchors(target), f"{page.name}: {link} has no heading #{anchor}"
 

@@ -324,7 +324,7 @@ def test_needle_policies_share_one_peak_budget(budget):
     assert pols["pyramidkv"].budget == pols["snapkv"].budget          # same mean entries per layer
 
 
-# --------------------------------------------------------------------------- the committed tables (issue 25)
+# --------------------------------------------------------------------------- the committed tables let each mechanism act
 
 FIG = __import__("pathlib").Path(__file__).resolve().parents[1] / "figures"
 

@@ -36,7 +36,7 @@ def test_sinks_survive_every_eviction_in_the_loop(tiny_teacher, policy):
 
 
 def test_recency_ranker_drops_the_sink_without_sinks(tiny_teacher):
-    """The failure issue 25 reports: min-max recency gives position 0 the lowest score, so the
+    """The sink failure: min-max recency gives position 0 the lowest score, so the
     recency-only ranker evicts it at its first eviction; sinks=4 keeps it."""
     off = Decoding(tiny_teacher, None, PROMPT, cfg(evict=ConfKV(gamma=0.0, tight=16, loose=16, protect=4,
                                                                attn_weight=0.0), max_new_tokens=3))

@@ -1,4 +1,4 @@
-"""Tables decode missing runs in batches (issue 28): same rows as one run at a time, same store keys."""
+"""Tables decode missing runs in batches: same rows as one run at a time, same store keys."""
 from __future__ import annotations
 
 import pytest

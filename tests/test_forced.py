@@ -46,7 +46,7 @@ def test_bad_parameters(tiny_teacher, kw, name):
         forced_kl(tiny_teacher, tiny_teacher, "p", **args)
 
 
-# --------------------------------------------------------------------------- forced scores (issue 27)
+# --------------------------------------------------------------------------- teacher-forced scores
 
 from kvlab.decode import DecodeConfig, Sampling, run  # noqa: E402
 from kvlab.refresh.forced import (ForcedDecoding, distinct_n, forced_columns, forced_dists, forced_scores,  # noqa: E402

@@ -1,4 +1,4 @@
-"""The long-prompt / short-answer prompt set (issue 27): what data/long_prompts_source.py writes, its lengths,
+"""The long-prompt / short-answer prompt set: what data/long_prompts_source.py writes, its lengths,
 disjoint from the training prompts, and usable as --prompt-set long."""
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def test_confidence_reading_sees_conf_kv_signals(tiny_teacher):
     assert "6 of 6 steps were confident" in text and "cut at 6 steps" in text
 
 
-# --------------------------------------------------------------------------- issue 27: both baselines, kl_forced, power
+# --------------------------------------------------------------------------- both baselines, kl_forced, power
 
 def _baselines4(d_student=(0.2, 0.1, 0.3), d_alone=(0.02, -0.1, 0.14), n=8):
     rows = _baselines((2.0, 3.0, 3.5), n=n).to_dict("records") + [

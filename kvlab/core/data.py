@@ -24,7 +24,7 @@ def calibration_file() -> Path:
 
 
 # Named prompt sets (``--prompt-set``): the default short ELI5-style prompts (about 65 tokens with the chat
-# template, 128-token answers) and the long-prompt / short-answer set OverFill is for (issue 27: 300-800 token
+# template, 128-token answers) and the long-prompt / short-answer set OverFill is for (300-800 token
 # documents, few-shot prompts and multi-turn histories, each ending in a question answered in 32-64 tokens;
 # written by data/long_prompts_source.py).
 PROMPT_SETS = {"default": "prompts.jsonl", "long": "long_prompts.jsonl"}

@@ -105,7 +105,7 @@ def score(trace, teacher) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- power (issue 27)
+# --------------------------------------------------------------------------- power: the smallest paired difference a table can detect
 
 MDE_FACTOR = 2.8   # z_{1-α/2} + z_{power} = 1.96 + 0.84: 80 % power at two-sided α = 0.05
 MDE_NOTE = ("`*_mde`: the smallest paired mean difference detectable at this n with 80 % power at α = 0.05, "

@@ -1,4 +1,4 @@
-"""Cache inspector (issue 25 item 11): which prompt and generated tokens each layer still holds.
+"""Cache inspector: which prompt and generated tokens each layer still holds.
 
 :class:`CacheInspector` watches one run: after every step (``observe(record, cache)``, e.g. from
 ``kvlab.decode.run(..., on_step=inspector.on_step)`` or a ``for rec in decoding`` loop) it reads the

@@ -14,7 +14,7 @@ many more tokens; at 2k–4k tokens the full cache already misses some depths. T
 therefore stays at 256–1,024 tokens, where the full cache succeeds, so that a miss under eviction
 measures the policy and not the model.
 
-Two settings (column ``setting`` of the tables; issue 25):
+Two settings (column ``setting`` of the tables):
 
 * ``prefill`` — the whole prompt, question included, is prefilled; the policy prunes the cache
   after the first emitted token (decided on the full cache), so every later digit of the answer is

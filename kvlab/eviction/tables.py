@@ -1,4 +1,4 @@
-"""Eviction experiments on stored runs (issue 9 item 6): the sawtooth trace and the matched-memory table.
+"""Eviction experiments on stored runs: the sawtooth trace and the matched-memory table.
 
 **Matched memory.** Conf-KV's memory is not a knob: it is what its confidence schedule does on the
 prompts. So Conf-KV runs first and its achieved mean KV bytes (mean over steps of
@@ -171,7 +171,7 @@ def solve_budget(measure: Callable[[int], float], target: float, lo: int, hi: in
 class EvictStudy:
     """Parameters of the matched-memory study and the sawtooth.
 
-    Sized so that Conf-KV's schedule acts (issue 25): the cache is cut to the chosen budget at every
+    Sized so that Conf-KV's confidence schedule acts: the cache is cut to the chosen budget at every
     step, so it can grow by at most one entry per uncertain step. With ``loose`` far above ``tight``
     (the earlier 48 / 112) an uncertain streak never carried the cache to ``loose`` and Conf-KV ran
     at ``tight``; here ``loose - tight = 6``, which uncertain streaks of the embedded

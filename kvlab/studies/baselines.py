@@ -1,4 +1,4 @@
-"""The blog's Baselines table (no refresh), with both definitions of the student baseline (issue 27).
+"""The blog's Baselines table (no refresh), with both definitions of the student baseline.
 
 Rows, on the same prompts with the same per-prompt seeds:
 

@@ -24,7 +24,7 @@ def baselines_figure(tables):
     (Speed is machine-dependent: :func:`baselines_timing_figure`.)"""
     df = tables["baselines"]
     cols = [("teacher_ppl", "teacher-PPL ↓"), ("kl", "KL(p_T‖q) nats ↓")]
-    if "kl_forced" in df and df["kl_forced"].notna().any():     # issue 27: the score loops can't fool
+    if "kl_forced" in df and df["kl_forced"].notna().any():     # the teacher-forced score, which loops cannot fool
         cols.append(("kl_forced", "KL teacher-forced on the reference ↓"))
     cols.append(("repeat3", "repeat@3 ↓"))
     fig = new_figure(figsize=(3.4 * len(cols), 3.2))
