@@ -204,6 +204,35 @@ def default_evict_policies(cache_len: int) -> dict:
             "block_rerotate": BlockEvict(bs, 1, b // bs - 3, 2, rerotate=True)}
 
 
+def _check_evict_bench(cache_len, steps) -> None:
+    """The eviction benchmarks' sizes (ValueError naming the parameter)."""
+    if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 64:
+        raise ValueError(f"cache_len={cache_len!r} must be an int >= 64")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r} must be an int >= 2 (the first step is reported apart)")
+
+
+def _evict_bench_cache(model, cache_len: int, steps: int, seed: int):
+    """``(vocab, new, base)``: the model's vocabulary size, ``steps`` random decode tokens and a
+    :class:`KVCache` prefilled with ``cache_len`` random prompt tokens (one seeded generator for both),
+    attention tracked (EMA 0.9)."""
+    from kvlab.cache import KVCache
+
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (cache_len,), generator=g).tolist()
+    new = torch.randint(0, vocab, (steps,), generator=g).tolist()
+    base = KVCache()
+    base.track_attention(0.9)
+    base.forward(model, ids, writer="teacher")
+    return vocab, new, base
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, policies: dict | None = None,
                 seed: int = 0) -> dict:
     """Per-step time of decoding with each eviction policy vs the full cache, at a ``cache_len`` context.
@@ -229,25 +258,12 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     from kvlab.decode import token_stats
     from kvlab.eviction import EvictView
 
-    if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 64:
-        raise ValueError(f"cache_len={cache_len!r} must be an int >= 64")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an int >= 2 (the first step is reported apart)")
+    _check_evict_bench(cache_len, steps)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
     policies = policies if policies is not None else default_evict_policies(cache_len)
     model = lm.model
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (cache_len,), generator=g).tolist()
-    new = torch.randint(0, vocab, (steps,), generator=g).tolist()
-    base = KVCache()
-    base.track_attention(0.9)
-    base.forward(model, ids, writer="teacher")
-
-    def sync():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    vocab, new, base = _evict_bench_cache(model, cache_len, steps, seed)
 
     def one(pol) -> dict:
         c = base.copy()
@@ -256,7 +272,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
         for step, tok in enumerate(new, start=1):
             t0 = time.perf_counter()
             logits = c.forward(model, [tok], writer="teacher", step=step, attention=need)
-            sync()
+            _sync()
             t1 = time.perf_counter()
             _, ent, top1, margin = token_stats(logits)
             rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
@@ -265,15 +281,15 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
                                    layer_positions=c.layer_positions()))
             drop = d.dropped(len(c))
             per_layer = d.dropped_layers(c.layer_lengths())
-            sync()
+            _sync()
             t2 = time.perf_counter()
             r = (c.evict(drop, model=model, rerotate=d.rerotate, layers=per_layer)
                  if drop or (per_layer is not None and any(per_layer)) else None)
-            sync()
+            _sync()
             t3 = time.perf_counter()
             if d.int8_window is not None:
                 c.quantize_older(d.int8_window, d.int8_group)
-            sync()
+            _sync()
             t4 = time.perf_counter()
             rows.append({"forward": t1 - t0, "metadata": t2 - t1, "compact": t3 - t2, "int8": t4 - t3,
                          "step": t4 - t0, "evicted": len(drop), "len": len(c), "bytes": c.nbytes(),
@@ -287,7 +303,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
             c.crop(n0)
             t0 = time.perf_counter()
             c.forward(model, [tok], writer="teacher", step=step, attention=need)
-            sync()
+            _sync()
             rows.append({"step": time.perf_counter() - t0})
         return {"rows": rows}
 
@@ -501,31 +517,17 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len: int = 2048, steps: int 
     eviction's saving shows (the cache reads multiply with B, the weight reads do not)."""
     from types import SimpleNamespace
 
-    from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.decode import token_stats
     from kvlab.eviction import EvictView
 
     batches = check_batches(batches)
-    if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 64:
-        raise ValueError(f"cache_len={cache_len!r} must be an int >= 64")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an int >= 2 (the first step is reported apart)")
+    _check_evict_bench(cache_len, steps)
     if policies is None:
         full = default_evict_policies(cache_len)
         policies = {k: full[k] for k in ("full", "sliding", "h2o", "confkv")}
     model = lm.model
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (cache_len,), generator=g).tolist()
-    new = torch.randint(0, vocab, (steps,), generator=g).tolist()
-    base = KVCache()
-    base.track_attention(0.9)
-    base.forward(model, ids, writer="teacher")
-
-    def sync():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    vocab, new, base = _evict_bench_cache(model, cache_len, steps, seed)
 
     out = []
     for B in batches:
@@ -551,7 +553,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len: int = 2048, steps: int 
                         c.evict(drop, model=model, rerotate=d.rerotate, layers=per_layer)
                     if d.int8_window is not None:
                         c.quantize_older(d.int8_window, d.int8_group)
-                sync()
+                _sync()
                 times.append(time.perf_counter() - t0)
             return times, len(caches[0])
 
