@@ -13,7 +13,12 @@ from kvlab.core.args import positive_int
 from kvlab.studies.args import run_spec as _spec
 
 
-def _common(p: argparse.ArgumentParser, prompts: int = 8, tokens: int = 128) -> None:
+# Prompts per table by default: 32, the smallest n at which a paired interval can resolve about 0.1-0.2 nats
+# (each table prints the smallest difference it could detect at its n); batched decoding makes it affordable.
+DEFAULT_PROMPTS = 32
+
+
+def _common(p: argparse.ArgumentParser, prompts: int = DEFAULT_PROMPTS, tokens: int = 128) -> None:
     p.add_argument("--prompts", type=positive_int("--prompts"), default=prompts, help="number of prompts")
     p.add_argument("--tokens", type=positive_int("--tokens"), default=None,
                    help=f"new tokens per run (N) (default: {tokens}) — 48 with --prompt-set long")
@@ -361,16 +366,39 @@ NEEDS_SAME_GEOMETRY = ("refresh", "evict", "train-study")
 
 
 def cmd_all(args) -> list[Path]:
-    paths = []
+    """Every job of :data:`JOBS`, then the figures and the docs. Each job's wall time is printed and appended
+    to ``--out/all_timing.jsonl`` (one line per job of this run; untracked, like every timing)."""
+    import platform
+    import time
+
+    import torch
+
+    from kvlab.core.models import resolve_device
+
+    paths, t_all = [], time.perf_counter()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    env = {"started": stamp, "prompts": args.prompts, "device": str(resolve_device(args.device)),
+           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn(args)
+        dt = time.perf_counter() - t0
+        print(f"== {name}: {dt / 60:.1f} min (all so far {(time.perf_counter() - t_all) / 60:.1f} min)", flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / "all_timing.jsonl", "a") as f:
+            f.write(json.dumps({**env, "job": name, "seconds": round(dt, 1)}) + "\n")
+        return out
+
     for name, fn in JOBS:
         if getattr(args, "rebuild_student_cache", False) and name in NEEDS_SAME_GEOMETRY:
             print(f"== {name}: skipped (--rebuild-student-cache: the pair's KV geometry differs, and a refresh "
                   "splices teacher K/V into the student cache)", flush=True)
             continue
         print(f"== {name}", flush=True)
-        paths += fn(args)
-    paths += cmd_figures(args)
-    paths += cmd_docs(args)        # last: README.md and docs/ quote the tables just written
+        paths += timed(name, fn)
+    paths += timed("figures", cmd_figures)
+    paths += timed("docs", cmd_docs)        # last: README.md and docs/ quote the tables just written
     return paths
 
 
@@ -601,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     _refresh_options(p)
     p.set_defaults(fn=cmd_refresh)
     p = sub.add_parser("evict", help="eviction: sawtooth figure, matched-memory table, needle-retrieval table")
-    _common(p, prompts=8, tokens=128)
+    _common(p, tokens=128)
     _evict_args(p)
     p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
@@ -614,9 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh: prompts timed side by side for the overhead (python -m kvlab refresh: 2)")
     p.add_argument("--timing-repeats", type=int, default=2, help="refresh: paired timings per prompt and policy")
     _evict_args(p)
-    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=8,
-                   help="prompts of the eviction job (the first of --prompts; >= 5 for intervals; it runs ~16 "
-                        "configurations per prompt + 210 needle runs)")
+    p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=None,
+                   help="prompts of the eviction job (default: all of --prompts; fewer = the first of them, >= 5 for "
+                        "intervals; it runs ~25 configurations per prompt + the needle grid)")
     p.set_defaults(fn=cmd_all)
     p = sub.add_parser("docs", help="regenerate the numbers quoted in README.md and docs/ from figures/*.csv")
     p.add_argument("--out", type=Path, default=None, help="the tables (default and only choice: the project's figures/)")
