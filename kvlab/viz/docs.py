@@ -166,23 +166,39 @@ def _train_heldout(figures: Path) -> str:
 
 
 def _key_results(figures: Path) -> str:
-    """README's small table: one line per method, each number from its own table."""
+    """README's small table: one line per finding, each number from its own table. Decoder comparisons and
+    refresh are read on ``kl_forced`` (teacher-forced on a fixed reference, which loops cannot fool), each
+    with its paired interval and the smallest difference detectable at that n (MDE)."""
     rows = []
 
     def one(csv: str, row: str, spec: Cell, digits: int = 3) -> str:
         return cell(pick(read(figures, csv), row, csv), spec, digits)
 
-    rows.append(("OverFill (teacher prefill, trained student decodes) vs the student alone",
-                 "KL(p_T‖q) " + one("baselines", "overfill", "kl") + " vs " + one("baselines", "student", "kl"),
-                 "baselines"))
-    rows.append(("OverFill − student alone, paired",
-                 "ΔKL " + one("train_study", "overfill", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
-                 "train_study"))
+    def mde(r) -> str:
+        v = _num(r.get("d_kl_forced_mde")) if hasattr(r, "get") else None
+        return "" if _nan(v) or v is None else f" (MDE {fmt(v, 2)})"
+
+    reg = read(figures, "baselines_regimes")
+    names = {"student": "the student alone (the blog's baseline)",
+             "standalone": "a separately trained student (the paper's baseline)"}
+    for _, r in reg.iterrows():
+        regime = str(r["regime"]).split(",")[0]
+        rows.append((f"{regime}: {names.get(str(r['baseline']), r['baseline'])} − OverFill, teacher-forced KL",
+                     f"{cell(r, 'kl_forced_base')} vs {cell(r, 'kl_forced_OF')}; Δ "
+                     + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde(r)
+                     + f", n = {int(_num(r['n_prompts']))}", "baselines_regimes"))
     per = read(figures, "refresh_periodic")
     per = per[per["policy"].astype(str) != "none"]
     for _, r in per.sort_values("T").iterrows():
-        rows.append((f"Periodic refresh T = {fmt(_num(r['T']), 0)} vs no refresh",
-                     "ΔKL " + cell(r, ("d_kl", "d_kl_lo", "d_kl_hi")), "refresh_periodic"))
+        rows.append((f"Periodic refresh T = {fmt(_num(r['T']), 0)} − no refresh (OverFill), teacher-forced KL",
+                     "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde(r), "refresh_periodic"))
+    met = read(figures, "refresh_methods")
+    for pol in met["policy"].astype(str):
+        if pol.startswith(("speculative", "probe_kl", "entropy")):
+            r = pick(met, pol, "refresh_methods")
+            rows.append((f"{pol} − no refresh, teacher-forced KL",
+                         "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde(r),
+                         "refresh_methods"))
     rows.append(("Student reading its own prompt cache − reading the teacher's (same tokens, teacher-forced)",
                  "ΔKL " + one("refresh_forced", "student", ("d_kl_vs_overfill", "d_lo", "d_hi")), "refresh_forced"))
     rows.append(("MC dropout (p = 0.1): correlation with the student's entropy",
@@ -190,29 +206,65 @@ def _key_results(figures: Path) -> str:
                  + one("mc_real_correlations", "p=0.1", "r_mi", 2) + ", flip "
                  + one("mc_real_correlations", "p=0.1", "r_flip", 2), "mc_real_correlations"))
     em = read(figures, "evict_matched")
-    for pol in ("confkv", "h2o", "sliding"):
-        if pol in set(em["policy"].astype(str)):
-            rows.append((f"Eviction at Conf-KV's mean memory: {pol}",
-                         "KL to full cache " + one("evict_matched", pol, "kl"), "evict_matched"))
+    have = set(em["policy"].astype(str))
+    if "confkv" in have:
+        rows.append(("Eviction at matched mean memory: Conf-KV, teacher-forced KL to the full cache",
+                     one("evict_matched", "confkv", "kl_forced") + f" (loose budget on "
+                     + one("evict_matched", "confkv", "frac_loose", 2) + " of steps)", "evict_matched"))
+    labels = {"confkv_fixed": "its ranker at a fixed budget (schedule off)", "h2o": "H2O",
+              "scissorhands": "Scissorhands", "sliding": "sliding window", "confkv_l": "Conf-KV-L (equal-memory pyramid + INT8)",
+              "confkv_pyramidal": "equal-memory pyramid"}
+    for pol, label in labels.items():
+        if pol in have:
+            r = pick(em, pol, "evict_matched")
+            rows.append((f"Eviction: {label} − Conf-KV, teacher-forced KL",
+                         "Δ " + cell(r, ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo", "d_kl_forced_vs_confkv_hi")),
+                         "evict_matched"))
     nd = read(figures, "evict_needle")
     if {"policy", "accuracy", "n"} <= set(nd.columns):
-        label = "Passkey retrieval under eviction (exact match)"
-        if "setting" in nd.columns:                       # one setting: the table's first
-            first = nd["setting"].iloc[0]
-            nd, label = nd[nd["setting"] == first], f"{label}, {first} setting"
-        acc = (nd["accuracy"] * nd["n"]).groupby(nd["policy"]).sum() / nd["n"].groupby(nd["policy"]).sum()
-        got = [p for p in ("full", "block", "sliding", "confkv") if p in acc.index]
-        rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
+        settings = list(dict.fromkeys(nd["setting"])) if "setting" in nd.columns else [None]
+        for st in settings:
+            part = nd if st is None else nd[nd["setting"] == st]
+            acc = (part["accuracy"] * part["n"]).groupby(part["policy"]).sum() / part["n"].groupby(part["policy"]).sum()
+            got = [p for p in ("full", "confkv", "h2o", "block", "sliding") if p in acc.index]
+            label = "Passkey retrieval under eviction (exact match)" + (f", {st} setting" if st else "")
+            rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
     lines = ["| what | result | table |", "|---|---|---|"]
     lines += [f"| {a} | {b} | [`{c}`](figures/{c}.md) |" for a, b, c in rows]
     return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
 
 
+MEASURED_PHASES = "docs/measured/make_figures_timing.jsonl"
+
+
+def _phases(figures: Path) -> str:
+    """The main job's phase table: one measured ``make figures`` run from an empty model cache and run store
+    (``all_timing.jsonl`` as ``python -m kvlab all`` wrote it, kept under ``docs/measured/``)."""
+    import json
+
+    path = ROOT / MEASURED_PHASES
+    if not path.is_file():
+        raise DocsError(f"{path} does not exist: copy a `make figures` run's figures/all_timing.jsonl there")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise DocsError(f"{path} is empty")
+    first = rows[0]
+    lines = ["| job | minutes |", "|---|---|"]
+    lines += [f"| {r['job']} | {fmt(r['seconds'] / 60, 1)} |" for r in rows]
+    lines.append(f"| **all** | **{fmt(sum(r['seconds'] for r in rows) / 60, 1)}** |")
+    return ("\n".join(lines) + f"\n\n*One run of `make figures` at {first['prompts']} prompts from an empty model cache "
+            f"and run store, on {first.get('cpu') or 'the CPU'} with {first['threads']} threads ({first['device']}), "
+            f"started {first['started']}; from [`{MEASURED_PHASES}`]({MEASURED_PHASES}), excluding the "
+            "install.*")
+
+
 VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
     "baselines": View("baselines", [
         ("policy", "policy"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")),
-        ("KL(p_T‖q) ↓", ("kl", "kl_std")), ("KL, all steps", "kl_all"),
-        ("repeat@3 ↓", ("repeat3", "repeat3_std")), ("prompts", "n_prompts")]),
+        ("KL(p_T‖q) ↓", ("kl", "kl_std")), ("teacher-forced KL ↓", ("kl_forced", "kl_forced_std")),
+        ("Δ forced KL vs OverFill (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")),
+        ("MDE", "d_kl_forced_mde"), ("repeat@3 ↓", ("repeat3", "repeat3_std")), ("distinct-2 ↑", "distinct2"),
+        ("prompts", "n_prompts")]),
     "train_study": View("train_study", [
         ("student (OverFill's)", "variant"), ("student alone", "student_alone"),
         ("ΔKL OF − S", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
@@ -221,15 +273,21 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
         ("prompts", "n_prompts")]),
     "refresh_periodic": View("refresh_periodic", [
         ("policy", "policy"), ("refreshes", "refreshes"), ("teacher tokens", "teacher_tokens"),
-        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
+        ("MDE", "d_kl_forced_mde"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
         ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
     "refresh_entropy": View("refresh_entropy", [
         ("policy", "policy"), ("τ (bits)", "tau_bits"), ("refreshes / 1k", "refreshes_per_1k"),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
         ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
         ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
     "refresh_methods": View("refresh_methods", [
         ("policy", "policy"), ("refresh_next", ("text", "refresh_next")), ("refreshes", "refreshes"),
         ("teacher tokens", "teacher_tokens"), ("probe tokens", "probe_tokens"),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
         ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
         ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi"))]),
     "refresh_forced": View("refresh_forced", [
@@ -248,12 +306,16 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
     "evict_matched": View("evict_matched", [
         ("policy", "policy"), ("matched by", ("text", "matched_by")), ("mean K/V MiB", "mean_mb"),
         ("vs target", "mem_vs_target"), ("KL to full ↓", ("kl", "kl_std")),
-        ("ΔKL vs full", "d_kl_vs_full"), ("95 % CI", ("text", "d_kl_vs_full_ci")), ("ΔKL vs Conf-KV (95 % CI)", ("d_kl_vs_confkv", "d_kl_vs_confkv_lo",
-                                                                           "d_kl_vs_confkv_hi")),
+        ("steps on loose", "frac_loose"), ("teacher-forced KL ↓", "kl_forced"),
+        ("Δ forced KL vs Conf-KV (95 % CI)", ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo",
+                                              "d_kl_forced_vs_confkv_hi")),
+        ("ΔKL vs full", "d_kl_vs_full"), ("95 % CI", ("text", "d_kl_vs_full_ci")),
+        ("ΔKL vs Conf-KV (95 % CI)", ("d_kl_vs_confkv", "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi")),
         ("teacher-PPL", "teacher_ppl"), ("repeat@3", "repeat3")]),
     "evict_needle": _needle,
     "train_heldout": _train_heldout,
     "key_results": _key_results,
+    "phases": _phases,
 }
 
 
