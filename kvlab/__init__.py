@@ -30,6 +30,7 @@ _EXPORTS = {
     "BlockEvict": "eviction", "ConfKV": "eviction", "FullCache": "eviction", "H2O": "eviction",
     "PyramidKV": "eviction", "RandomEvict": "eviction", "Scissorhands": "eviction", "SlidingWindow": "eviction",
     "SnapKV": "eviction", "EVICTION_POLICIES": "eviction",
+    "ScorerPolicy": "eviction", "Knorm": "eviction", "SnapKVScorer": "eviction",
     # the run store
     "RunStore": "store", "Store": "store",
 }

@@ -57,7 +57,8 @@ refresh) and the step's record, returns the slots to keep, and the cache removes
 (:meth:`KVCache.evict`, survivors keep their absolute positions unless the policy re-rotates), then
 stores entries older than the policy's INT8 window as INT8. Policies that ``needs_attention`` get
 the attention mass of every decoder forward (prefill included) from the cache's removable query
-hooks; others cost nothing extra. Only the decoding cache is evicted (the teacher's own cache in
+hooks; others cost nothing extra. Policies that ``needs_kv`` (kvpress-style scorers) also get read-only
+copies of each layer's keys and values and the attention modules in the view. Only the decoding cache is evicted (the teacher's own cache in
 overfill mode is the refresh's helper). With refresh, a refresh splices only the positions of its
 span that are still live in the student cache — evicted positions stay evicted (``spliced``
 counts what was rewritten); re-rotating eviction (which moves positions) is refused with refresh.
@@ -80,6 +81,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .cache import KVCache
+from .cache.attention import attention_modules
 from kvlab.core.compat import IncompatiblePairError, kv_compat
 from kvlab.eviction.base import EvictView, validate_evict
 from kvlab.refresh.base import PROBES, ProbeContext, policy_dict, validate_policy
@@ -567,7 +569,7 @@ class Decoding:
         view = EvictView(step=rec.step, length=len(cache), positions=lp[0], record=rec,
                          vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
                          logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
-                         first=rec.step == self.first_step, layer_positions=lp)
+                         first=rec.step == self.first_step, layer_positions=lp, **self._kv_access(policy))
         decision = policy.keep(view)
         drop = decision.dropped(len(cache))
         per_layer = decision.dropped_layers(cache.layer_lengths())
@@ -579,6 +581,12 @@ class Decoding:
         if decision.signals():
             signals = Signals({**signals.to_dict(), **decision.signals()})
         return replace(rec, evicted=evicted, signals=signals)
+
+    def _kv_access(self, policy) -> dict:
+        """``EvictView.kv`` / ``modules`` for a policy that ``needs_kv`` (read-only copies, per layer)."""
+        if not getattr(policy, "needs_kv", False):
+            return {}
+        return {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
 
     def _teacher_upto(self, n: int) -> torch.Tensor:
         """Extend the teacher's own cache to hold ``x, y_≤n`` (prefilling only what it lacks) and

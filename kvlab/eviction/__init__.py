@@ -1,7 +1,8 @@
 """Cache-eviction policies: frozen dataclasses that decide only, one file each.
 
 The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``ema_decay`` /
-``rerotate`` attributes) is in :mod:`kvlab.eviction.base`; the decode loop applies decisions
+``rerotate`` / ``needs_kv`` attributes) is in :mod:`kvlab.eviction.base`; kvpress-style score
+functions become policies through :class:`~kvlab.eviction.scorer.ScorerPolicy`; the decode loop applies decisions
 through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
 
 :data:`EVICTION_POLICIES` is the one registry of eviction policies by name (sweeps, the playground, the
@@ -17,6 +18,8 @@ from .h2o import H2O
 from .pyramidkv import PyramidKV
 from .random_evict import RandomEvict
 from .scissorhands import Scissorhands
+from .scorer import ScorerPolicy
+from .scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
 from .sliding import SlidingWindow
 from .snapkv import SnapKV
 
@@ -30,10 +33,12 @@ EVICTION_POLICIES = Registry("eviction", {
     "snapkv": SnapKV,
     "scissorhands": Scissorhands,
     "pyramidkv": PyramidKV,
+    "knorm": Knorm,
+    "snapkv_scorer": SnapKVScorer,
 }, method="keep", reserved=("none",), register_fn="register_eviction")
 register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine") on your class
 unregister_eviction = EVICTION_POLICIES.unregister
 
 __all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
            "RandomEvict", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
-           "validate_evict"]
+           "validate_evict", "ScorerPolicy", "KeyNorm", "Knorm", "SnapKVScorer", "SnapKVWindow"]

@@ -19,6 +19,9 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
   gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands);
 * ``ema_prefill: str = "query"`` — the EMA takes a multi-token forward (the prefill) as one update
   per query in query order (``"sum"``: one update with the summed mass).
+* ``needs_kv: bool = False`` — the view carries ``kv`` (layer -> read-only copies of that layer's
+  cached keys and values) and ``modules`` (the decoder's attention modules, in layer order): score
+  functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`).
 
 Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
 evicted, StreamingLLM; :func:`sink_counts`); sliding and block eviction keep theirs by default
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -60,6 +63,9 @@ class EvictView:
     measured queries (NORM_SUM's denominator); :func:`layer_stat` stacks one to ``(L, T)``.
     ``logits``, ``temperature`` and ``top_p`` give the distribution ``y_step`` was drawn from
     (:func:`drawn_stats`); ``first`` marks the run's first step (prompt-compression policies).
+    ``kv`` / ``modules`` (``None`` unless the policy ``needs_kv``): ``kv(l)`` returns copies of layer
+    ``l``'s ``(keys, values)``, each ``(1, H_kv, T_l, D)``, keys post-RoPE, in slot order (INT8
+    entries dequantized); ``modules[l]`` is layer ``l``'s attention module (read its config only).
 
     ``positions`` / ``length`` are layer 0's live set; ``layer_positions[l]`` is layer ``l``'s
     (default: ``positions`` on every layer)."""
@@ -76,6 +82,8 @@ class EvictView:
     top_p: float = 1.0
     first: bool = False                    # the run's first step: the cache holds the prefill only
     layer_positions: tuple[tuple[int, ...], ...] = None   # per layer: absolute position of each live slot
+    kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None   # layer -> copies (1, H_kv, T_l, D) x2
+    modules: tuple | None = None           # per layer: the decoder's attention module (needs_kv)
 
     def __post_init__(self):
         if self.layer_positions is None:
