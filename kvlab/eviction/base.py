@@ -18,7 +18,10 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
 * ``attention_below: bool = False`` — the cache also counts, per entry, the measured queries that
   gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands);
 * ``ema_prefill: str = "query"`` — the EMA takes a multi-token forward (the prefill) as one update
-  per query in query order (``"sum"``: one update with the summed mass).
+  per query in query order (``"sum"``: one update with the summed mass);
+* ``score_stat: str | None`` — the statistic the policy ranks by, shown as the score by the cache
+  inspector (:func:`kvlab.eviction.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
+  else None).
 
 Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
 evicted, StreamingLLM; :func:`sink_counts`); sliding and block eviction keep theirs by default
