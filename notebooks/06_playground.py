@@ -31,6 +31,10 @@
 # **Step through**: Step / Run / Reset over one decoding: chosen token, top-5 candidates, entropy,
 # cache length, whether a refresh fired, and the live map of who wrote each cache slot.
 #
+# **Cache inspector**: for the shown run with an eviction policy, which prompt and generated tokens each
+# layer still holds after the step a slider picks: the text shaded by the share of layers keeping each
+# token (hover: position, writer, score, eviction step) and the layers × positions survival map.
+#
 # Served as a standalone page by `make playground` (Voilà on 127.0.0.1). Logic: `kvlab.playground`.
 
 # %% tags=["parameters"]

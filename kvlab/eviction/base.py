@@ -18,10 +18,13 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
 * ``attention_below: bool = False`` — the cache also counts, per entry, the measured queries that
   gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands);
 * ``ema_prefill: str = "query"`` — the EMA takes a multi-token forward (the prefill) as one update
-  per query in query order (``"sum"``: one update with the summed mass).
+  per query in query order (``"sum"``: one update with the summed mass);
 * ``needs_kv: bool = False`` — the view carries ``kv`` (layer -> read-only copies of that layer's
   cached keys and values) and ``modules`` (the decoder's attention modules, in layer order): score
-  functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`).
+  functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`);
+* ``score_stat: str | None`` — the statistic the policy ranks by, shown as the score by the cache
+  inspector (:func:`kvlab.eviction.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
+  else None).
 
 Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
 evicted, StreamingLLM; :func:`sink_counts`); sliding and block eviction keep theirs by default

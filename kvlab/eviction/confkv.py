@@ -169,6 +169,11 @@ class ConfKV:
             raise ValueError(f"ema_prefill={self.ema_prefill!r} must be one of {EMA_PREFILL}")
 
     @property
+    def score_stat(self) -> str:
+        """The statistic its ranker reads (the cache inspector's score)."""
+        return "ema"
+
+    @property
     def needs_attention(self) -> bool:
         return self.attn_weight > 0
 

@@ -52,6 +52,11 @@ class Scissorhands:
     def attention_below(self) -> bool:
         return True
 
+    @property
+    def score_stat(self) -> str:
+        """The statistic its ranker reads (the cache inspector's score; more = sooner evicted)."""
+        return "low"
+
     def layer_keep(self, low: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its low counts ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
         if n <= budget:

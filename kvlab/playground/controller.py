@@ -16,7 +16,7 @@ with no refresh and the full cache (:meth:`Settings.baseline`).
 :class:`~kvlab.playground.reader.RunReader` (the run store), :class:`~kvlab.playground.calibration.Calibrator`
 (τ/κ and MC calibrations), :class:`~kvlab.playground.compare.Pins` (pinned runs) and
 :class:`~kvlab.playground.jobs.Jobs` (the background work); what it shows is in
-:mod:`kvlab.playground.shown`.
+:mod:`kvlab.playground.shown`, and the shown run's cache inspector in :mod:`kvlab.playground.inspection`.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from kvlab.store import RunStore
 from .calibration import MC_NEVER, MC_PERCENTILE, Calibrator, nice_range
 from .checks import SettingsChecker
 from .compare import MAX_PINS, Pins, check_repeats
+from .inspection import Inspection
 from .jobs import Jobs
 from .reader import RunReader
 from .runner import Cancelled, ModelGate, Runner
@@ -84,6 +85,7 @@ class Playground:
         self.pins = Pins()
         self.errors: dict[str, str] = {}
         self.shown: Shown | None = None
+        self.inspection: Inspection | None = None        # the shown run's cache inspector (kvlab.playground.inspection)
         self.status = ""
         self.last_response_s: float | None = None       # set() -> readouts redrawn, for the last disk answer
         self.last_live: dict | None = None               # the last finished live run: tokens, seconds, tok/s
@@ -97,7 +99,8 @@ class Playground:
     def subscribe(self, fn: Callable[[str, object], None]) -> None:
         """``fn(event, payload)`` for events "errors" (dict), "shown" (Shown), "live_start" (Settings),
         "point" (LivePoint), "progress" (Progress), "status" (str), "percentiles" (dict), "settings"
-        (Settings), "spread" (Spread or None), "pins" (tuple of Shown), "timing" (dict)."""
+        (Settings), "spread" (Spread or None), "pins" (tuple of Shown), "timing" (dict), "inspect"
+        (:class:`~kvlab.playground.inspection.Inspection`, after each "shown")."""
         self._listeners.append(fn)
 
     def _emit(self, event: str, payload) -> None:
@@ -232,9 +235,15 @@ class Playground:
             self.runner.cancel()
         self._set_status("cancelled")
 
-    def _show(self, shown: Shown) -> None:
+    def _show(self, shown: Shown, inspection: Inspection | None = None) -> None:
+        """Show ``shown`` and its cache inspection (default: none recorded — a store hit)."""
         self.shown = shown
         self._emit("shown", shown)
+        self._inspected(inspection or Inspection(shown.settings, shown.key))
+
+    def _inspected(self, inspection: Inspection) -> None:
+        self.inspection = inspection
+        self._emit("inspect", inspection)
 
     def _job_failed(self, job, e: BaseException) -> None:
         msg = f"{type(e).__name__}: {e}"
@@ -286,6 +295,19 @@ class Playground:
         self._set_status(f"precomputing {param} over {len(values)} positions…")
         with self._show_lock:
             return self.runner.submit(lambda job: self.jobs.precompute(job, base_s, param, values), name="precompute")
+
+    def inspect(self):
+        """The shown run's cache inspector: an "inspect" event at once when it is known (a watched decode;
+        the full cache: nothing to inspect), else the run is decoded again with an inspector in the
+        background (cancelling work in flight). Returns that job, or None."""
+        sh = self.shown
+        if sh is None:
+            raise ValueError("no run is shown yet; set() a configuration first")
+        if self.inspection is not None and self.inspection.key == sh.key and self.inspection.state != "stored":
+            return self._inspected(self.inspection)
+        self._set_status(f"inspect: decoding the {sh.settings.N} tokens again with the cache inspector…")
+        with self._show_lock:
+            return self.runner.submit(lambda job: self.jobs.inspect(job, sh), name="inspect")
 
     def stepper(self):
         """A :class:`~kvlab.playground.stepper.Stepper` over the current settings (shares the models)."""

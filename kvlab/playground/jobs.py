@@ -8,10 +8,12 @@ events only while it is the current job, so a superseded job never shows anythin
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from .calibration import MC_PERCENTILE
 from .compare import time_vs_baseline
-from .settings import PRUNED, Settings
+from .inspection import Inspection, recorder, same_tokens_note
+from .settings import PRUNED, Settings, decode_config
 from .shown import LivePoint, Progress, readouts
 from .spread import Spread, pairs, spread_stats
 
@@ -56,7 +58,8 @@ class Jobs:
                 base = pg.reader.scored(b, student, self.streamer(job, "baseline", b.N, points=False))
             if self._current(job):
                 pg._emit("live_start", s)
-            streamer = self.streamer(job, "run", s.N, points=True)
+            inspector = recorder(s)                        # watches the live decode (a store hit feeds it nothing)
+            streamer = self.streamer(job, "run", s.N, points=True, inspector=inspector)
             result = pg.reader.scored(s, student, streamer)
             job.check()
             if same:
@@ -71,16 +74,19 @@ class Jobs:
                 return
             pg.last_live = live or pg.last_live
             shown = pg.reader.build(s, student, result, base, "live" if live else "disk", t0)
-            pg._show(shown)
+            whole = inspector is not None and len(inspector.steps) == len(result["steps"]["token_id"])
+            pg._show(shown, Inspection(s, shown.key, inspector if whole else None, st.get("tokenizer")))
             extra = f" · streamed at {live['tps']:.1f} tok/s" if live else ""
             pg._set_status(f"decoded in {shown.seconds:.1f} s{extra}" if live else
                            f"from the run store in {1000 * shown.seconds:.0f} ms")
         if len(pairs(s, pg.prompts)) > 1:
             self.spread(job, s)
 
-    def streamer(self, job, stage: str, total: int, points: bool):
+    def streamer(self, job, stage: str, total: int, points: bool, inspector=None):
         """An ``on_step`` that checks for cancellation and emits a "point" (``points``) or "progress"
-        event per step; its ``state`` holds the step count and times (first step, last step)."""
+        event per step, feeding ``inspector`` (a :class:`~kvlab.eviction.inspector.CacheInspector`) the
+        cache after each step; its ``state`` holds the step count, times (first step, last step) and the
+        decoder's tokenizer."""
         pg = self.pg
         state = {"t1": None, "t0": time.perf_counter()}
 
@@ -90,7 +96,9 @@ class Jobs:
             if state["t1"] is None:
                 state["t1"] = now
             tps = (rec.step - 1) / (now - state["t1"]) if rec.step > 1 and now > state["t1"] else float("nan")
-            state["last"], state["n"] = now, rec.step
+            state["last"], state["n"], state["tokenizer"] = now, rec.step, d.decoder.tokenizer
+            if inspector is not None:
+                inspector.observe(rec, d.cache)
             if self._current(job):
                 if points:
                     c = d.cache
@@ -133,6 +141,37 @@ class Jobs:
                                                f"calibrating τ/κ on {len(cal.prompts)} prompt(s)…"))
             cal.calibration(student)
         job.check()
+
+    # ------------------------------------------------------------------ the cache inspector of a stored run
+
+    def inspect(self, job, sh) -> None:
+        """Decode the shown run ``sh`` again (not stored: the run store has it) with a cache inspector
+        attached, with "progress" events; then, if ``sh`` is still shown, an "inspect" event. A re-decode
+        whose tokens differ from the stored run's says so in the inspector's message."""
+        from kvlab.decode import run
+
+        pg, s, t0 = self.pg, sh.settings, time.perf_counter()
+        inspector, seen = recorder(s), {}
+        with pg.gate.hold():
+            student = self.ensure_student(s, job)
+
+            def on_step(rec, d):
+                job.check()
+                inspector.observe(rec, d.cache)
+                seen["tokenizer"] = d.decoder.tokenizer
+                if self._current(job):
+                    pg._emit("progress", Progress("inspect", rec.step, s.N, f"inspect: {rec.step}/{s.N} tokens"))
+                pg.gate.pause_point()
+
+            trace = run(pg.teacher, None if s.mode == "teacher" else student, s.prompt,
+                        replace(decode_config(s), keep_dists=True), on_step=on_step)
+        with pg._show_lock:
+            if not self._current(job) or pg.shown is None or pg.shown.key != sh.key:
+                return
+            note = same_tokens_note(trace.tokens, sh.result["steps"]["token_id"])
+            pg._inspected(Inspection(s, sh.key, inspector, seen.get("tokenizer"), note))
+            pg._emit("progress", Progress("inspect", s.N, s.N, ""))
+            pg._set_status(f"cache inspector: decoded again in {time.perf_counter() - t0:.1f} s")
 
     # ------------------------------------------------------------------ spread over prompts × seeds
 

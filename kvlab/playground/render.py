@@ -1,5 +1,6 @@
 """The playground's HTML panels as plain strings (no widgets): the readouts table, the spread, the
-back-to-back timing, why refreshes fired, the generated text, the live map and the step-through readout.
+back-to-back timing, why refreshes fired, the generated text, the live map, the step-through readout and
+the cache inspector.
 :mod:`kvlab.playground.view` puts them into ``ipywidgets.HTML``; they are testable without a browser.
 """
 from __future__ import annotations
@@ -183,3 +184,28 @@ def step_text_html(v, history) -> str:
         bg = f"background:{TEACHER}33" if pos in teacher_pos else ""
         parts.append(f"<span style='{bg}'>{esc(h.token)}</span>" + (f"<b style='color:{REFRESH}'>⟳</b>" if h.refreshed else ""))
     return f"<div style='font-size:13px;line-height:1.5'>{''.join(parts)}</div>"
+
+# ------------------------------------------------------------------ cache inspector
+
+
+def inspect_html(v) -> str:
+    """The cache inspector's message and shaded text of one
+    :class:`~kvlab.playground.inspection.InspectView` ``v`` (the survival map is :func:`png_html`)."""
+    msg = f"<div class='kvlab-inspect-msg kvlab-inspect-{v.state}' style='font-size:12px;margin:4px 0'>{esc(v.message)}</div>"
+    if v.step is None:
+        return msg
+    legend = ("<small style='color:#666'>each token of the prompt and the generated text, shaded by the share of the "
+              f"{v.num_layers} layers that still hold it after step {v.step} (dark: all, pale: none); hover a token: "
+              "position, writer, layers, score and the step it was evicted</small>")
+    return (msg + legend + "<div class='kvlab-inspect-tokens' style='font-size:13px;border:1px solid #eee;padding:6px;"
+            f"max-height:260px;overflow:auto'>{v.tokens_html}</div>")
+
+
+def png_html(png: bytes | None, alt: str = "") -> str:
+    """An inline ``<img>`` of PNG bytes ("" for None)."""
+    if png is None:
+        return ""
+    import base64
+
+    return (f"<img class='kvlab-inspect-map' alt='{html.escape(alt, quote=True)}' style='max-width:100%' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")

@@ -2,7 +2,8 @@
 :class:`~kvlab.playground.Playground` (all logic lives there and in :class:`~kvlab.playground.Stepper`).
 Widgets only: no model, cache or file is touched here.
 
-``PlaygroundView(pg).widget`` is the whole app (an "Explore" tab and a "Step through" tab); display it
+``PlaygroundView(pg).widget`` is the whole app (an "Explore" tab, a "Step through" tab and a "Cache
+inspector" tab); display it
 in a notebook or serve the notebook with Voilà (``make playground``). Plots are updated in place.
 DOM classes (``kvlab-ro-<readout>``, ``kvlab-run-key``, ``kvlab-<control>``, ``kvlab-err-<control>``)
 let a browser test find what it needs.
@@ -10,8 +11,9 @@ let a browser test find what it needs.
 :class:`PlaygroundView` composes one part per panel and routes the controller's events to them:
 :class:`~kvlab.playground.view_controls.ControlPanel` (the controls column, with the precompute row),
 :class:`~kvlab.playground.view_results.ResultsPanel` (status, readouts, spread, buttons, text) around
-:class:`~kvlab.playground.view_plot.ExplorePlot` (the figure), and
-:class:`~kvlab.playground.view_step.StepPanel` (the step-through tab); their HTML is
+:class:`~kvlab.playground.view_plot.ExplorePlot` (the figure),
+:class:`~kvlab.playground.view_step.StepPanel` (the step-through tab) and
+:class:`~kvlab.playground.view_inspect.InspectPanel` (the cache inspector of the shown run); their HTML is
 :mod:`kvlab.playground.render` (plain strings).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .compare import MAX_PINS
 from .controller import Playground
 from .render import PIN_COLORS, live_map_html
 from .view_controls import ControlPanel, PrecomputeRow
+from .view_inspect import InspectPanel
 from .view_plot import PLOT_THROTTLE_S, T_PIN0, ExplorePlot, on_kernel_loop
 from .view_results import ResultsPanel
 from .view_step import StepPanel
@@ -39,6 +42,7 @@ class PlaygroundView:
         self.plot = ExplorePlot(pg, self._lock)
         self.results = ResultsPanel(pg, self.plot)
         self.steps = StepPanel(pg)
+        self.inspector = InspectPanel(pg)
         # the widgets tests and scripts reach for, by their old names
         self.controls, self.errs, self.policy_rows = self.panel.controls, self.panel.errs, self.panel.policy_rows
         self.fig = self.plot.fig
@@ -48,14 +52,16 @@ class PlaygroundView:
         self.step_info, self.step_map = self.steps.info, self.steps.map
         self.widget = W.VBox([
             W.HTML("<h3 style='margin:4px 0'>kvlab playground — refresh and eviction, live</h3>"),
-            W.Tab(children=[W.HBox([self.panel.widget, self.results.widget]), self.steps.widget],
-                  titles=("Explore", "Step through")),
+            W.Tab(children=[W.HBox([self.panel.widget, self.results.widget]), self.steps.widget, self.inspector.widget],
+                  titles=("Explore", "Step through", "Cache inspector")),
         ])
         self.widget.add_class("kvlab-playground")
         pg.subscribe(self._on_event)
         self.panel.sync_visibility()
         if pg.shown is not None:
             self.results.render(pg.shown)
+        if pg.inspection is not None:
+            self.inspector.show(pg.inspection)
         self._render_errors(pg.errors)
         self._on_event("percentiles", pg.percentiles())
         self.results.set_status(pg.status)
@@ -81,6 +87,8 @@ class PlaygroundView:
                 self.panel.sync_controls(payload)
             elif event == "shown":
                 self.results.render(payload)
+            elif event == "inspect":
+                self.inspector.show(payload)
             elif event == "spread":
                 self.results.spread(payload)
             elif event == "pins":
@@ -105,4 +113,4 @@ def show(pg: Playground) -> W.Widget:
 
 
 __all__ = ["MAX_PINS", "PIN_COLORS", "PLOT_THROTTLE_S", "T_PIN0", "ControlPanel", "ExplorePlot", "PlaygroundView",
-           "PrecomputeRow", "ResultsPanel", "StepPanel", "live_map_html", "on_kernel_loop", "show"]
+           "InspectPanel", "PrecomputeRow", "ResultsPanel", "StepPanel", "live_map_html", "on_kernel_loop", "show"]
