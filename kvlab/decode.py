@@ -241,17 +241,20 @@ def token_stats(logits: torch.Tensor) -> tuple[torch.Tensor, float, float, float
     return logp, ent / LN2, top1, top1 - top2
 
 
-def token_stats_rows(logits: torch.Tensor) -> list[tuple[torch.Tensor, float, float, float]]:
-    """:func:`token_stats` of every row of ``(B, V)`` logits, in one pass over the batch."""
+def token_stats_rows(logits: torch.Tensor) -> list[tuple[torch.Tensor, float, float, float, int]]:
+    """:func:`token_stats` of every row of ``(B, V)`` logits, in one pass over the batch, plus each
+    row's greedy choice ``argmax(logits[b])`` (what :func:`choose` picks at temperature 0: the first
+    maximal index, one batched argmax instead of one per row)."""
     logp = torch.log_softmax(logits.float(), dim=-1)           # (B, V)
     p = logp.exp()
     ent = -(p * logp).sum(-1)                                   # (B,)
     top = torch.topk(logp, 2, dim=-1).values.exp()              # (B, 2)
+    best = torch.argmax(logits, dim=-1).tolist()                # (B,) greedy choices
     out = []
     for b, (e, t1, t2) in enumerate(zip(ent.tolist(), top[:, 0].tolist(), top[:, 1].tolist())):
         if math.isnan(e):                                       # -inf logits (masked tokens): 0 * -inf
             e = float(torch.special.entr(p[b]).sum())
-        out.append((logp[b], e / LN2, t1, t1 - t2))
+        out.append((logp[b], e / LN2, t1, t1 - t2, best[b]))
     return out
 
 
@@ -399,6 +402,7 @@ class Decoding:
         then the prefill: returns the first step's logits."""
         cfg = self.config
         self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
+        self._device = self.decoder.device   # looked up once per run, not once per row and step (_after_score)
         logits = self._start()
         self._pending = None       # (logits, source) for the next step, left by a refresh
         self._last_refresh = self.first_step - 1
@@ -418,7 +422,7 @@ class Decoding:
         rec = self._refresh_phase(rec)
         rec = self._evict(rec, logits)
         cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
-        _sync(self.decoder.device)
+        _sync(self._device)
         wall = time.perf_counter() - t0
         self.elapsed_s += wall
         if step == self.first_step:
@@ -517,12 +521,17 @@ class Decoding:
         return logits, self.decoder_name
 
     def _score(self, step: int, logits: torch.Tensor, source: str, stats: tuple | None = None) -> StepRecord:
-        """Phase 2: choose ``y_step`` and build its record (``stats``: :func:`token_stats` of
-        ``logits`` when a batch computed them for all rows at once)."""
+        """Phase 2: choose ``y_step`` and build its record (``stats``: :func:`token_stats_rows`'s row
+        of ``logits`` — with its greedy choice — when a batch computed them for all rows at once)."""
         cfg, cache = self.config, self.cache
-        logp, ent, top1, margin = stats if stats is not None else token_stats(logits)
+        logp, ent, top1, margin = stats[:4] if stats is not None else token_stats(logits)
         i = step - self.first_step
-        token_id = cfg.forced[i] if i < len(cfg.forced) else choose(logits, cfg.sampling, self._gen)
+        if i < len(cfg.forced):
+            token_id = cfg.forced[i]
+        elif stats is not None and cfg.sampling.greedy:
+            token_id = int(stats[4])                            # the batch's argmax of this row: choose()'s pick
+        else:
+            token_id = choose(logits, cfg.sampling, self._gen)
         if cfg.keep_dists:
             self.dists.append(logp.cpu())
         self.tokens.append(token_id)

@@ -213,8 +213,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             raise ValueError(f"row {b}: its cache is not row {b} of this bank (an edit replaced its storage)")
         if t is None:
             raise ValueError(f"row {b}: an active row needs a token")
-        seqs[b] = [int(t)] if isinstance(t, (int, torch.Tensor)) and torch.as_tensor(t).dim() == 0 \
-            else [int(x) for x in t]
+        seqs[b] = [int(t)] if isinstance(t, int) or (isinstance(t, torch.Tensor) and t.dim() == 0) \
+            else [int(x) for x in t]                        # a decode step's int: no tensor built per row
         if not seqs[b]:
             raise ValueError(f"row {b}: tokens[{b}] is empty")
     n_max = max(len(seqs[b]) for b in active)
@@ -231,14 +231,17 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         for b in active:
             caches[b]._store.materialize()
             materialized.append(b)
-        for row in bank.rows:                                   # n_max free columns per row and layer
+        cols, starts = [], []                                   # B x L: each row's new column, first column seen
+        for b, row in enumerate(bank.rows):                     # one pass: n_max free columns per row and layer
+            c_row, s_row = [], []
             for lay in row:
                 if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + n]: keep rows near
                     lay._to_front()                             # the front (amortized: once per n/4 columns)
-                lay.reserve(n_max)
-        cols = [[lay.s + lay.n for lay in row] for row in bank.rows]                       # B x L
-        starts = [[lay.s if caches[b] is not None else lay.s + lay.n for lay in row]
-                  for b, row in enumerate(bank.rows)]
+                lay.reserve(n_max)                              # (growth keeps every other row's s and n)
+                c_row.append(lay.s + lay.n)
+                s_row.append(lay.s)
+            cols.append(c_row)
+            starts.append(s_row if caches[b] is not None else c_row)
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device).T                # (L, B)
         widths = (cols_t.max(dim=1).values + n_max).tolist()
@@ -269,11 +272,11 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 lay._views()
         masses = {}
         try:
-            for b in want:
-                rows = bank.rows[b]
-                masses[b] = (cap.mass(lambda i, rows=rows: rows[i].keys, n_max, window=caches[b]._stats.window,
-                                      below=caches[b]._stats.below, row=b, decay=caches[b]._stats.query_decay),
-                             cap.low, cap.ema_mass)
+            if want:                                            # all measured rows at once (QueryCapture.mass_rows)
+                settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
+                            for b in want}
+                masses = cap.mass_rows(want, n_max, lambda i, group: _group_keys(bank, i, group),
+                                       lambda b, i: bank.rows[b][i].n, settings)
         except BaseException:
             for b in active:
                 for lay in bank.rows[b]:
@@ -299,3 +302,13 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         return logits[:, -1, :]                                                           # (B, V)
     pick = torch.tensor([keep.index(len(s) - 1) if s else 0 for s in seqs], device=logits.device)
     return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
+
+
+def _group_keys(bank: Bank, i: int, group: list[int]) -> torch.Tensor:
+    """Layer ``i``'s keys of the rows ``group`` (all the same length ``T``), ``(G, H_kv, T, D)``: a view of
+    the bank when they are consecutive rows starting at the same column, else one copy of their views."""
+    lays = [bank.rows[b][i] for b in group]
+    s, t = lays[0].s, lays[0].n
+    if all(lay.s == s for lay in lays) and group == list(range(group[0], group[0] + len(group))):
+        return bank.k[i][group[0]:group[0] + len(group), :, s:s + t]                     # (G, H_kv, T, D) view
+    return torch.cat([lay.keys for lay in lays])                                          # (G, H_kv, T, D)

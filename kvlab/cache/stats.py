@@ -81,8 +81,9 @@ class AttnStats:
         ``ema ← β^w·ema + (1-β)·ema_mass``; without it, one update ``ema ← β·ema + (1-β)·mass``."""
         w = n if self.window is None else min(self.window, n)
         a = self.data
+        z = torch.zeros(n, device=self.device)
+        incs: dict[int, torch.Tensor] = {}          # lifetime increment per layer length (layers alike share one)
         for i in range(len(a["acc"])):
-            z = torch.zeros(n, device=self.device)
             acc, ema, count = (torch.cat([a[k][i], z]) for k in NAMES)
             if mass is not None:
                 m = max_pool_next(mass[i].to(self.device).view(1, -1), self.pool)[0]   # (T_l,)
@@ -92,7 +93,10 @@ class AttnStats:
                     ema = self.ema_decay ** w * ema + (1.0 - self.ema_decay) * e
                 else:
                     ema = self.ema_decay * ema + (1.0 - self.ema_decay) * m
-                count = count + lifetime_increment(count.shape[0], n, self.window).to(self.device)
+                t = count.shape[0]
+                if t not in incs:
+                    incs[t] = lifetime_increment(t, n, self.window).to(self.device)
+                count = count + incs[t]
             a["acc"][i], a["ema"][i], a["count"][i] = acc, ema, count
             if self.below:
                 lo = torch.cat([a["low"][i], z])

@@ -61,8 +61,8 @@ class BufferLayer(DynamicLayer):
         self._views()
 
     def _views(self) -> None:
-        self.keys = self.buf_k[:, :, self.s:self.s + self.n]
-        self.values = self.buf_v[:, :, self.s:self.s + self.n]
+        self.keys = self.buf_k.narrow(2, self.s, self.n)           # the used part [s, s + n): hot path (every
+        self.values = self.buf_v.narrow(2, self.s, self.n)         # row and layer of every batched step)
 
     @property
     def capacity(self) -> int:
