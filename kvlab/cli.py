@@ -377,8 +377,13 @@ def cmd_all(args) -> list[Path]:
 
     paths, t_all = [], time.perf_counter()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    cpu = platform.processor() or platform.machine()
+    try:                                       # the CPU's model name where Linux gives it
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     env = {"started": stamp, "prompts": args.prompts, "device": str(resolve_device(args.device)),
-           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+           "threads": torch.get_num_threads(), "cpu": cpu}
 
     def timed(name, fn):
         t0 = time.perf_counter()
@@ -633,7 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     _evict_args(p)
     p.set_defaults(fn=cmd_evict)
     p = sub.add_parser("all", help="the main job: every table and figure (what `make figures` runs)")
-    _common(p)
+    # 32 prompts x 64 new tokens (48 on the long set): the size that keeps `make figures` within 90 minutes on a
+    # 2-core CPU from an empty cache (README's phase table); every job alone keeps its own default (128)
+    _common(p, tokens=64)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
                    help="refresh: calibration prompts for the entropy/KL thresholds")
     # 1 prompt (not refresh's 2): the overhead timing is machine-dependent and untracked, and at 2 prompts it was

@@ -118,7 +118,7 @@ def test_cli_check_passes_and_docs_is_a_step_of_all():
     src = Path(cli.__file__).read_text()
     start = src.index("def cmd_all")
     body = src[start:src.index("\ndef ", start + 1)]
-    assert "cmd_docs(args)" in body                     # `make figures` = `python -m kvlab all` regenerates them
+    assert "timed(\"docs\", cmd_docs)" in body          # `make figures` = `python -m kvlab all` regenerates them
 
 
 def test_docs_skip_a_foreign_figures_folder(tmp_path, capsys):

@@ -360,3 +360,26 @@ def test_committed_needle_has_both_settings():
     runs = _committed("evict_needle_runs")
     assert (runs[runs.setting == "streamed"].question_steps > 0).all()
     assert (runs[runs.setting == "prefill"].question_steps == 0).all()
+
+
+def test_needle_batch_equals_one_at_a_time(tiny_teacher, tmp_path):
+    """needle_results decodes missing completions in batches; each equals needle_run alone (greedy, same store key),
+    in both settings, with an evicting and a full-cache policy, prompts of different lengths in one batch."""
+    from kvlab.eviction import H2O
+    from kvlab.eviction.needle import make_cases, needle_results, needle_run
+    from kvlab.store import RunStore
+
+    cases = make_cases(tiny_teacher.tokenizer, (64, 96), (0.0, 1.0), 1, 0)
+    pols = [None, H2O(budget=40, recent=4, sinks=2)]
+    for setting in ("streamed", "prefill"):
+        jobs = [(c, p) for c in cases for p in pols]
+        batched = RunStore(tmp_path / f"b-{setting}")
+        got = needle_results(tiny_teacher, jobs, batched, setting, batch=3)
+        alone = RunStore(tmp_path / f"a-{setting}")
+        want = [needle_run(tiny_teacher, c, p, alone, setting) for c, p in jobs]
+        assert batched.ok_keys() == alone.ok_keys() and len(batched.ok_keys()) == len(jobs)
+        for g, w in zip(got, want):
+            for k in ("text", "prompt_tokens", "question_steps", "cache_len", "evicted_steps", "evicted"):
+                assert g[k] == w[k], k
+        assert needle_results(tiny_teacher, jobs, batched, setting, batch=3) == got      # reused, not recomputed
+        assert len(batched.ok_keys()) == len(jobs)

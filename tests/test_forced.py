@@ -140,3 +140,59 @@ def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_pat
     assert kinds["reference"] == 2 and kinds["forced_score"] == 6
     again = forced_columns(tiny_teacher, tiny_student, spec, pol, RunStore(tmp_path))
     assert again.equals(cols)
+
+
+# --------------------------------------------------------------------------- batched forced scores and references
+
+from kvlab.refresh.forced import forced_scores_many, reference_tokens_many  # noqa: E402
+
+SLOW_CONFIGS = {   # off the fast path: the forced loop runs them step by step (batched in forced_scores_many)
+    "entropy": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=EntropyGate(0.5)),
+    "periodic_window": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(4, 2)),
+    "periodic_student_next": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(4),
+                                          refresh_next="student"),
+}
+
+
+def test_forced_scores_many_equals_one_at_a_time(tiny_teacher, tiny_student):
+    """A batch of forced scores (prompts of different lengths, fast- and slow-path configs, two modes) gives
+    each item what forced_scores gives it alone: same steps counted, KL and NLL within float tolerance."""
+    from kvlab.eviction import H2O
+
+    prompts = ["a fixed prompt", "x", "a much longer prompt with many more tokens in it than the others"]
+    refs = [run(tiny_teacher, None, p, mode="teacher", max_new_tokens=14, sampling=Sampling(temperature=1.0, seed=i)).tokens
+            for i, p in enumerate(prompts)]
+    cfgs = [*SLOW_CONFIGS.values(), FORCED_CONFIGS["periodic_T4"],
+            DecodeConfig(mode="teacher", max_new_tokens=14, evict=H2O(budget=8, recent=2))]
+    items = [(p, c, r) for c in cfgs for p, r in zip(prompts, refs)]
+    many = forced_scores_many(tiny_teacher, tiny_student, items, batch=4)
+    for (p, c, r), got in zip(items, many):
+        one = forced_scores(tiny_teacher, tiny_student, p, c, r)
+        assert got["forced_steps"] == one["forced_steps"]
+        assert got["kl_forced"] == pytest.approx(one["kl_forced"], abs=2e-5)
+        assert got["nll_forced"] == pytest.approx(one["nll_forced"], abs=2e-5)
+        torch.testing.assert_close(torch.tensor(got["kl_forced_steps"]), torch.tensor(one["kl_forced_steps"]),
+                                   atol=2e-5, rtol=0)
+    # batch=1 is the one-at-a-time path itself
+    assert forced_scores_many(tiny_teacher, tiny_student, items[:2], batch=1)[0]["kl_forced"] == \
+        forced_scores(tiny_teacher, tiny_student, *items[0])["kl_forced"]
+
+
+def test_forced_scores_many_refuses_a_short_reference(tiny_teacher, tiny_student):
+    items = [("x", SLOW_CONFIGS["entropy"], list(range(5, 19))), ("y z", SLOW_CONFIGS["entropy"], [1, 2, 3])]
+    with pytest.raises(ValueError, match=r"items\[1\]: reference holds 3 tokens"):
+        forced_scores_many(tiny_teacher, tiny_student, items, batch=2)
+
+
+def test_reference_tokens_many_equals_one_at_a_time_and_shares_the_store(tiny_teacher, tmp_path):
+    prompts = ["abc", "xyz q", "a longer prompt than the others"]
+    samplings = [Sampling(temperature=0.7, top_p=0.9, seed=i) for i in range(3)]
+    store = RunStore(tmp_path / "batched")
+    many = reference_tokens_many(tiny_teacher, prompts, 10, samplings, store, batch=3)
+    alone = RunStore(tmp_path / "alone")
+    assert many == [reference_tokens(tiny_teacher, p, 10, s, alone) for p, s in zip(prompts, samplings)]
+    assert len(store.ok_keys()) == 3 and store.ok_keys() == alone.ok_keys()   # same keys: the batch is not in them
+    assert reference_tokens(tiny_teacher, "xyz q", 10, samplings[1], store) == many[1]   # read back, not recomputed
+    assert len(store.ok_keys()) == 3
+    with pytest.raises(ValueError, match="samplings has 2 entries for 3 prompts"):
+        reference_tokens_many(tiny_teacher, prompts, 10, samplings[:2], store)

@@ -154,28 +154,62 @@ def needle_config(evict=None, forced: tuple = ()) -> DecodeConfig:
                         evict=evict, forced=tuple(forced))
 
 
-def needle_run(lm, case: NeedleCase, evict, store: RunStore, setting: str = "prefill") -> dict:
-    """One stored passkey completion under ``evict`` (a policy or None = full cache) in ``setting``
-    (module docstring). ``text`` is the answer only (after the streamed question)."""
+def _needle_job(lm, case: NeedleCase, evict, setting: str) -> tuple[str, DecodeConfig, dict, tuple]:
+    """(prompt, config, store key, streamed question tokens) of one passkey completion."""
     if setting not in SETTINGS:
         raise ValueError(f"setting={setting!r} must be one of {SETTINGS}")
     forced = tuple(question_ids(lm, case)) if setting == "streamed" else ()
     prompt = case.haystack if setting == "streamed" else case.prompt
     cfg = needle_config(evict, forced)
-    config = run_config(lm, None, prompt, cfg, extra={"task": "needle"})
+    return prompt, cfg, run_config(lm, None, prompt, cfg, extra={"task": "needle"}), forced
 
-    def compute() -> dict:
-        tr = run(lm, None, prompt, cfg)
-        steps = tr.records
-        answer = lm.tokenizer.decode(tr.tokens[len(forced):], skip_special_tokens=True)
-        return {"text": answer, "prompt_tokens": len(tr.prompt_ids) + len(forced), "question_steps": len(forced),
-                "cache_len": [r.cache_len for r in steps], "cache_bytes": [r.cache_bytes for r in steps],
-                "evicted_steps": [r.evicted for r in steps],
-                "budget": [r.signals.get("budget") for r in steps],
-                "confidence": [r.signals.get("confidence") for r in steps],
-                "evicted": sum(r.evicted for r in steps), "total_s": tr.total_s}
 
-    return store.get_or_run(config, compute)
+def _needle_result(lm, tr, forced: tuple) -> dict:
+    steps = tr.records
+    answer = lm.tokenizer.decode(tr.tokens[len(forced):], skip_special_tokens=True)
+    return {"text": answer, "prompt_tokens": len(tr.prompt_ids) + len(forced), "question_steps": len(forced),
+            "cache_len": [r.cache_len for r in steps], "cache_bytes": [r.cache_bytes for r in steps],
+            "evicted_steps": [r.evicted for r in steps],
+            "budget": [r.signals.get("budget") for r in steps],
+            "confidence": [r.signals.get("confidence") for r in steps],
+            "evicted": sum(r.evicted for r in steps), "total_s": tr.total_s}
+
+
+def needle_run(lm, case: NeedleCase, evict, store: RunStore, setting: str = "prefill") -> dict:
+    """One stored passkey completion under ``evict`` (a policy or None = full cache) in ``setting``
+    (module docstring). ``text`` is the answer only (after the streamed question)."""
+    prompt, cfg, config, forced = _needle_job(lm, case, evict, setting)
+    return store.get_or_run(config, lambda: _needle_result(lm, run(lm, None, prompt, cfg), forced))
+
+
+def needle_results(lm, jobs: Sequence[tuple[NeedleCase, object]], store: RunStore, setting: str = "prefill",
+                   batch: int | None = None, progress: bool = False) -> list[dict]:
+    """:func:`needle_run` of every ``(case, evict)`` in ``jobs`` (results in order): stored ones are reused,
+    the missing ones decoded ``batch`` at a time (:func:`kvlab.decode.run_batch`: one batched forward per
+    step, each row prefilled and evicting on its own) and stored under the key one run alone has."""
+    from tqdm.auto import tqdm
+
+    from kvlab.decode import run_batch
+    from kvlab.studies.experiment import check_batch
+
+    batch = check_batch(batch)
+    specs = [_needle_job(lm, case, pol, setting) for case, pol in jobs]
+    got = [store.get(k) for _, _, k, _ in specs]
+    got = [g if g is None else store.get_or_run(specs[j][2], lambda g=g: g) for j, g in enumerate(got)]
+    miss = [j for j, g in enumerate(got) if g is None]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(miss), disable=not progress, desc=f"needle {setting}",
+               unit="run")
+    for k in range(0, len(miss), batch):
+        chunk = miss[k:k + batch]
+        if len(chunk) == 1:
+            traces = [run(lm, None, specs[chunk[0]][0], specs[chunk[0]][1])]
+        else:
+            traces = run_batch(lm, None, [specs[j][0] for j in chunk], [specs[j][1] for j in chunk])
+        for j, tr in zip(chunk, traces):
+            got[j] = store.get_or_run(specs[j][2], lambda tr=tr, j=j: _needle_result(lm, tr, specs[j][3]))
+            bar.update()
+    bar.close()
+    return got
 
 
 def needle_row(name: str, case: NeedleCase, res: dict, setting: str) -> dict:
@@ -193,29 +227,29 @@ def needle_row(name: str, case: NeedleCase, res: dict, setting: str) -> dict:
 
 
 def needle_runs(lm, cases: Sequence[NeedleCase], policies: dict, store: RunStore, progress: bool = True,
-                setting: str = "prefill") -> pd.DataFrame:
-    """Every (case, policy) completion in ``setting`` as one row: answer, correct, cache while answering."""
-    from tqdm.auto import tqdm
+                setting: str = "prefill", batch: int | None = None) -> pd.DataFrame:
+    """Every (case, policy) completion in ``setting`` as one row: answer, correct, cache while answering
+    (missing runs decoded ``batch`` at a time, :func:`needle_results`)."""
 
     jobs = [(c, name, pol) for c in cases for name, pol in policies.items()]
-    return pd.DataFrame([needle_row(name, case, needle_run(lm, case, pol, store, setting), setting)
-                         for case, name, pol in tqdm(jobs, disable=not progress, desc=f"needle {setting}",
-                                                     unit="run")])
+    res = needle_results(lm, [(c, pol) for c, _, pol in jobs], store, setting, batch=batch, progress=progress)
+    return pd.DataFrame([needle_row(name, case, r, setting) for (case, name, _), r in zip(jobs, res)])
 
 
 def matched_needle_runs(lm, cases: Sequence[NeedleCase], budget: int, store: RunStore, gamma: float = 0.9,
-                        settings: Sequence[str] = SETTINGS, progress: bool = True) -> tuple[pd.DataFrame, dict]:
+                        settings: Sequence[str] = SETTINGS, progress: bool = True,
+                        batch: int | None = None) -> tuple[pd.DataFrame, dict]:
     """Both settings at matched mean memory: per setting, the full cache and Conf-KV first, then every
     fixed-budget family at the budget giving Conf-KV's mean cache length (:func:`matched_needle_policies`).
     Returns the per-run frame and, per setting, the policies used."""
     frames, used = [], {}
     for setting in settings:
         first = {"full": None, "confkv": needle_confkv(budget, gamma)}
-        head = needle_runs(lm, cases, first, store, progress, setting)
+        head = needle_runs(lm, cases, first, store, progress, setting, batch=batch)
         steps = ANSWER_TOKENS + (int(head.question_steps.max()) if setting == "streamed" else 0)
         target = float(head[head.policy == "confkv"].mean_cache_len.mean())
         rest = matched_needle_policies(target, steps, budget)
-        frames += [head, needle_runs(lm, cases, rest, store, progress, setting)]
+        frames += [head, needle_runs(lm, cases, rest, store, progress, setting, batch=batch)]
         used[setting] = {**first, **rest}
     return pd.concat(frames, ignore_index=True), used
 

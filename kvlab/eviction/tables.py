@@ -295,7 +295,7 @@ ABLATIONS = {
 INT8_GROUP = 8        # entries per scale group of the grouped INT8 variant (measured in evict_int8)
 KVCRUSH_BLOCKS = 2    # representative blocks KVCrush keeps on top of the budget (seed 003's example budget)
 # teacher-forced rows (KL on the full cache's continuation): the main comparison of the study
-FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o")
+FORCED_POLICIES = ("confkv", "confkv_fixed", "h2o", "scissorhands", "sliding", "confkv_pyramidal", "confkv_l")
 FAMILIES = ("confkv_fixed", "sliding", "h2o", "random", "scissorhands", "snapkv", "pyramidkv", "block", "block_kvcrush",
             "block_rerotate")
 
@@ -389,8 +389,8 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
     for name in FORCED_POLICIES:           # teacher-forced on the full cache's own continuation
         if name in pols:
             refs = [tuple(int(t) for t in r["steps"]["token_id"]) for r in runs["full"]]
-            forced[name] = [scored_run(teacher, None, p, replace(_cfg(spec, i, pols[name]), forced=refs[i]), store)
-                            for i, p in enumerate(spec.prompts)]
+            forced[name] = scored_runs(teacher, None, [(p, replace(_cfg(spec, i, pols[name]), forced=refs[i]))
+                                                       for i, p in enumerate(spec.prompts)], store, batch=spec.batch)
             bar.update()
     bar.close()
     rows = []
@@ -570,7 +570,7 @@ def evict_tables(teacher, student, spec: RunSpec, store: RunStore, study: EvictS
     if grid is not None:
         cases = needle.make_cases(teacher.tokenizer, grid.lengths, grid.depths, grid.reps, grid.seed)
         nruns, used = needle.matched_needle_runs(teacher, cases, grid.budget, store, gamma=study.gamma,
-                                                 progress=progress)
+                                                 progress=progress, batch=spec.batch)
         order = list(dict.fromkeys(n for u in used.values() for n in u))
         tables["evict_needle"] = needle.needle_table(nruns, order=order)
         tables["evict_needle_runs"] = nruns

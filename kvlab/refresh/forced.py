@@ -130,6 +130,35 @@ def reference_tokens(teacher, prompt: str, tokens: int, sampling, store: RunStor
     return list(store.get_or_run(cfg, compute)["tokens"])
 
 
+def reference_tokens_many(teacher, prompts, tokens: int, samplings, store: RunStore, chat: bool = True,
+                          batch: int | None = None) -> list[list[int]]:
+    """:func:`reference_tokens` of every prompt (``samplings[i]`` for prompt ``i``), the missing ones decoded
+    ``batch`` at a time in one batched teacher run (:func:`kvlab.decode.run_batch`; each row seeded from its
+    own sampling, so a row's tokens do not depend on its batch) and stored under the same key as one at a time."""
+    from dataclasses import asdict
+
+    from kvlab.decode import run_batch
+    from kvlab.studies.experiment import check_batch
+
+    batch = check_batch(batch)
+    if len(samplings) != len(prompts):
+        raise ValueError(f"samplings has {len(samplings)} entries for {len(prompts)} prompts (one per prompt)")
+    keys = [{"kind": "reference", "teacher": teacher.fingerprint, "prompt": p, "tokens": tokens,
+             "sampling": asdict(s), "chat": chat} for p, s in zip(prompts, samplings)]
+    got = [store.get(k) for k in keys]
+    miss = [j for j, g in enumerate(got) if g is None]
+    for k in range(0, len(miss), batch):
+        chunk = miss[k:k + batch]
+        cfgs = [DecodeConfig(mode="teacher", max_new_tokens=tokens, sampling=samplings[j], chat=chat) for j in chunk]
+        if len(chunk) == 1:
+            traces = [run(teacher, None, prompts[chunk[0]], cfgs[0])]
+        else:
+            traces = run_batch(teacher, None, [prompts[j] for j in chunk], cfgs)
+        for j, tr in zip(chunk, traces):
+            got[j] = store.get_or_run(keys[j], lambda tr=tr: {"tokens": tr.tokens, "text": tr.text})
+    return [list(g["tokens"]) for g in got]
+
+
 class ForcedDecoding(Decoding):
     """The decode loop (:class:`kvlab.decode.Decoding`) with every token forced to ``reference[t]``
     instead of chosen: prefill, probe, refresh and eviction phases run as in a free-running decode
@@ -145,8 +174,8 @@ class ForcedDecoding(Decoding):
                                                            ignore_eos=True))
         self._ref = ref
 
-    def _score(self, step, logits, source):
-        rec = super()._score(step, logits, source)          # greedy choice, then overridden
+    def _score(self, step, logits, source, stats=None):
+        rec = super()._score(step, logits, source, stats)   # greedy choice, then overridden
         tok = self._ref[step - self.first_step]
         self.tokens[-1] = tok
         return replace(rec, token_id=tok, token=self.decoder.tokenizer.decode([tok]), logprob=float(self.dists[-1][tok]))
@@ -218,6 +247,12 @@ def forced_scores(teacher, student, prompt: str, config, reference) -> dict:
     N = config.max_new_tokens
     y = [int(t) for t in reference[:N]]
     q, sources = forced_dists(teacher, student, prompt, config, y)
+    return _scores(teacher, prompt, config, y, q, sources)
+
+
+def _scores(teacher, prompt: str, config, y: list[int], q: torch.Tensor, sources: list[str]) -> dict:
+    """:func:`forced_scores` from the decoder's log-distributions ``q`` ``(N, V)`` over ``y`` and their sources."""
+    N = config.max_new_tokens
     x = teacher.encode_prompt(prompt, chat=config.chat)
     p = teacher_logprobs(teacher, x, y)                                   # (N, V)
     kl = kl_rows(p, q)
@@ -230,6 +265,48 @@ def forced_scores(teacher, student, prompt: str, config, reference) -> dict:
             "kl_forced_steps": kl.tolist()}
 
 
+def forced_scores_many(teacher, student, items, batch: int | None = None) -> list[dict]:
+    """:func:`forced_scores` of every ``(prompt, config, reference)`` in ``items`` (results in order).
+    Fast-path configs (:func:`_fast_path`) take their few forwards each; the rest are decoded step by step
+    ``batch`` rows at a time (:class:`kvlab.decode.BatchDecoding` with ``config.forced`` = the reference:
+    every phase runs on the forced path, as :class:`ForcedDecoding` runs it alone), rows grouped by mode.
+    A row's scores do not depend on its batch (float tolerance, as for free-running batched runs)."""
+    from kvlab.decode import BatchDecoding
+    from kvlab.studies.experiment import check_batch
+
+    batch = check_batch(batch)
+    out: list[dict | None] = [None] * len(items)
+    slow: dict[str, list[int]] = {}
+    for j, (prompt, config, ref) in enumerate(items):
+        if batch == 1 or _fast_path(config):
+            out[j] = forced_scores(teacher, student, prompt, config, ref)
+        else:
+            slow.setdefault(config.mode, []).append(j)
+    for idx in slow.values():
+        for k in range(0, len(idx), batch):
+            chunk = idx[k:k + batch]
+            ys, cfgs = [], []
+            for j in chunk:
+                prompt, config, ref = items[j]
+                y = [int(t) for t in ref[:config.max_new_tokens]]
+                if len(y) < config.max_new_tokens:
+                    raise ValueError(f"items[{j}]: reference holds {len(ref)} tokens; max_new_tokens="
+                                     f"{config.max_new_tokens} needs as many")
+                ys.append(y)
+                cfgs.append(replace(config, forced=tuple(y), keep_dists=True, sampling=Sampling(), ignore_eos=True))
+            bd = BatchDecoding(teacher, student, [items[j][0] for j in chunk], cfgs)
+            sources: list[list[str]] = [[] for _ in chunk]
+            for b, rec in bd:
+                sources[b].append(rec.source)
+            if bd.errors:
+                b, e = next(iter(bd.errors.items()))
+                raise RuntimeError(f"forced scoring failed on items[{chunk[b]}]: {e}") from e
+            for b, j in enumerate(chunk):
+                q = torch.stack(bd.rows[b].dists).float()
+                out[j] = _scores(teacher, items[j][0], cfgs[b], ys[b], q, sources[b])
+    return out
+
+
 def distinct_n(tokens, n: int = 2) -> float:
     """Distinct n-grams / n-grams of ``tokens`` (1.0 = no repeats; NaN for fewer than ``n`` tokens)."""
     grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
@@ -239,28 +316,45 @@ def distinct_n(tokens, n: int = 2) -> float:
 def forced_columns(teacher, students, spec, policies: dict, store: RunStore, progress: bool = False) -> pd.DataFrame:
     """Per (policy, prompt): ``kl_forced``, ``nll_forced`` (stored under the reference's hash) and
     ``distinct2`` of the stored free-running run. ``students``: one model, or a dict policy → model
-    (e.g. the ``standalone`` row decodes with another student)."""
+    (e.g. the ``standalone`` row decodes with another student). The references and the missing scores
+    are computed in batches of ``spec.batch`` rows (:func:`reference_tokens_many`, :func:`forced_scores_many`)."""
     import hashlib
 
     from kvlab.studies.experiment import scored_run, stored_config
 
-    rows = []
+    refs = reference_tokens_many(teacher, spec.prompts, spec.tokens, [spec.sampling_for(i) for i in range(len(spec.prompts))],
+                                 store, batch=spec.batch)
+    jobs = []                                   # (prompt index, policy, student, config, store key)
     for i, prompt in enumerate(spec.prompts):
-        ref = reference_tokens(teacher, prompt, spec.tokens, spec.sampling_for(i), store)
-        h = hashlib.sha256(str(ref).encode()).hexdigest()[:16]
+        h = hashlib.sha256(str(refs[i]).encode()).hexdigest()[:16]
         for name, cfg in policies.items():
             st = students.get(name) if isinstance(students, dict) else students
             cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
             key = {"kind": "forced_score", "teacher": teacher.fingerprint,
                    "student": None if st is None else st.fingerprint, "prompt": prompt,
                    "decode": replace(cfg, sampling=Sampling()).to_dict(), "reference": h, "ref_tokens": spec.tokens}
-            if progress:
-                print(f"forced: prompt {i + 1}/{len(spec.prompts)} {name}", flush=True)
-            res = store.get_or_run(key, lambda c=cfg, s=st, p=prompt: forced_scores(teacher, s, p, c, ref))
-            run_ = store.get(stored_config(teacher, st, prompt, cfg))        # the table's free run (not counted)
-            if run_ is None:
-                run_ = scored_run(teacher, st, prompt, cfg, store)
-            toks = run_["steps"]["token_id"]
-            rows.append({"policy": name, "prompt_idx": i, "kl_forced": res["kl_forced"], "nll_forced": res["nll_forced"],
-                         "distinct2": distinct_n(toks, 2)})
+            jobs.append((i, name, st, cfg, key))
+    got = [store.get(k) for *_, k in jobs]
+    got = [g if g is None else store.get_or_run(jobs[j][4], lambda g=g: g) for j, g in enumerate(got)]  # counted as reused
+    by_student: dict[int, list[int]] = {}
+    for j, g in enumerate(got):
+        if g is None:
+            by_student.setdefault(id(jobs[j][2]), []).append(j)
+    for idx in by_student.values():
+        st = jobs[idx[0]][2]
+        if progress:
+            print(f"forced: {len(idx)} scores to compute (batches of {spec.batch or 'default'})", flush=True)
+        res = forced_scores_many(teacher, st, [(spec.prompts[jobs[j][0]], jobs[j][3], refs[jobs[j][0]]) for j in idx],
+                                 batch=spec.batch)
+        for j, r in zip(idx, res):
+            got[j] = store.get_or_run(jobs[j][4], lambda r=r: r)
+    rows = []
+    for (i, name, st, cfg, key), res in zip(jobs, got):
+        prompt = spec.prompts[i]
+        run_ = store.get(stored_config(teacher, st, prompt, cfg))        # the table's free run (not counted)
+        if run_ is None:
+            run_ = scored_run(teacher, st, prompt, cfg, store)
+        toks = run_["steps"]["token_id"]
+        rows.append({"policy": name, "prompt_idx": i, "kl_forced": res["kl_forced"], "nll_forced": res["nll_forced"],
+                     "distinct2": distinct_n(toks, 2)})
     return pd.DataFrame(rows)

@@ -244,7 +244,8 @@ def _phases(figures: Path) -> str:
 
     path = ROOT / MEASURED_PHASES
     if not path.is_file():
-        raise DocsError(f"{path} does not exist: copy a `make figures` run's figures/all_timing.jsonl there")
+        return (f"*No measured run is kept yet: copy the lines of one `make figures` run from `figures/all_timing.jsonl` "
+                f"to `{MEASURED_PHASES}` and run `python -m kvlab docs`.*")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise DocsError(f"{path} is empty")
