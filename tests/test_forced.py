@@ -165,7 +165,9 @@ def test_forced_scores_many_equals_one_at_a_time(tiny_teacher, tiny_student):
     cfgs = [*SLOW_CONFIGS.values(), FORCED_CONFIGS["periodic_T4"],
             DecodeConfig(mode="teacher", max_new_tokens=14, evict=H2O(budget=8, recent=2))]
     items = [(p, c, r) for c in cfgs for p, r in zip(prompts, refs)]
-    many = forced_scores_many(tiny_teacher, tiny_student, items, batch=4)
+    seen = {}
+    many = forced_scores_many(tiny_teacher, tiny_student, items, batch=4, on_result=seen.__setitem__)
+    assert sorted(seen) == list(range(len(items))) and all(seen[j] is many[j] for j in seen)   # each as it is scored
     for (p, c, r), got in zip(items, many):
         one = forced_scores(tiny_teacher, tiny_student, p, c, r)
         assert got["forced_steps"] == one["forced_steps"]

@@ -265,12 +265,13 @@ def _scores(teacher, prompt: str, config, y: list[int], q: torch.Tensor, sources
             "kl_forced_steps": kl.tolist()}
 
 
-def forced_scores_many(teacher, student, items, batch: int | None = None) -> list[dict]:
+def forced_scores_many(teacher, student, items, batch: int | None = None, on_result=None) -> list[dict]:
     """:func:`forced_scores` of every ``(prompt, config, reference)`` in ``items`` (results in order).
     Fast-path configs (:func:`_fast_path`) take their few forwards each; the rest are decoded step by step
     ``batch`` rows at a time (:class:`kvlab.decode.BatchDecoding` with ``config.forced`` = the reference:
     every phase runs on the forced path, as :class:`ForcedDecoding` runs it alone), rows grouped by mode.
-    A row's scores do not depend on its batch (float tolerance, as for free-running batched runs)."""
+    A row's scores do not depend on its batch (float tolerance, as for free-running batched runs).
+    ``on_result(j, scores)`` is called as soon as item ``j`` is scored (e.g. to store it)."""
     from kvlab.decode import BatchDecoding
     from kvlab.studies.experiment import check_batch
 
@@ -280,6 +281,8 @@ def forced_scores_many(teacher, student, items, batch: int | None = None) -> lis
     for j, (prompt, config, ref) in enumerate(items):
         if batch == 1 or _fast_path(config):
             out[j] = forced_scores(teacher, student, prompt, config, ref)
+            if on_result is not None:
+                on_result(j, out[j])
         else:
             slow.setdefault(config.mode, []).append(j)
     for idx in slow.values():
@@ -304,6 +307,8 @@ def forced_scores_many(teacher, student, items, batch: int | None = None) -> lis
             for b, j in enumerate(chunk):
                 q = torch.stack(bd.rows[b].dists).float()
                 out[j] = _scores(teacher, items[j][0], cfgs[b], ys[b], q, sources[b])
+                if on_result is not None:
+                    on_result(j, out[j])
     return out
 
 
@@ -344,10 +349,11 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
         st = jobs[idx[0]][2]
         if progress:
             print(f"forced: {len(idx)} scores to compute (batches of {spec.batch or 'default'})", flush=True)
-        res = forced_scores_many(teacher, st, [(spec.prompts[jobs[j][0]], jobs[j][3], refs[jobs[j][0]]) for j in idx],
-                                 batch=spec.batch)
-        for j, r in zip(idx, res):
-            got[j] = store.get_or_run(jobs[j][4], lambda r=r: r)
+        def stored(k: int, r: dict, idx=idx) -> None:      # each score is stored as soon as it is computed
+            got[idx[k]] = store.get_or_run(jobs[idx[k]][4], lambda: r)
+
+        forced_scores_many(teacher, st, [(spec.prompts[jobs[j][0]], jobs[j][3], refs[jobs[j][0]]) for j in idx],
+                           batch=spec.batch, on_result=stored)
     rows = []
     for (i, name, st, cfg, key), res in zip(jobs, got):
         prompt = spec.prompts[i]
