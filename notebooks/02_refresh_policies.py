@@ -205,18 +205,23 @@ display(Markdown(readings.read_forced(forced)))
 # policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
 # periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
 #
-# **As committed (first pass of the teacher-forced refresh study).** `figures/refresh_periodic_T7.md` (untrained pruned student — no
-# trained student was cached — 8 prompts × 64 tokens): a full teacher refresh every 7 tokens **lowers
-# `kl_forced`** from 3.817 to 2.614 nats, Δ −1.203 [−1.402, −1.049] (MDE 0.272): teacher-forced on the same
-# reference text, the refreshed cache brings the student much closer to the teacher. The blog's on-path
-# scores tell a muddier story on the same runs: on-path KL +0.275 [−0.061, +0.573] (no detectable difference
-# at n = 8, MDE 0.493) and repeat@3 *rises* 0.44 → 0.69 (distinct-2 0.46 → 0.27) while teacher-PPL falls
-# 59.7 → 33.1 — the refreshed student drifts into repetitive text the teacher finds easy. On the long-prompt
-# set (`figures/refresh_periodic_T8_long.md`, 8 prompts × 48 tokens, 5 refreshes per run) the forced score
-# falls as much: `kl_forced` 3.862 → 2.708, Δ −1.154 [−1.439, −0.876] (MDE 0.436); on-path KL +0.009
-# [−0.371, +0.410], no detectable difference at n = 8 (MDE 0.577). The full refresh
-# tables (`refresh_periodic`, `refresh_entropy`, `refresh_methods`) are still the earlier trained-student
-# runs without `kl_forced`; they regenerate with it on the next `make figures`.
+# **As committed** (`make figures`: the shipped trained `overfill` student, h0.20,i0.50, 32 prompts × 64
+# tokens, T = 0.7, top-p 0.9, CPU fp32; `figures/refresh_periodic.md`, `refresh_entropy.md`,
+# `refresh_methods.md`, `refresh_forced.md`). **Refresh lowers `kl_forced`, and more refresh lowers it more**:
+# teacher-forced on the teacher's reference text, a full teacher refresh every T = 14 / 7 / 3 tokens gives
+# Δ −0.076 [−0.107, −0.042] / −0.114 [−0.144, −0.080] / −0.225 [−0.262, −0.189] against no refresh
+# (`kl_forced` 1.636; MDE about 0.05 at n = 32), every interval below 0. Speculative refresh (k = 8) gives
+# −0.119 [−0.154, −0.078]; the entropy gates, which fire about once per run, −0.020 to −0.035 (intervals
+# just below 0); probe-KL −0.044 [−0.075, −0.012]. The blog's on-path KL agrees in direction at T = 7
+# (−0.173 [−0.253, −0.090]), but teacher-PPL does not move monotonically (15.6 → 15.8 / 13.8 / 18.3) and
+# repeat@3 barely changes: on this student the on-path scores are too noisy to rank policies, the forced score
+# is not. With the tokens held fixed (`refresh_forced`), the student reading its own prompt cache is
+# +0.238 [+0.181, +0.296] worse than reading the teacher's, and a full refresh of the generated part now
+# helps the trained student (−0.039 [−0.068, −0.011]). In the regime OverFill is for
+# (`figures/refresh_periodic_T8_long.md`: 32 long prompts × 48 tokens, T = 8, 5 refreshes per run) refresh
+# helps as much: `kl_forced` 1.868 → 1.629, Δ −0.239 [−0.317, −0.169] (MDE 0.105), and on-path KL agrees
+# (−0.100 [−0.175, −0.023]). The earlier single-policy tables on 8 prompts with the untrained student are
+# superseded.
 
 # %%
 from pathlib import Path

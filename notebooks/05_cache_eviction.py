@@ -43,7 +43,7 @@ SMOKE = os.environ.get("KVLAB_SMOKE") == "1"
 # trained once first (`python -m kvlab train-student`); smoke runs use the untrained one
 STUDENT = "pruned" if SMOKE else "overfill"
 PROMPTS = 1 if SMOKE else 5            # prompts of the matched-memory table (< 5: no interval)
-TOKENS = 24 if SMOKE else 64           # new tokens per run (the committed tables: 5 prompts x 64 tokens)
+TOKENS = 24 if SMOKE else 64           # new tokens per run (the committed tables: 32 prompts x 64 tokens)
 STEP_TOKENS = 24 if SMOKE else 64      # the single run stepped through
 GAMMA = 0.9                            # Conf-KV confidence threshold γ
 # Budgets in cache entries (kvlab.eviction.tables.EvictStudy's defaults): loose - tight = 6, so that uncertain
@@ -210,57 +210,53 @@ for setting in ("streamed", "prefill"):
 
 # %% [markdown]
 # ## 6 · What changed, and why
-# The committed tables (`figures/evict_*.csv`, `python -m kvlab evict --student pruned --prompts 5 --tokens 64
-# --needle-lengths 256 512 --needle-depths 0 0.5 1 --needle-reps 1`; 5 prompts × 64 tokens, T = 0.7, top-p 0.9,
-# CPU) were regenerated after the experiments were changed so that each mechanism can act: Conf-KV's
-# confidence comes from the model's raw next-token distribution (the drawn, tempered top-p one gave
-# c = σ(8) on every one-token nucleus); the prefill is folded into the EMA one query at a time; every
-# ranker keeps 4 attention sinks (`sinks` column); the budgets are tight 32 / loose 38 / protect 8, so that
-# the loose budget is reached; the pyramid keeps the same mean budget as uniform Conf-KV; INT8 has one
-# scale per (head, channel) and a 16-bit window. The earlier tables (8 prompts × 128 tokens, tight 48 /
-# loose 112) are in git history; their numbers are not comparable one to one, only the conclusions are.
+# The committed tables (`figures/evict_*.csv`, written by `make figures`: 32 prompts × 64 tokens on the
+# embedded teacher, T = 0.7, top-p 0.9, CPU fp32; the needle grid 256 / 512 / 1024 tokens × 5 depths × 2 keys
+# per setting) come from experiments changed so that each mechanism can act: Conf-KV's confidence comes from
+# the model's raw next-token distribution (the drawn, tempered top-p one gave c = σ(8) on every one-token
+# nucleus); the prefill is folded into the EMA one query at a time; every ranker keeps 4 attention sinks
+# (`sinks` column); the budgets are tight 32 / loose 38 / protect 8, so that the loose budget is reached; the
+# pyramid keeps the same mean budget as uniform Conf-KV; INT8 has one scale per (head, channel) and a 16-bit
+# window. Quality is read on **teacher-forced KL to the full cache** (each policy fed the full cache's own
+# continuation, so no policy is scored on its own loops), beside the free-running KL. Earlier tables (8 and
+# then 5 prompts) are in git history.
 #
-# - **The schedule now acts.** Conf-KV's cache ranges from 32 to 38 entries (`min_len`..`peak_len`); 64 % of
-#   the decode steps are on the loose budget (`frac_loose` 0.644) and on 10 % the cache stands at it
-#   (`frac_at_loose` 0.103). Before, the cache never approached the loose budget.
-# - **Conf-KV vs H2O, Scissorhands, sliding at matched memory.** Earlier conclusion: Conf-KV behind H2O.
-#   Now Conf-KV's KL to the full cache is 0.191 against H2O's 0.217 (paired Δ for H2O +0.026, 95 % interval
-#   [+0.017, +0.036]) and sliding's 0.343 ([+0.044, +0.272]); block eviction 0.414 ([+0.065, +0.452]).
-#   Scissorhands (4 sinks) reaches 0.174, not distinguishable from Conf-KV (Δ [-0.084, +0.048]). SnapKV and
-#   PyramidKV cut only the prompt and cannot get down to the target (memory ×1.199 and ×1.228 at their
-#   smallest budget); their KL is 1.560 and 1.188. Teacher-forced on the full cache's
-#   own continuation, the gap to H2O is not resolved: 0.277 vs 0.301 (Δ [-0.067, +0.098]). What moved it is
-#   not isolated here: sinks, raw confidence, per-query prefill EMA and the new sizes changed together
-#   (the sinks ablation below is the one measured piece). With only 5 prompts the free-running interval is
-#   narrow but the teacher-forced one is not.
-# - **Schedule vs ranker.** The confidence-off control `confkv_fixed` (the same ranker at one budget, 34
-#   entries, memory ×1.006 of Conf-KV's) reaches KL 0.194, paired Δ [-0.043, +0.056] free-running and
-#   [-0.055, +0.014] teacher-forced: **no measurable benefit from the confidence schedule** at this size;
-#   what beats H2O is the ranker (EMA + recency + sinks). The γ sweep says the same (`evict_gamma`):
-#   γ = 0.7 / 0.9 / 0.95 put 34 / 64 / 73 % of the steps on the loose budget and reach KL 0.214 / 0.191 /
-#   0.218, every interval vs γ = 0.9 containing 0. The rankers themselves do matter: recency-only 0.336
-#   ([+0.016, +0.292]) and random victims at Conf-KV's rate 0.321 ([+0.041, +0.219]) are worse than
-#   Conf-KV. They no longer collapse (earlier KL 2.02 and 1.40): those collapses were sink losses.
-#   Without sinks Conf-KV's KL is 0.263 (Δ [-0.007, +0.152]). The drawn-distribution confidence puts 37 %
-#   of steps on the loose budget instead of 64 % (KL 0.178, Δ [-0.069, +0.044]).
-# - **Pyramidal vs uniform.** Earlier conclusion: pyramidal worse — it ran at 0.64× the memory. At equal
-#   memory (×1.000) the pyramid's KL is 0.208 against 0.191 (Δ [-0.024, +0.064]): not distinguishable.
-#   Conf-KV-L (pyramid + INT8, the paper's) reaches KL 0.196 (Δ [-0.033, +0.042]) at 0.647× Conf-KV's
-#   16-bit memory; uniform Conf-KV + INT8: 0.217 ([-0.040, +0.084]) at 0.648×.
+# - **The schedule acts.** Conf-KV's cache ranges from 32 to 38 entries; 64 % of the decode steps are on the
+#   loose budget (`frac_loose` 0.642) and on 11 % the cache stands at it (`frac_at_loose` 0.110).
+# - **Conf-KV vs H2O, Scissorhands, sliding at matched memory** (all within 0.6 % of Conf-KV's mean memory).
+#   Teacher-forced KL: Conf-KV 0.236, H2O 0.243 (Δ +0.007 [−0.029, +0.044]: no detectable difference at
+#   n = 32), Scissorhands 0.250 (+0.014 [+0.000, +0.031]), sliding 0.363 (+0.127 [+0.097, +0.167]).
+#   Free-running the order is the same (Conf-KV 0.180, H2O 0.205, Scissorhands 0.192, sliding 0.337). The
+#   earlier "Conf-KV behind H2O" is gone; "Conf-KV ahead of H2O" is not shown either.
+# - **Schedule vs ranker.** The confidence-off control `confkv_fixed` (the same ranker at one fixed budget of
+#   34 entries, memory ×1.006 of Conf-KV's) is *better* teacher-forced: 0.228 vs 0.236, Δ −0.008 [−0.016,
+#   −0.001], and not distinguishable free-running (+0.017 [−0.010, +0.049]). **The confidence schedule gives
+#   no benefit at this size; what Conf-KV has over sliding is its ranker** (EMA attention + recency + sinks).
+#   The γ sweep (`evict_gamma`) agrees: γ = 0.7 / 0.9 / 0.95 put 39 / 64 / 72 % of the steps on the loose
+#   budget and reach free-running KL 0.193 / 0.180 / 0.188, each interval vs γ = 0.9 containing 0. The
+#   ranker's parts do matter: recency-only 0.316 (+0.136 [+0.091, +0.183]), random victims at Conf-KV's rate
+#   0.367 (+0.188 [+0.130, +0.246]), sinks off 0.229 (+0.050 [+0.020, +0.081]). The drawn-distribution
+#   confidence puts 40 % of the steps on the loose budget instead of 64 % (KL 0.185, +0.006 [−0.017, +0.031]).
+# - **Pyramidal vs uniform.** Earlier conclusion: pyramidal worse, at 0.64× the memory. At equal memory
+#   (×0.998) the pyramid is still worse, now measurably: teacher-forced 0.293 vs 0.236, Δ +0.057 [+0.039,
+#   +0.079] (free-running +0.023 [−0.002, +0.051]). Conf-KV-L (pyramid + INT8, the paper's) is as far behind
+#   (+0.058 [+0.040, +0.078]) at 0.46× Conf-KV's bytes; uniform Conf-KV + INT8 costs nothing measurable
+#   free-running (+0.004 [−0.013, +0.021]) at the same 0.46×. On this 30-layer 135M model, moving budget from
+#   deep to shallow layers hurts.
 # - **INT8.** Per-(head, channel) INT8 round-trips the teacher's real K/V with a mean error of 0.57 % (K) and
 #   0.78 % (V) (`evict_int8`; the paper reports 0.38 %); the grouped variant (8 entries per scale) is more
 #   accurate (0.30 % / 0.39 %) but stores 247 instead of 198 bytes per entry and tensor (an FP16 entry: 384),
 #   so the paper's scheme is the default and the grouped one stays an option (`int8_group=8`).
 # - **Block eviction, KVCrush, re-rotation** (memory ×1.021 of Conf-KV's, within the 3 % tolerance): KL
-#   0.414 for plain block eviction, 0.348 with KVCrush (2 representative blocks), 0.318 with re-rotation.
-# - **The needle** (2 lengths × 3 depths × 1 key per setting; the full cache retrieves all 6): earlier
-#   ranking sliding 0.40 > H2O = Conf-KV 0.20 at a shared *peak* budget. At matched *mean* memory (about 100
-#   entries): `streamed` (question through the loop) — Conf-KV, block and SnapKV 0.33, sliding 0.17,
-#   H2O 0.00; `prefill` — block 1.00, Conf-KV, sliding and SnapKV 0.33, H2O 0.00. Every Conf-KV success is a
-#   needle next to the question (depth 1): streaming the question did not let Conf-KV keep an older needle
-#   at this memory. Block eviction's never-evicted start area and block scores keep the needle in the
-#   prefill setting but not when the question streams in. Six cases per cell: a single miss moves a
-#   policy's mean by 0.17.
+#   0.289 for plain block eviction, 0.286 with KVCrush (2 representative blocks), 0.282 with re-rotation;
+#   all three behind Conf-KV (about +0.10, every interval above 0), with overlapping intervals.
+# - **The needle** (3 lengths × 5 depths × 2 keys per setting, 30 cases; the full cache retrieves all 30;
+#   every policy at Conf-KV's mean memory, about 100 entries): `streamed` (question through the loop) —
+#   block 0.37, SnapKV 0.20, Conf-KV and sliding 0.13, H2O 0.00; `prefill` — block 1.00, SnapKV 0.43,
+#   Conf-KV and sliding 0.27, H2O 0.00. Conf-KV succeeds at the same depths as sliding, next to the question
+#   (depth ≥ 0.75). Streaming the question did not let its confidence keep an older needle; no policy did
+#   better streamed than prefilled, and block eviction lost most (1.00 → 0.37; the question's tokens now pass
+#   through the budget too). H2O retrieves none of the 30 in either setting.
 
 # %% [markdown]
 # ## 7 · Your own policy in one cell

@@ -54,10 +54,10 @@ def test_no_result_is_typed_outside_the_generated_blocks():
 
 
 def test_a_wrong_number_is_rewritten_and_detected(tmp_path):
-    md = ("Periodic T=27: <!-- kvlab:value refresh_periodic periodic_T27 d_kl,d_kl_lo,d_kl_hi -->"
+    md = ("Periodic T=14: <!-- kvlab:value refresh_periodic periodic_T14 d_kl,d_kl_lo,d_kl_hi -->"
           "-0.156 [-0.253, -0.042]<!-- /kvlab:value -->.\n\n"
           "<!-- kvlab:table refresh_forced -->\nold table\n<!-- /kvlab:table -->\n")
-    row = pd.read_csv(ROOT / "figures" / "refresh_periodic.csv").set_index("policy").loc["periodic_T27"]
+    row = pd.read_csv(ROOT / "figures" / "refresh_periodic.csv").set_index("policy").loc["periodic_T14"]
     out = docs.fill(md)
     want = docs.cell(row, ("d_kl", "d_kl_lo", "d_kl_hi"))
     assert f"-->{want}<!--" in out and "-0.156" not in out

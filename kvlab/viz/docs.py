@@ -268,9 +268,12 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
         ("prompts", "n_prompts")]),
     "train_study": View("train_study", [
         ("student (OverFill's)", "variant"), ("student alone", "student_alone"),
-        ("ΔKL OF − S", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
-        ("ΔPPL OF − S", ("dppl_OF_vs_S", "dppl_OF_vs_S_lo", "dppl_OF_vs_S_hi")),
-        ("refresh", ("text", "refresh")), ("refresh ΔKL", ("dkl_refresh", "dkl_refresh_lo", "dkl_refresh_hi")),
+        ("forced KL: OverFill", "klf_OF"), ("alone", "klf_S"),
+        ("forced ΔKL OF − S (95 % CI)", ("dklf_OF_vs_S", "dklf_OF_vs_S_lo", "dklf_OF_vs_S_hi")),
+        ("forced ΔKL OF − own decoder alone", ("dklf_OF_vs_own", "dklf_OF_vs_own_lo", "dklf_OF_vs_own_hi")),
+        ("refresh", ("text", "refresh")),
+        ("forced ΔKL of the refresh", ("dklf_refresh", "dklf_refresh_lo", "dklf_refresh_hi")),
+        ("on-path ΔKL OF − S", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
         ("prompts", "n_prompts")]),
     "refresh_periodic": View("refresh_periodic", [
         ("policy", "policy"), ("refreshes", "refreshes"), ("teacher tokens", "teacher_tokens"),
