@@ -196,5 +196,8 @@ def test_reference_tokens_many_equals_one_at_a_time_and_shares_the_store(tiny_te
     assert len(store.ok_keys()) == 3 and store.ok_keys() == alone.ok_keys()   # same keys: the batch is not in them
     assert reference_tokens(tiny_teacher, "xyz q", 10, samplings[1], store) == many[1]   # read back, not recomputed
     assert len(store.ok_keys()) == 3
+    again = RunStore(tmp_path / "batched")
+    assert reference_tokens_many(tiny_teacher, prompts, 10, samplings, again, batch=3) == many
+    assert again.stats.summary().startswith("3 reused, 0 computed")   # a rerun counts them as reused
     with pytest.raises(ValueError, match="samplings has 2 entries for 3 prompts"):
         reference_tokens_many(tiny_teacher, prompts, 10, samplings[:2], store)
