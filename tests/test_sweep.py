@@ -327,14 +327,14 @@ def test_task_error_is_recorded_and_retried_on_rerun(tmp_path):
     spec = parse_spec(grid())
     n = len(spec.tasks())
     calls = []
-    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_raise_inside, calls=calls))
+    rep = run_sweep(spec, store=tmp_path, progress=False, batch=1, execute_fn=functools.partial(_raise_inside, calls=calls))
     assert rep.done == n and rep.errors == 2 and len(calls) == n
     df = load(tmp_path)
     err = df[df.status == "error"]
     assert len(df) == n and set(err.policy) == {"periodic_T2"} and err.error.str.contains("boom in a policy").all()
     assert all(t == ("t",) for t in df.sweeps)
     calls.clear()
-    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_fail_periodic, calls=calls))
+    rep = run_sweep(spec, store=tmp_path, progress=False, batch=1, execute_fn=functools.partial(_fail_periodic, calls=calls))
     assert rep.skipped == n - 2 and rep.done == 2 == rep.errors == len(calls)   # only the error rows again
     assert len(load(tmp_path)) == n
     rep = run_sweep(spec, store=tmp_path, progress=False)
@@ -355,7 +355,7 @@ def test_killed_sweep_loses_only_the_run_in_flight(tmp_path):
     spec = parse_spec(grid())
     seen = []
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(spec, store=tmp_path, progress=False, execute_fn=functools.partial(_killed_after, seen=seen, k=5))
+        run_sweep(spec, store=tmp_path, progress=False, batch=1, execute_fn=functools.partial(_killed_after, seen=seen, k=5))
     assert len(load(tmp_path)) == 5
     rep = run_sweep(spec, store=tmp_path, progress=False)
     assert rep.skipped == 5 and rep.done == len(spec.tasks()) - 5
@@ -373,7 +373,7 @@ def test_rows_of_another_code_version_are_refused(tmp_path):
     from kvlab.sweep.engines import LocalEngine
 
     spec = parse_spec(grid())
-    rep = run_sweep(spec, store=tmp_path, progress=False, execute_fn=_other_code)
+    rep = run_sweep(spec, store=tmp_path, progress=False, batch=1, execute_fn=_other_code)
     assert rep.errors == 2
     df = load(tmp_path)
     bad = df[df.policy == "periodic_T4"]
@@ -417,7 +417,7 @@ def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
                            "tokens": 6, "baseline": False}, sampling={"temperature": samp.temperature,
                            "top_p": samp.top_p, "seed": 5}, refresh={"periodic": {"T": 2}}))
     rep = run_sweep(spec, store=store, progress=False,
-                    execute_fn=functools.partial(_fail_periodic, calls=(calls := [])))
+                    batch=1, execute_fn=functools.partial(_fail_periodic, calls=(calls := [])))
     assert (rep.total, rep.skipped, rep.done) == (1, 1, 0) and not calls
     pg = Playground(teacher, students={0.3: student}, store=store, prompts=[prompt], calib_prompts=[prompt],
                     calib_tokens=6, settings=s, background=False)
@@ -534,7 +534,7 @@ def test_processes_give_the_same_rows_and_survive_a_dying_worker(tmp_path):
     spec = parse_spec(grid(run={"modes": ["overfill"]}))
     run_sweep(spec, store=tmp_path / "local", progress=False)
     rep = run_sweep(spec, engine="local", workers=2, store=tmp_path / "proc", progress=False,
-                    execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
+                    batch=1, execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
     assert (tmp_path / "crashed").exists() and rep.errors == 0
     a, b = load(tmp_path / "local"), load(tmp_path / "proc")
     assert len(b) == len(spec.tasks()) and b.run_key.is_unique and set(b.engine) == {"processes"}
@@ -543,7 +543,7 @@ def test_processes_give_the_same_rows_and_survive_a_dying_worker(tmp_path):
 
 def test_a_task_that_always_kills_its_worker_fails_alone(tmp_path):
     spec = parse_spec(grid(run={"modes": ["overfill"]}))
-    rep = run_sweep(spec, engine="local", workers=2, store=tmp_path, progress=False, execute_fn=crash_always)
+    rep = run_sweep(spec, engine="local", workers=2, store=tmp_path, progress=False, batch=1, execute_fn=crash_always)
     n = len(spec.tasks())
     assert (rep.done, rep.errors) == (n, 1)
     df = load(tmp_path)
@@ -568,7 +568,7 @@ def test_ray_same_rows_retried_worker_and_bad_address(tmp_path):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     engine = RayEngine(workers=2, num_cpus=2, execute_fn=functools.partial(crash_once, marker=str(tmp_path / "crashed")))
     try:
-        rep = run_sweep(spec, store=tmp_path / "ray", progress=False, engine_obj=engine)
+        rep = run_sweep(spec, store=tmp_path / "ray", progress=False, engine_obj=engine, batch=1)
     finally:
         engine.close()
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

@@ -47,17 +47,20 @@ class Playground:
     ``$KVLAB_RUNS`` or ``runs/``). ``prompts``: the prompt list offered (default ``data/prompts.jsonl``).
     ``calib_prompts`` / ``calib_tokens``: the no-refresh OverFill runs whose student entropy and KL
     give the calibrated percentile of τ and κ (default: 2 prompts of ``data/calibration.jsonl``).
-    ``background=False`` runs everything inline (scripts, tests).
+    ``background=False`` runs everything inline (scripts, tests). ``batch``: runs of the prompts × seeds
+    spread decoded together (default :data:`kvlab.studies.experiment.DEFAULT_BATCH`; 1 = one at a time).
     """
 
     def __init__(self, teacher, student=None, *, students=None, store: RunStore | None = None, prompts=None,
                  settings: Settings | None = None, calib_prompts=None, calib_tokens: int | None = None,
                  calib_sampling=None, ranges: dict | None = None, prune_ratios=None, student_variants=None,
                  background: bool = True,
-                 gate: ModelGate | None = None):
+                 gate: ModelGate | None = None, batch: int | None = None):
         from kvlab.core.data import load_prompts
         from kvlab.decode import Sampling
+        from kvlab.studies.experiment import check_batch
 
+        self.batch = check_batch(batch)
         self.teacher = teacher
         self.store = store if store is not None else RunStore()
         self.prompts = list(prompts) if prompts is not None else [r["prompt"] for r in load_prompts()]

@@ -177,30 +177,40 @@ class Jobs:
 
     def spread(self, job, s: Settings) -> None:
         """Readouts over ``pairs(s)``: each (prompt, seed) run and its baseline from the store, or
-        decoded now; a "spread" event after each pair (only while this job is current)."""
+        decoded now — ``pg.batch`` pairs at a time, their missing runs as batched decodes
+        (:meth:`~kvlab.playground.reader.RunReader.scored_many`); a "spread" event after each pair
+        (only while this job is current). A newer request cancels between decode steps."""
         pg = self.pg
         ps = pairs(s, pg.prompts)
         rows = []
         with pg.gate.hold():
             student = self.ensure_student(s, job)
-            for i, p in enumerate(ps):
-                # one store lookup per run; a pair that must be decoded reports its progress from its steps
-                r = pg.reader.scored(p, student, self._pair_progress(job, i, len(ps)))
-                b = pg.reader.scored(p.baseline(), student, self._pair_progress(job, i, len(ps)))
-                rows.append((readouts(r, b, s.mode), readouts(b, b, s.mode)))
-                with pg._show_lock:
-                    if not self._current(job):
-                        return
-                    pg.spread = Spread(s, i + 1, len(ps), spread_stats(rows))
-                    pg._emit("spread", pg.spread)
+            for k in range(0, len(ps), pg.batch):
+                chunk = ps[k:k + pg.batch]
+                res = pg.reader.scored_many([x for p in chunk for x in (p, p.baseline())], student, pg.batch,
+                                            self._pair_progress(job, k, len(chunk), len(ps)))
+                job.check()
+                for i in range(len(chunk)):
+                    r, b = res[2 * i], res[2 * i + 1]
+                    rows.append((readouts(r, b, s.mode), readouts(b, b, s.mode)))
+                    with pg._show_lock:
+                        if not self._current(job):
+                            return
+                        pg.spread = Spread(s, k + i + 1, len(ps), spread_stats(rows))
+                        pg._emit("spread", pg.spread)
         if self._current(job):
             pg._emit("progress", Progress("spread", len(ps), len(ps), ""))
 
-    def _pair_progress(self, job, i: int, n: int):
+    def _pair_progress(self, job, k: int, m: int, n: int):
+        """An ``on_step`` for pairs ``k+1 .. k+m`` of ``n``: cancels, says once that they are decoding."""
+        said = []
+
         def on_step(rec, d):
             job.check()
-            if rec.step == 1 and self._current(job):
-                self.pg._emit("progress", Progress("spread", i, n, f"spread: pair {i + 1}/{n} decoding…"))
+            if not said and self._current(job):
+                said.append(1)
+                what = f"pair {k + 1}" if m == 1 else f"pairs {k + 1}–{k + m}"
+                self.pg._emit("progress", Progress("spread", k, n, f"spread: {what}/{n} decoding…"))
             self.pg.gate.pause_point()
         return on_step
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kvlab.studies.experiment import run_config, scored_run
+from kvlab.studies.experiment import run_config, scored_run, scored_runs
 from kvlab.store import run_key
 from .settings import Settings, decode_config, refresh_policy
 from .shown import Shown, readouts
@@ -52,6 +52,30 @@ class RunReader:
         """The result of ``s``: from the store, or decoded now (``on_step(rec, decoding)`` per step) and stored."""
         return scored_run(self.teacher, None if s.mode == "teacher" else student, s.prompt, decode_config(s),
                           self.store, on_step=on_step)
+
+    def scored_many(self, settings: list[Settings], student, batch: int | None = None, on_step=None) -> list[dict]:
+        """The results of ``settings`` (in order): from the store, or decoded now ``batch`` at a time
+        (:func:`kvlab.studies.experiment.scored_runs`; ``on_step(rec, decoding)`` per decoded step, e.g.
+        to cancel) and stored. Settings of one run (the same key) are decoded once."""
+        first: dict = {}
+        jobs, students = [], {}
+        for s in settings:
+            k = run_key(self.config(s, student))
+            if k not in first:
+                first[k] = len(jobs)
+                jobs.append(s)
+        out: list = [None] * len(jobs)
+        for who in ("teacher", "student"):           # teacher mode keys its runs without a student
+            idx = [i for i, s in enumerate(jobs) if (s.mode == "teacher") == (who == "teacher")]
+            if not idx:
+                continue
+            step = None if on_step is None else (lambda j, rec, d: on_step(rec, d))
+            res = scored_runs(self.teacher, None if who == "teacher" else student,
+                              [(jobs[i].prompt, decode_config(jobs[i])) for i in idx], self.store, batch=batch,
+                              on_step=step)
+            for i, r in zip(idx, res):
+                out[i] = r
+        return [out[first[run_key(self.config(s, student))]] for s in settings]
 
     def tokens(self, s: Settings, ids) -> list[str]:
         """The text of each token id, decoded by the tokenizer of the model that wrote ``s``'s tokens."""

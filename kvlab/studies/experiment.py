@@ -126,12 +126,15 @@ def _extra(teacher, student, batch: int) -> dict:
 
 
 def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], store: RunStore, *,
-                batch: int | None = None, progress: bool = False) -> list[dict]:
+                batch: int | None = None, progress: bool = False, on_step=None) -> list[dict]:
     """:func:`scored_run` for each ``(prompt, cfg)`` of ``jobs`` (results in order): stored runs are
     reused; the missing ones are decoded ``batch`` at a time (:func:`kvlab.decode.run_batch`, rows
     grouped by mode) and each is stored as soon as its row finishes, under the same key a single
     run has (the batch size is not part of it). ``batch=1``: one :func:`kvlab.decode.run` per job
-    (the unbatched loop). If rows fail, the other rows are stored, then :class:`BatchError` is raised."""
+    (the unbatched loop). If rows fail, the other rows are stored, then :class:`BatchError` is raised.
+    ``on_step(j, record, decoding)`` (``j``: the index in ``jobs``) is called after every step of a
+    decoded run; an exception it raises (a cancellation) stops the decode, and only the runs that
+    finished before it are stored."""
     from tqdm.auto import tqdm
 
     batch = check_batch(batch)
@@ -141,7 +144,8 @@ def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], stor
     bar = tqdm(total=len(jobs), disable=not progress, desc="runs", unit="run")
     if batch == 1:
         for j, (p, c) in enumerate(jobs):
-            results[j] = scored_run(teacher, student, p, c, store)
+            step = None if on_step is None else (lambda rec, d, j=j: on_step(j, rec, d))
+            results[j] = scored_run(teacher, student, p, c, store, on_step=step)
             bar.update()
         bar.close()
         return results
@@ -164,8 +168,12 @@ def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], stor
                 results[j] = store.get_or_run(configs[j], lambda: res, extra=_extra(teacher, student, len(chunk)))
                 bar.update()
 
+            def step(b: int, rec, d, chunk=chunk) -> None:
+                on_step(chunk[b], rec, d)
+
             try:
-                run_batch(teacher, student, [jobs[j][0] for j in chunk], [jobs[j][1] for j in chunk], on_row=stored)
+                run_batch(teacher, student, [jobs[j][0] for j in chunk], [jobs[j][1] for j in chunk], on_row=stored,
+                          on_step=None if on_step is None else step)
             except BatchError as e:
                 errors.update({chunk[b]: err for b, err in e.errors.items()})
     bar.close()

@@ -44,6 +44,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--workers", type=int, default=None,
                    help="local: processes (default 1 = in-process); ray: actors (default: one per CPU, or per GPU)")
     e.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray instance)")
+    e.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="tasks of one model pair and mode a worker decodes together (default "
+                        "kvlab.studies.experiment.DEFAULT_BATCH; 1 = one run at a time); not part of a run's key")
     e.add_argument("--runs", "--results", dest="runs", type=Path, default=None,
                    help="run store (default $KVLAB_RUNS, else the project's runs/)")
     e.add_argument("--worker-memory", type=float, default=None, metavar="GiB",
@@ -114,7 +117,10 @@ def cmd_sweep(args):
 
     from .students import check_trained
 
-    spec = spec_from_args(args)               # every check before any model loads
+    from kvlab.studies.experiment import check_batch
+
+    check_batch(args.batch)                   # every check before any model loads
+    spec = spec_from_args(args)
     check_trained(spec)                       # a trained student the model cache lacks: name train-student
     store = Store(args.runs)
     if args.dry_run:
@@ -139,7 +145,8 @@ def cmd_sweep(args):
         kw["memory_per_worker"] = int(args.worker_memory * (1 << 30))
     try:
         report = run_sweep(spec, engine=args.engine, workers=args.workers, address=args.address, store=store,
-                           progress=not args.no_progress, retry_errors=not args.no_retry_errors, **kw)
+                           progress=not args.no_progress, retry_errors=not args.no_retry_errors, batch=args.batch,
+                           **kw)
     except ConnectionError as e:
         raise ValueError(str(e)) from None
     except KeyboardInterrupt:

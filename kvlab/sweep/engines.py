@@ -2,12 +2,13 @@
 Engines start and stop their own workers (processes or Ray actors); only the driver writes the run store.
 
 Every engine has the same three calls: :meth:`probe` (load a pair in a worker, report its
-fingerprints, code version and size — what the driver keys runs with), :meth:`run` (run tasks, hand
-each ``(task, outcome)`` back to the driver, which alone writes the run store) and :meth:`close`.
+fingerprints, code version and size — what the driver keys runs with), :meth:`run` (run chunks of
+tasks — one pair and mode per chunk, decoded as one batch by :func:`kvlab.sweep.task.run_chunk` —,
+hand each ``(task, outcome)`` back to the driver, which alone writes the run store) and :meth:`close`.
 Models are loaded once per process (in-process: once per Python session; processes: once per
-worker; Ray: once per actor). A worker that dies is charged to the task it was running, and only to
-it: the task is retried on a fresh worker up to ``max_retries`` times, then recorded as failed,
-while every other task goes on.
+worker; Ray: once per actor). A worker that dies is charged to the tasks it was running, and only to
+them: each is retried alone (a chunk of one) on a fresh worker up to ``max_retries`` times, then
+recorded as failed, while every other task goes on.
 """
 from __future__ import annotations
 
@@ -17,32 +18,34 @@ import time
 from typing import Callable, Iterable
 
 from .spec import Task
-from .task import PairCache, execute, failed, probe
+from .task import PairCache, execute, execute_chunk, failed, probe, run_chunk
 
 PROCESS_PAIRS = PairCache()          # the driver process's pairs (local engine), reused across sweeps
 
 OnOutcome = Callable[[Task, dict], None]
+Chunk = list            # of Task: one pair and mode (kvlab.sweep.runner.chunks), decoded as one batch
 
 
 class LocalEngine:
-    """Tasks one after another in this process."""
+    """Chunks of tasks one after another in this process."""
 
     name = "local"
 
-    def __init__(self, execute_fn=execute, pairs: PairCache | None = None):
-        self.execute_fn = execute_fn
+    def __init__(self, execute_fn=execute, pairs: PairCache | None = None, chunk_fn=execute_chunk):
+        self.execute_fn, self.chunk_fn = execute_fn, chunk_fn
         self.pairs = pairs if pairs is not None else PROCESS_PAIRS
 
     def probe(self, models, student) -> dict:
         return probe(models, student, self.pairs)
 
-    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
-        for t in tasks:
+    def run(self, chunks: Iterable[Chunk], on_outcome: OnOutcome) -> None:
+        for chunk in chunks:
             try:
-                out = self.execute_fn(t, self.pairs, self.name, f"pid{os.getpid()}")
+                outs = run_chunk(chunk, self.pairs, self.name, f"pid{os.getpid()}", self.execute_fn, self.chunk_fn)
             except Exception as e:  # noqa: BLE001 - execute() records its own errors; this guards wrappers
-                out = failed(t, self.name, f"{type(e).__name__}: {e}")
-            on_outcome(t, out)
+                outs = [failed(t, self.name, f"{type(e).__name__}: {e}") for t in chunk]
+            for t, out in zip(chunk, outs):
+                on_outcome(t, out)
 
     def close(self) -> None:
         pass
@@ -51,8 +54,9 @@ class LocalEngine:
 # --------------------------------------------------------------------------- processes
 
 
-def _worker_main(conn, threads: int, execute_fn) -> None:
-    """A worker process: answer ("probe", (models, student)) and ("run", task) messages until None."""
+def _worker_main(conn, threads: int, execute_fn, chunk_fn=execute_chunk) -> None:
+    """A worker process: answer ("probe", (models, student)) with a dict and ("run", chunk) with one
+    outcome per task, until None."""
     import torch
 
     torch.set_num_threads(threads)
@@ -69,19 +73,21 @@ def _worker_main(conn, threads: int, execute_fn) -> None:
             if kind == "probe":
                 reply = probe(*payload, pairs)
             else:
-                reply = execute_fn(payload, pairs, "processes", f"pid{os.getpid()}")
+                reply = run_chunk(payload, pairs, "processes", f"pid{os.getpid()}", execute_fn, chunk_fn)
         except Exception as e:  # noqa: BLE001 - reported to the driver, the worker lives on
-            reply = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+            msg = f"{type(e).__name__}: {e}"
+            reply = {"status": "error", "error": msg} if kind == "probe" else [failed(t, "processes", msg)
+                                                                             for t in payload]
         conn.send(reply)
 
 
 class _Proc:
-    def __init__(self, ctx, threads, execute_fn):
+    def __init__(self, ctx, threads, execute_fn, chunk_fn=execute_chunk):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, threads, execute_fn), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, threads, execute_fn, chunk_fn), daemon=True)
         self.proc.start()
         child.close()
-        self.task: Task | None = None
+        self.task: Chunk | None = None          # the chunk in flight
 
     def stop(self, wait: float = 5.0) -> None:
         try:
@@ -96,22 +102,25 @@ class _Proc:
 
 
 class ProcessEngine:
-    """Tasks over ``workers`` spawned processes, one task at a time each (each loads its models
-    once). A worker that dies is replaced; only the task it was running is charged a retry."""
+    """Chunks of tasks over ``workers`` spawned processes, one chunk at a time each (each loads its
+    models once and decodes its chunk as one batch). A worker that dies is replaced; only the tasks
+    it was running are charged a retry, each retried alone."""
 
     name = "processes"
 
-    def __init__(self, workers: int, execute_fn=execute, max_retries: int = 2, threads: int | None = None):
+    def __init__(self, workers: int, execute_fn=execute, max_retries: int = 2, threads: int | None = None,
+                 chunk_fn=execute_chunk):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive int")
         self.workers, self.execute_fn, self.max_retries = workers, execute_fn, max_retries
+        self.chunk_fn = chunk_fn
         self.threads = threads or max(1, (os.cpu_count() or 1) // workers)
         self._procs: list[_Proc] = []
 
     def _spawn(self) -> _Proc:
         import multiprocessing as mp
 
-        return _Proc(mp.get_context("spawn"), self.threads, self.execute_fn)
+        return _Proc(mp.get_context("spawn"), self.threads, self.execute_fn, self.chunk_fn)
 
     def _pool(self) -> list[_Proc]:
         while len(self._procs) < self.workers:      # kept across run() calls: workers keep their models
@@ -138,11 +147,11 @@ class ProcessEngine:
         w.conn.close()
         self._procs[self._procs.index(w)] = self._spawn()
 
-    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
+    def run(self, chunks: Iterable[Chunk], on_outcome: OnOutcome) -> None:
         from multiprocessing.connection import wait
 
-        queue = list(tasks)[::-1]
-        tries = {t.task_id: 0 for t in queue}
+        queue = [list(c) for c in chunks][::-1]
+        tries = {t.task_id: 0 for c in queue for t in c}
         while queue or any(w.task is not None for w in self._procs):
             for w in self._pool():
                 if w.task is None and queue:
@@ -153,25 +162,25 @@ class ProcessEngine:
             for w in busy:
                 if w.conn not in ready and w.proc.sentinel not in ready:
                     continue
-                t, w.task = w.task, None
+                chunk, w.task = w.task, None
                 try:
-                    out = w.conn.recv() if w.conn.poll() else None
+                    outs = w.conn.recv() if w.conn.poll() else None
                 except (EOFError, OSError):
-                    out = None
-                if out is not None:
-                    if "task_id" not in out:         # the wrapper around execute raised
-                        out = failed(t, self.name, out.get("error", "worker error"))
-                    on_outcome(t, out)
+                    outs = None
+                if outs is not None:
+                    for t, out in zip(chunk, outs):
+                        on_outcome(t, out)
                     continue
                 w.proc.join(1)
                 code = w.proc.exitcode
-                self._replace(w)                 # it died running t: charge t alone
-                tries[t.task_id] += 1
-                if tries[t.task_id] > self.max_retries:
-                    on_outcome(t, failed(t, self.name, f"worker died {tries[t.task_id]} times running this task "
-                                                       f"(exit code {code})"))
-                else:
-                    queue.append(t)             # retried next, on a fresh worker
+                self._replace(w)                 # it died running this chunk: charge its tasks alone
+                for t in chunk:
+                    tries[t.task_id] += 1
+                    if tries[t.task_id] > self.max_retries:
+                        on_outcome(t, failed(t, self.name, f"worker died {tries[t.task_id]} times running this "
+                                                           f"task (exit code {code})"))
+                    else:
+                        queue.append([t])       # retried next, alone, on a fresh worker
 
     def close(self) -> None:
         for w in self._procs:
@@ -223,17 +232,17 @@ def _probe_remote(models, student):
 class _Actor:
     """A Ray actor holding its models: one per worker."""
 
-    def __init__(self, execute_fn):
+    def __init__(self, execute_fn, chunk_fn=execute_chunk):
         import ray
 
-        self.pairs, self.fn = PairCache(), execute_fn
+        self.pairs, self.fn, self.chunk_fn = PairCache(), execute_fn, chunk_fn
         try:
             self.worker = f"actor{ray.get_runtime_context().get_actor_id()[:8]}"
         except Exception:  # noqa: BLE001
             self.worker = f"pid{os.getpid()}"
 
-    def run(self, task: Task):
-        return self.fn(task, self.pairs, "ray", self.worker)
+    def run(self, chunk: Chunk) -> list:
+        return run_chunk(chunk, self.pairs, "ray", self.worker, self.fn, self.chunk_fn)
 
     def ping(self) -> int:
         return os.getpid()
@@ -264,22 +273,23 @@ def actor_memory(pair_bytes: int) -> int:
 
 
 class RayEngine:
-    """Tasks on Ray actors, one task in flight per actor, models loaded once per actor.
+    """Chunks of tasks on Ray actors, one chunk in flight per actor (decoded as one batch), models
+    loaded once per actor.
 
     ``address=None`` starts a local Ray instance (``num_cpus``) and shuts it down on :meth:`close`;
     an address joins a running cluster. Either way the kvlab package is shipped to the workers
     (:func:`runtime_env`). Each actor reserves ``cpus_per_worker`` CPUs, a GPU when the cluster
     has GPUs, and ``memory_per_worker`` bytes (default :func:`actor_memory` of the pair the
     :meth:`probe` loaded), so the number of actors (default: as many as the cluster's CPUs, GPUs
-    and memory allow) follows what a teacher+student pair needs. Any Ray failure of a task (its
-    actor died, its node died, out of memory, an object lost …) is charged to that task alone: it is
-    retried on a fresh actor up to ``max_retries`` times, then recorded as failed."""
+    and memory allow) follows what a teacher+student pair needs. Any Ray failure of a chunk (its
+    actor died, its node died, out of memory, an object lost …) is charged to its tasks alone: each
+    is retried alone on a fresh actor up to ``max_retries`` times, then recorded as failed."""
 
     name = "ray"
 
     def __init__(self, workers: int | None = None, address: str | None = None, execute_fn=execute,
                  num_cpus: int | None = None, gpus_per_worker: float | None = None, cpus_per_worker: float = 1,
-                 memory_per_worker: int | None = None, max_retries: int = 2):
+                 memory_per_worker: int | None = None, max_retries: int = 2, chunk_fn=execute_chunk):
         try:
             import ray
         except ImportError as e:
@@ -309,6 +319,7 @@ class RayEngine:
             1.0 if float(res.get("GPU", 0)) >= 1 else 0.0)
         self.cpus_per_worker, self.memory_per_worker = cpus_per_worker, memory_per_worker
         self.workers, self.execute_fn, self.max_retries = workers, execute_fn, max_retries
+        self.chunk_fn = chunk_fn
         self._pair_bytes = 0
         self._actors = None
         self.probes: list[dict] = []
@@ -343,7 +354,7 @@ class RayEngine:
         return min(n) if n else 1
 
     def _new_actor(self):
-        return self.ray.remote(_Actor).options(**self._actor_options()).remote(self.execute_fn)
+        return self.ray.remote(_Actor).options(**self._actor_options()).remote(self.execute_fn, self.chunk_fn)
 
     def _start(self) -> list:
         if self._actors is None:
@@ -356,23 +367,23 @@ class RayEngine:
             self._actors = [self._new_actor() for _ in range(n)]
         return self._actors
 
-    def run(self, tasks: Iterable[Task], on_outcome: OnOutcome) -> None:
+    def run(self, chunks: Iterable[Chunk], on_outcome: OnOutcome) -> None:
         ray = self.ray
         from ray.exceptions import RayActorError
 
         actors = self._start()
-        queue = list(tasks)[::-1]
-        tries = {t.task_id: 0 for t in queue}
+        queue = [list(c) for c in chunks][::-1]
+        tries = {t.task_id: 0 for c in queue for t in c}
         idle = list(range(len(actors)))
-        inflight: dict = {}                       # ObjectRef -> (task, actor index)
+        inflight: dict = {}                       # ObjectRef -> (chunk, actor index)
         while queue or inflight:
             while idle and queue:
-                i, t = idle.pop(), queue.pop()
-                inflight[actors[i].run.remote(t)] = (t, i)
+                i, chunk = idle.pop(), queue.pop()
+                inflight[actors[i].run.remote(chunk)] = (chunk, i)
             done, _ = ray.wait(list(inflight), num_returns=1)
-            t, i = inflight.pop(done[0])
+            chunk, i = inflight.pop(done[0])
             try:
-                out = ray.get(done[0])
+                outs = ray.get(done[0])
             except Exception as e:  # noqa: BLE001 - every Ray failure type (RayError and its kin) is per task
                 if isinstance(e, RayActorError) or not isinstance(e, ray.exceptions.RayTaskError):
                     try:
@@ -380,16 +391,18 @@ class RayEngine:
                     except Exception:  # noqa: BLE001
                         pass
                     actors[i] = self._new_actor()     # the task's actor (or its node) is gone: a fresh one
-                tries[t.task_id] += 1
-                if tries[t.task_id] > self.max_retries:
-                    on_outcome(t, failed(t, self.name, f"failed {tries[t.task_id]} times on Ray: "
-                                                       f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-                else:
-                    queue.append(t)
+                for t in chunk:
+                    tries[t.task_id] += 1
+                    if tries[t.task_id] > self.max_retries:
+                        on_outcome(t, failed(t, self.name, f"failed {tries[t.task_id]} times on Ray: "
+                                                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+                    else:
+                        queue.append([t])         # retried alone
                 idle.append(i)
                 continue
             idle.append(i)
-            on_outcome(t, out)
+            for t, out in zip(chunk, outs):
+                on_outcome(t, out)
 
     def close(self) -> None:
         if self._actors:
@@ -404,14 +417,15 @@ class RayEngine:
 
 
 def make_engine(engine: str = "local", workers: int | None = None, address: str | None = None,
-                execute_fn=execute, **kw):
-    """``local`` (``workers == 1``: in-process; more: processes) or ``ray``."""
+                execute_fn=execute, chunk_fn=execute_chunk, **kw):
+    """``local`` (``workers == 1``: in-process; more: processes) or ``ray``; ``execute_fn`` runs a chunk
+    of one task, ``chunk_fn`` a chunk of more (:func:`kvlab.sweep.task.run_chunk`)."""
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers={workers!r} must be a positive int")
     if engine == "local":
         if workers is None or workers == 1:
-            return LocalEngine(execute_fn)
-        return ProcessEngine(workers, execute_fn, **kw)
+            return LocalEngine(execute_fn, chunk_fn=chunk_fn)
+        return ProcessEngine(workers, execute_fn, chunk_fn=chunk_fn, **kw)
     if engine == "ray":
-        return RayEngine(workers, address, execute_fn, **kw)
+        return RayEngine(workers, address, execute_fn, chunk_fn=chunk_fn, **kw)
     raise ValueError(f"--engine={engine!r} must be 'local' or 'ray'")

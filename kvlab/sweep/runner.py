@@ -1,5 +1,6 @@
-"""Run a grid: key every task, skip what the run store holds, run the rest on an engine, store
-each outcome as it arrives (this process alone writes the store).
+"""Run a grid: key every task, skip what the run store holds, run the rest on an engine in chunks
+of ``batch`` tasks of one pair and mode (each chunk one batched decode), store each outcome as it
+arrives (this process alone writes the store). The batch size is not part of a run's key.
 
 A pair that fails to load (a probe raises) fails only its own tasks: each becomes an ``error`` row
 under :func:`load_error_key` (the run's real key needs the fingerprints of the models that did not
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from kvlab.store.results import CodeVersionMismatch, Store
 from .engines import make_engine
 from .spec import GridSpec, Task
-from .task import execute
+from .task import execute, execute_chunk
 
 
 @dataclass
@@ -90,6 +91,15 @@ def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
     return out, probes
 
 
+def chunks(tasks: list[Task], batch: int) -> list[list[Task]]:
+    """``tasks`` in chunks of at most ``batch`` that share a model group and mode (what one batched
+    decode can run), in the order of each group's first task."""
+    by: dict = {}
+    for t in tasks:
+        by.setdefault((group(t), t.decode.mode), []).append(t)
+    return [ts[k:k + batch] for ts in by.values() for k in range(0, len(ts), batch)]
+
+
 def pending(tasks: list[Task], store: Store, retry_errors: bool = True) -> tuple[list[Task], list[Task]]:
     """(tasks still to run, tasks whose run is stored): a finished run counts wherever it was
     computed; an error row counts only with ``retry_errors=False``."""
@@ -104,7 +114,8 @@ def pending(tasks: list[Task], store: Store, retry_errors: bool = True) -> tuple
 
 def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = None, address: str | None = None,
               store=None, results=None, progress: bool = True, retry_errors: bool = True,
-              execute_fn=execute, engine_obj=None, **engine_kw) -> SweepReport:
+              execute_fn=execute, engine_obj=None, batch: int | None = None, chunk_fn=execute_chunk,
+              **engine_kw) -> SweepReport:
     """Run every (config, prompt, repeat) of ``spec`` whose run the store lacks.
 
     ``store`` (or its older name ``results``): the run store or its root (default ``$KVLAB_RUNS`` or
@@ -113,7 +124,12 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
     finish, so a killed sweep loses only the tasks in flight and a rerun skips what is stored.
     Error rows are rerun next time unless ``retry_errors=False``. A trained student missing from the
     model cache raises (naming ``python -m kvlab train-student``) before any engine starts: a sweep
-    never trains. A pair that fails to load fails its own tasks only (error rows)."""
+    never trains. A pair that fails to load fails its own tasks only (error rows).
+
+    ``batch`` (default :data:`kvlab.studies.experiment.DEFAULT_BATCH`): tasks of one pair and mode
+    decoded together by a worker (``chunk_fn``, :func:`kvlab.sweep.task.execute_chunk`); a row that
+    fails is an error row, the others of its batch are stored. ``batch=1``: one task at a time
+    (``execute_fn``, the unbatched loop). A killed sweep loses the chunks in flight."""
     from tqdm.auto import tqdm
 
     from kvlab.studies.experiment import stored_config
@@ -121,9 +137,16 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
     from .students import check_trained
     from .task import student_columns
 
+    from kvlab.studies.experiment import check_batch
+
+    batch = check_batch(batch)
+    if batch > 1 and execute_fn is not execute and chunk_fn is execute_chunk:
+        raise ValueError(f"execute_fn= runs one task at a time, but batch={batch} runs chunks with chunk_fn=: "
+                         "pass batch=1, or a chunk_fn= too")
     check_trained(spec)                   # before any engine (Ray, processes) starts
     st = _store(store if store is not None else results)
-    eng = engine_obj if engine_obj is not None else make_engine(engine, workers, address, execute_fn, **engine_kw)
+    eng = engine_obj if engine_obj is not None else make_engine(engine, workers, address, execute_fn, chunk_fn,
+                                                                  **engine_kw)
     try:
         tasks, probes = key_tasks(spec, eng)
         st.forget([load_error_key(t) for t in tasks if "error" not in probes[group(t)]])   # that pair loads now
@@ -168,7 +191,7 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
 
         t0 = time.perf_counter()
         try:
-            eng.run(todo, on_outcome)
+            eng.run(chunks(todo, batch), on_outcome)
         finally:
             report.wall_s = time.perf_counter() - t0
             bar.close()

@@ -1,6 +1,8 @@
-"""Running one sweep task in a worker: load (once per process) the pair, run + score it with
-:func:`kvlab.studies.experiment.scored_run` (the same code the tables use), hand the outcome back.
-Loads models and decodes; it writes nothing (the driver stores the outcome).
+"""Running sweep tasks in a worker: load (once per process) the pair, run + score one task with
+:func:`kvlab.studies.experiment.scored_run` (:func:`execute`) or a chunk of tasks of one pair and mode
+as one batched decode with :func:`kvlab.studies.experiment.scored_runs` (:func:`execute_chunk`; the
+same code the tables use), hand one outcome per task back. Loads models and decodes; it writes
+nothing (the driver stores the outcomes).
 
 Workers never touch a store (on a cluster a store path would be node-local): the driver keys every
 task with the fingerprints a :func:`probe` reported, skips what the run store holds, and stores
@@ -132,6 +134,56 @@ def execute(task: Task, pairs: PairCache, engine: str = "local", worker: str = "
     extra["wall_s"] = time.perf_counter() - t0
     out.update(meta=provenance_meta(), extra=extra)
     return out
+
+
+def execute_chunk(tasks: list[Task], pairs: PairCache, engine: str = "local", worker: str = "") -> list[dict]:
+    """Run a chunk of tasks of one pair (and mode) as one batched decode (no store); one outcome per
+    task, in order, shaped as :func:`execute`'s. A row that fails is an ``error`` outcome and the
+    other rows stay ``ok`` (:class:`kvlab.decode.BatchError`); a chunk whose batch fails as a whole
+    (e.g. it cannot start) runs its tasks one at a time with :func:`execute`, so each fails or not on
+    its own. ``extra["wall_s"]`` is the chunk's wall time (shared by its rows), ``extra["batch"]`` its size."""
+    from kvlab.decode import BatchError
+    from kvlab.studies.experiment import scored_runs, stored_config
+
+    started = time.time()
+    t0 = time.perf_counter()
+    worker = worker or f"pid{os.getpid()}"
+    try:
+        teacher, student = pairs.get(tasks[0].models, tasks[0].config.student)
+    except Exception:  # noqa: BLE001 - the load error is each task's own (execute reports it per task)
+        return [execute(t, pairs, engine, worker) for t in tasks]
+    load_s = time.perf_counter() - t0
+    errors: dict = {}
+    try:
+        results = scored_runs(teacher, student, [(t.prompt, t.decode) for t in tasks], NullStore(), batch=len(tasks))
+    except BatchError as e:
+        results, errors = e.traces, e.errors
+    except Exception:  # noqa: BLE001 - not a row's failure: one at a time, each task fails or not alone
+        return [execute(t, pairs, engine, worker) for t in tasks]
+    wall_s = time.perf_counter() - t0
+    meta = provenance_meta()
+    outs = []
+    for j, t in enumerate(tasks):
+        out = {"task_id": t.task_id, "status": "error", "error": "", "config": None, "result": None, "meta": meta,
+               "extra": {"engine": engine, "worker": worker, "started_at": started, **student_columns(t),
+                         "load_s": load_s, "device": str(teacher.device), "wall_s": wall_s, "batch": len(tasks)}}
+        if j in errors:
+            err = errors[j]
+            out["error"] = f"{type(err).__name__}: {err}"
+            out["traceback"] = "".join(traceback.format_exception(err, limit=6))[-4000:]
+        else:
+            out.update(status="ok", config=stored_config(teacher, student, t.prompt, t.decode), result=results[j])
+        outs.append(out)
+    return outs
+
+
+def run_chunk(tasks: list[Task], pairs: PairCache, engine: str, worker: str, execute_fn=execute,
+              chunk_fn=execute_chunk) -> list[dict]:
+    """One outcome per task of a chunk: ``execute_fn`` for a chunk of one task (the unbatched path),
+    ``chunk_fn`` for more."""
+    if len(tasks) == 1:
+        return [execute_fn(tasks[0], pairs, engine, worker)]
+    return chunk_fn(tasks, pairs, engine, worker)
 
 
 def failed(task: Task, engine: str, msg: str) -> dict:
