@@ -194,17 +194,13 @@ def needle_results(lm, jobs: Sequence[tuple[NeedleCase, object]], store: RunStor
 
     batch = check_batch(batch)
     specs = [_needle_job(lm, case, pol, setting) for case, pol in jobs]
-    got = [store.get(k) for _, _, k, _ in specs]
-    got = [g if g is None else store.get_or_run(specs[j][2], lambda g=g: g) for j, g in enumerate(got)]
+    got = [store.reused(k) for _, _, k, _ in specs]
     miss = [j for j, g in enumerate(got) if g is None]
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(miss), disable=not progress, desc=f"needle {setting}",
                unit="run")
     for k in range(0, len(miss), batch):
         chunk = miss[k:k + batch]
-        if len(chunk) == 1:
-            traces = [run(lm, None, specs[chunk[0]][0], specs[chunk[0]][1])]
-        else:
-            traces = run_batch(lm, None, [specs[j][0] for j in chunk], [specs[j][1] for j in chunk])
+        traces = run_batch(lm, None, [specs[j][0] for j in chunk], [specs[j][1] for j in chunk])
         for j, tr in zip(chunk, traces):
             got[j] = store.get_or_run(specs[j][2], lambda tr=tr, j=j: _needle_result(lm, tr, specs[j][3]))
             bar.update()

@@ -386,9 +386,9 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
         info.append({"policy": name, "family": "confkv_sweep", "params": _params(pol), "matched_by": "γ sweep"})
         bar.update()
     forced = {}
+    refs = [tuple(int(t) for t in r["steps"]["token_id"]) for r in runs["full"]]   # the full cache's continuations
     for name in FORCED_POLICIES:           # teacher-forced on the full cache's own continuation
         if name in pols:
-            refs = [tuple(int(t) for t in r["steps"]["token_id"]) for r in runs["full"]]
             forced[name] = scored_runs(teacher, None, [(p, replace(_cfg(spec, i, pols[name]), forced=refs[i]))
                                                        for i, p in enumerate(spec.prompts)], store, batch=spec.batch)
             bar.update()

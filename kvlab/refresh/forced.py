@@ -117,10 +117,7 @@ DISTINCT_NOTE = "`distinct2`: distinct bigrams / bigrams of the generated text (
 def reference_tokens(teacher, prompt: str, tokens: int, sampling, store: RunStore, chat: bool = True) -> list[int]:
     """The teacher's own sampled continuation of ``prompt`` (``tokens`` long, EOS ignored), stored once per
     (teacher, prompt, length, sampling) — whatever student a table pairs it with."""
-    from dataclasses import asdict
-
-    cfg = {"kind": "reference", "teacher": teacher.fingerprint, "prompt": prompt, "tokens": tokens,
-           "sampling": asdict(sampling), "chat": chat}
+    cfg = _reference_key(teacher, prompt, tokens, sampling, chat)
 
     def compute():
         tr = run(teacher, None, prompt, DecodeConfig(mode="teacher", max_new_tokens=tokens, sampling=sampling,
@@ -130,31 +127,31 @@ def reference_tokens(teacher, prompt: str, tokens: int, sampling, store: RunStor
     return list(store.get_or_run(cfg, compute)["tokens"])
 
 
+def _reference_key(teacher, prompt: str, tokens: int, sampling, chat: bool) -> dict:
+    from dataclasses import asdict
+
+    return {"kind": "reference", "teacher": teacher.fingerprint, "prompt": prompt, "tokens": tokens,
+            "sampling": asdict(sampling), "chat": chat}
+
+
 def reference_tokens_many(teacher, prompts, tokens: int, samplings, store: RunStore, chat: bool = True,
                           batch: int | None = None) -> list[list[int]]:
     """:func:`reference_tokens` of every prompt (``samplings[i]`` for prompt ``i``), the missing ones decoded
     ``batch`` at a time in one batched teacher run (:func:`kvlab.decode.run_batch`; each row seeded from its
     own sampling, so a row's tokens do not depend on its batch) and stored under the same key as one at a time."""
-    from dataclasses import asdict
-
     from kvlab.decode import run_batch
     from kvlab.studies.experiment import check_batch
 
     batch = check_batch(batch)
     if len(samplings) != len(prompts):
         raise ValueError(f"samplings has {len(samplings)} entries for {len(prompts)} prompts (one per prompt)")
-    keys = [{"kind": "reference", "teacher": teacher.fingerprint, "prompt": p, "tokens": tokens,
-             "sampling": asdict(s), "chat": chat} for p, s in zip(prompts, samplings)]
-    got = [store.get(k) for k in keys]
-    got = [g if g is None else store.get_or_run(keys[j], lambda g=g: g) for j, g in enumerate(got)]  # counted as reused
+    keys = [_reference_key(teacher, p, tokens, s, chat) for p, s in zip(prompts, samplings)]
+    got = [store.reused(k) for k in keys]
     miss = [j for j, g in enumerate(got) if g is None]
     for k in range(0, len(miss), batch):
         chunk = miss[k:k + batch]
         cfgs = [DecodeConfig(mode="teacher", max_new_tokens=tokens, sampling=samplings[j], chat=chat) for j in chunk]
-        if len(chunk) == 1:
-            traces = [run(teacher, None, prompts[chunk[0]], cfgs[0])]
-        else:
-            traces = run_batch(teacher, None, [prompts[j] for j in chunk], cfgs)
+        traces = run_batch(teacher, None, [prompts[j] for j in chunk], cfgs)
         for j, tr in zip(chunk, traces):
             got[j] = store.get_or_run(keys[j], lambda tr=tr: {"tokens": tr.tokens, "text": tr.text})
     return [list(g["tokens"]) for g in got]
@@ -340,8 +337,7 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
                    "student": None if st is None else st.fingerprint, "prompt": prompt,
                    "decode": replace(cfg, sampling=Sampling()).to_dict(), "reference": h, "ref_tokens": spec.tokens}
             jobs.append((i, name, st, cfg, key))
-    got = [store.get(k) for *_, k in jobs]
-    got = [g if g is None else store.get_or_run(jobs[j][4], lambda g=g: g) for j, g in enumerate(got)]  # counted as reused
+    got = [store.reused(k) for *_, k in jobs]
     by_student: dict[int, list[int]] = {}
     for j, g in enumerate(got):
         if g is None:

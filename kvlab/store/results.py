@@ -322,18 +322,26 @@ class Store:
             d.mkdir(parents=True, exist_ok=True)
             (d / key).touch()
 
+    def reused(self, config: dict, tags=()) -> dict | None:
+        """The stored result for ``config`` (this code version and machine), counted as reused in
+        :attr:`stats` and tagged with ``tags``; ``None`` (nothing counted) when it must be computed."""
+        hit = self._get(config, any_machine=False)
+        if hit is None:
+            return None
+        for st in (self.stats, SESSION.setdefault(self.root.resolve(), StoreStats())):
+            st.reused += 1
+            st.commits.add(_label(hit.meta))
+        if tags:
+            self.tag(hit.key, *tags)
+        return hit.result
+
     def get_or_run(self, config: dict, fn, tags=(), extra: dict | None = None) -> dict:
         """The stored result for ``config``, or ``fn()`` stored under it (counted in :attr:`stats`;
         ``extra``: row columns saying how it ran; ``tags``: sweeps it belongs to)."""
-        both = (self.stats, SESSION.setdefault(self.root.resolve(), StoreStats()))
-        hit = self._get(config, any_machine=False)
+        hit = self.reused(config, tags)
         if hit is not None:
-            for st in both:
-                st.reused += 1
-                st.commits.add(_label(hit.meta))
-            if tags:
-                self.tag(hit.key, *tags)
-            return hit.result
+            return hit
+        both = (self.stats, SESSION.setdefault(self.root.resolve(), StoreStats()))
         stale = self.has_stale(config)
         result = fn()
         self.put(config, result, tags=tags, extra=extra)

@@ -140,7 +140,7 @@ def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], stor
     batch = check_batch(batch)
     jobs = [(p, replace(c, keep_dists=True)) for p, c in jobs]
     configs = [run_config(teacher, student, p, c) for p, c in jobs]
-    results: list[dict | None] = [store.get(k) if batch > 1 else None for k in configs]
+    results: list[dict | None] = [store.reused(k) if batch > 1 else None for k in configs]   # counted as reused
     bar = tqdm(total=len(jobs), disable=not progress, desc="runs", unit="run")
     if batch == 1:
         for j, (p, c) in enumerate(jobs):
@@ -149,10 +149,7 @@ def scored_runs(teacher, student, jobs: Sequence[tuple[str, DecodeConfig]], stor
             bar.update()
         bar.close()
         return results
-    for j, r in enumerate(results):
-        if r is not None:
-            store.get_or_run(configs[j], lambda r=r: r)    # counted as reused (and tagged) like scored_run
-            bar.update()
+    bar.update(sum(r is not None for r in results))
     missing: dict[str, list[int]] = {}
     for j, r in enumerate(results):
         if r is None:

@@ -26,6 +26,18 @@ OnOutcome = Callable[[Task, dict], None]
 Chunk = list            # of Task: one pair and mode (kvlab.sweep.runner.chunks), decoded as one batch
 
 
+def charge(chunk: list[Task], tries: dict, max_retries: int, queue: list, on_outcome: OnOutcome, engine: str,
+           why: Callable[[int], str]) -> None:
+    """A chunk that failed as a whole: each task is charged one try; past ``max_retries`` it fails with
+    ``why(tries)``, else it goes back on ``queue`` alone (a chunk of one)."""
+    for t in chunk:
+        tries[t.task_id] += 1
+        if tries[t.task_id] > max_retries:
+            on_outcome(t, failed(t, engine, why(tries[t.task_id])))
+        else:
+            queue.append([t])
+
+
 class LocalEngine:
     """Chunks of tasks one after another in this process."""
 
@@ -174,13 +186,8 @@ class ProcessEngine:
                 w.proc.join(1)
                 code = w.proc.exitcode
                 self._replace(w)                 # it died running this chunk: charge its tasks alone
-                for t in chunk:
-                    tries[t.task_id] += 1
-                    if tries[t.task_id] > self.max_retries:
-                        on_outcome(t, failed(t, self.name, f"worker died {tries[t.task_id]} times running this "
-                                                           f"task (exit code {code})"))
-                    else:
-                        queue.append([t])       # retried next, alone, on a fresh worker
+                charge(chunk, tries, self.max_retries, queue, on_outcome, self.name,
+                       lambda n: f"worker died {n} times running this task (exit code {code})")
 
     def close(self) -> None:
         for w in self._procs:
@@ -391,13 +398,8 @@ class RayEngine:
                     except Exception:  # noqa: BLE001
                         pass
                     actors[i] = self._new_actor()     # the task's actor (or its node) is gone: a fresh one
-                for t in chunk:
-                    tries[t.task_id] += 1
-                    if tries[t.task_id] > self.max_retries:
-                        on_outcome(t, failed(t, self.name, f"failed {tries[t.task_id]} times on Ray: "
-                                                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-                    else:
-                        queue.append([t])         # retried alone
+                charge(chunk, tries, self.max_retries, queue, on_outcome, self.name,
+                       lambda n: f"failed {n} times on Ray: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 idle.append(i)
                 continue
             idle.append(i)

@@ -72,6 +72,9 @@ class NullStore:
     def get(self, config, **kw):
         return None
 
+    def reused(self, config, tags=()):
+        return None
+
     def get_or_run(self, config, fn, **kw):
         return fn()
 

@@ -174,9 +174,9 @@ def _key_results(figures: Path) -> str:
     def one(csv: str, row: str, spec: Cell, digits: int = 3) -> str:
         return cell(pick(read(figures, csv), row, csv), spec, digits)
 
-    def mde(r) -> str:
-        v = _num(r.get("d_kl_forced_mde")) if hasattr(r, "get") else None
-        return "" if _nan(v) or v is None else f" (MDE {fmt(v, 2)})"
+    def mde(r: pd.Series) -> str:
+        v = _num(r.get("d_kl_forced_mde"))
+        return "" if _nan(v) else f" (MDE {fmt(v, 2)})"
 
     reg = read(figures, "baselines_regimes")
     names = {"student": "the student alone (the blog's baseline)",
