@@ -1,6 +1,6 @@
 """Sweeps decode chunks of tasks as one batch (``--batch``): same rows and keys as one task at a
 time, a failing row fails alone, the process engine runs chunks (and survives a worker dying in
-one); the playground's prompts × seeds spread gives the same numbers batched. Tiny random models."""
+one), so do Ray actors; the playground's prompts × seeds spread gives the same numbers batched. Tiny random models."""
 from __future__ import annotations
 
 import json
@@ -100,6 +100,24 @@ def test_process_workers_run_chunks_and_survive_dying_in_one(tmp_path):
     assert_same(a, b)
     assert set(b.engine) == {"processes"} and b["batch"].max() == 4
     assert b["batch"].isna().sum() == 4          # the dead worker's chunk: its 4 tasks retried one at a time
+
+
+def test_ray_actors_run_chunks_of_several_tasks(tmp_path):
+    """A local Ray instance (2 CPUs, 2 actors): chunks of 5 tasks decode as one batch each on an actor and
+    store the rows of one task at a time (same keys, tokens and metrics)."""
+    ray = pytest.importorskip("ray")
+
+    sp = spec(tmp_path, modes=("overfill",), evict={})           # 12 tasks of one pair and mode: chunks 5, 5, 2
+    n = len(sp.tasks())
+    run_sweep(sp, store=tmp_path / "one", progress=False, batch=1)
+    rep = run_sweep(sp, engine="ray", workers=2, num_cpus=2, store=tmp_path / "ray", progress=False, batch=5)
+    assert not ray.is_initialized()                                # the engine shut its own instance down
+    assert (rep.engine, rep.done, rep.errors) == ("ray", n, 0) and n == 12
+    a, b = rows(tmp_path / "one"), rows(tmp_path / "ray")
+    assert_same(a, b)
+    assert set(b.engine) == {"ray"} and b.worker.str.startswith("actor").all()
+    assert b["batch"].value_counts().to_dict() == {5: 10, 2: 2}    # every row was decoded in a chunk of several
+    assert sorted(b.groupby("wall_s").size()) == [2, 5, 5]          # three chunks: a chunk's rows share its wall time
 
 
 def test_bad_batch_is_refused(tmp_path):
