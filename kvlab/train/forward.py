@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvlab.core.compat import cache_kwarg
+from kvlab.train.lora import plain_model
 
 VARIANTS_TRAINED = ("standalone", "overfill", "refresh-aware")
 
@@ -122,7 +123,7 @@ def student_forward(student, teacher, ex, variant: str, rng: random.Random | Non
     cache = spliced_cache(tcache, P, mask)
     pos = torch.arange(P, P + R - 1, device=dev).view(1, -1)                               # (1, R-1)
     out = student.model(input_ids=torch.tensor([inputs], device=dev), position_ids=pos,
-                        **{cache_kwarg(student.model): cache}, use_cache=True)
+                        **{cache_kwarg(plain_model(student.model)): cache}, use_cache=True)
     return Forward(out.logits[0], torch.tensor(resp[1:], device=dev), torch.arange(1, R, device=dev),
                    pos[0], cache, P, mask)
 

@@ -33,6 +33,14 @@ def with_lora(student, rank: int, seed: int = 0):
     return replace(student, model=model)
 
 
+def plain_model(model):
+    """The transformers model under ``model``'s LoRA adapters (``model`` itself when it carries none): the
+    one whose ``forward`` signature names the KV-cache keyword (:func:`kvlab.core.compat.cache_kwarg`);
+    peft's wrapper takes ``**kwargs`` and passes them through to it."""
+    get = getattr(model, "get_base_model", None)     # peft's PeftModel; transformers models have none
+    return get() if callable(get) else model
+
+
 def merged(student):
     """``student`` with its LoRA adapters merged into the base weights (a plain transformers model), through
     the fp16 adapter file's values (:func:`adapter_tensors` then :func:`merge_adapter`): exactly what
