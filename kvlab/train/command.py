@@ -81,7 +81,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=D.heldout, help="prompts held out for the KL curve")
     p.add_argument("--eval-every", type=int, default=D.eval_every, help="held-out KL every this many steps")
     p.add_argument("--lora-rank", type=int, default=D.lora_rank,
-                   help="0 = train full weights (default, measured better); r > 0 = LoRA adapters of rank r (peft)")
+                   help="r > 0 = LoRA adapters of rank r (peft), merged before saving (default %(default)s; measured: "
+                        "r 16 at lr 2e-3 reached held-out KL 1.026 against 1.131 for full weights at lr 1e-3); "
+                        "0 = train full weights (pass --lr 1e-3 with it)")
     p.add_argument("--threads", type=int, default=D.threads, help="torch threads (0 = torch's default)")
     p.add_argument("--checkpoint-s", type=positive_int("--checkpoint-s"), default=180,
                    help="seconds between checkpoints (an interrupted run resumes from the last one)")
