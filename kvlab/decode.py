@@ -397,13 +397,14 @@ class Decoding:
             if self._stops(rec):
                 return
 
-    def _begin(self) -> torch.Tensor:
+    def _begin(self, prefilled: tuple | None = None) -> torch.Tensor:
         """Per-run state (RNG stream seeded from this run's own sampling seed, refresh frontier),
-        then the prefill: returns the first step's logits."""
+        then the prefill: returns the first step's logits. ``prefilled`` = ``(cache, logits)`` of a
+        prefill a batch already ran for this row (:meth:`BatchDecoding._prefill_rows`)."""
         cfg = self.config
         self._gen = None if cfg.sampling.greedy else torch.Generator().manual_seed(cfg.sampling.seed)
         self._device = self.decoder.device   # looked up once per run, not once per row and step (_after_score)
-        logits = self._start()
+        logits = self._start(prefilled)
         self._pending = None       # (logits, source) for the next step, left by a refresh
         self._last_refresh = self.first_step - 1
         self._frontier = 0         # generated entries y_≤frontier were offered to a refresh (see _refresh)
@@ -449,8 +450,9 @@ class Decoding:
                                   pool=getattr(ev, "attention_pool", 1), below=getattr(ev, "attention_below", False),
                                   ema_prefill=getattr(ev, "ema_prefill", "query"))
 
-    def _start(self) -> torch.Tensor:
-        """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits."""
+    def _start(self, prefilled: tuple | None = None) -> torch.Tensor:
+        """Prefill (or resume): set ``self.cache`` (and the teacher's cache); return the first logits.
+        ``prefilled``: the prefill's ``(cache, logits)`` when a batch ran it (see :meth:`_batch_prefill`)."""
         cfg, first = self.config, self.first_step
         attn = self._needs_attention
         if self._resume is not None:        # continue on an existing cache (see Decoding.resume)
@@ -459,6 +461,8 @@ class Decoding:
             if last_token is not None:
                 logits = cache.forward(self.decoder.model, [last_token], writer=self.decoder_name, step=first - 1,
                                        attention=attn)
+        elif prefilled is not None:
+            cache, logits = prefilled
         else:
             cache = self._new_cache(decoding=cfg.mode != "overfill")
             self._track(cache)
@@ -476,6 +480,16 @@ class Decoding:
         self.cache = cache
         self._fwd_bytes = cache.forward_nbytes()
         return logits
+
+    def _batch_prefill(self) -> KVCache | None:
+        """The empty cache a batch may prefill this row's prompt into, together with other rows (the
+        prefiller's forward over ``prompt_ids``, ledger step -1, as :meth:`_start` runs it), or None
+        when the prefill stays this row's own: a resumed run, or attention mass measured during it."""
+        if self._resume is not None or self._needs_attention:
+            return None
+        cache = self._new_cache(decoding=self.config.mode != "overfill")
+        self._track(cache)
+        return cache
 
     def _new_cache(self, decoding: bool) -> KVCache:
         """An empty cache: the decoding cache (``decoding``) or the overfill teacher's own. A batch
@@ -667,7 +681,11 @@ class BatchDecoding:
     * **score, probe, refresh, evict** — :meth:`Decoding._phases`, per row, unchanged (teacher
       forwards of probes and refreshes run per row on the row's own teacher cache).
 
-    Prefill runs per row (prompts of different lengths, no padding). Rows that stop early (EOS,
+    * **prefill** — the rows' prompts in ONE batched forward (different lengths: padded, the padding
+      never committed; :meth:`_prefill_rows`), except a row that measures attention mass during its
+      prefill or resumes a cache: it prefills on its own.
+
+    Rows that stop early (EOS,
     ``ignore_eos=False``) drop out; the others go on. A row whose phases raise is dropped and its
     error kept in ``errors``; the other rows finish. Iterating yields ``(row, StepRecord)``.
 
@@ -717,6 +735,7 @@ class BatchDecoding:
         self.errors: dict[int, BaseException] = {}
         self.bank = self.teacher_bank = None
         self.catch_up_errors: list[BaseException] = []   # batched teacher catch-ups that fell back to per-row
+        self.prefill_errors: list[BaseException] = []    # a batched prefill that fell back to per-row
         self._it = None
 
     def __len__(self) -> int:
@@ -749,10 +768,11 @@ class BatchDecoding:
             d._bank, d._tbank, d._row = self.bank, self.teacher_bank, b
         live = set(range(B))
         step_of = [d.first_step for d in rows]
-        for b, d in enumerate(rows):                    # prefill + step 1, per row
-            t0 = time.perf_counter()
+        prefilled, shared = self._prefill_rows()
+        for b, d in enumerate(rows):                    # step 1 (and any prefill not batched), per row
+            t0 = time.perf_counter() - (shared if b in prefilled else 0.0)
             try:
-                rec = d._phases(d.first_step, d._begin(), d.prefill_name, t0)
+                rec = d._phases(d.first_step, d._begin(prefilled.get(b)), d.prefill_name, t0)
             except Exception as e:                      # noqa: BLE001 - kept per row, re-raised by run_batch
                 self._fail(b, e, live)
                 continue
@@ -762,6 +782,32 @@ class BatchDecoding:
             step_of[b] += 1
         while live:
             yield from self._step(sorted(live), step_of, live)
+
+    def _prefill_rows(self) -> tuple[dict, float]:
+        """Prefill the rows that allow it (:meth:`Decoding._batch_prefill`) in ONE batched forward of
+        their prompts (different lengths: padded, the padding never committed). Returns ``{row:
+        (cache, logits)}`` and the forward's time. With fewer than two such rows, or if the forward
+        fails (nothing committed: :func:`~kvlab.cache.batch.forward_rows` is all-or-nothing; the error
+        goes to ``prefill_errors``), every row prefills on its own in :meth:`Decoding._start`."""
+        from .cache.batch import forward_rows
+
+        rows, B = self.rows, len(self.rows)
+        first = rows[0]
+        caches = [d._batch_prefill() for d in rows]
+        todo = [b for b in range(B) if caches[b] is not None]
+        if len(todo) < 2:
+            return {}, 0.0
+        bank = self.teacher_bank if first.config.mode == "overfill" else self.bank
+        t0 = time.perf_counter()
+        try:
+            logits = forward_rows(bank, first.prefiller.model, caches,
+                                  [rows[b].prompt_ids if caches[b] is not None else None for b in range(B)],
+                                  writer=first.prefill_name, steps=[-1] * B)                  # (B, V)
+        except Exception as e:                          # noqa: BLE001 - rows fall back to their own prefill
+            self.prefill_errors.append(e)
+            return {}, 0.0
+        _sync(first.prefiller.device)
+        return {b: (caches[b], logits[b]) for b in todo}, time.perf_counter() - t0
 
     def _step(self, order: list[int], step_of: list[int], live: set):
         """One lock-step: advance (one batched decoder forward), score per row, one batched teacher

@@ -60,9 +60,37 @@ class BufferLayer(DynamicLayer):
         self.buf_k, self.buf_v, self.s = k, v, 0
         self._views()
 
+    _stale = False      # keys / values need rebuilding from (buf, s, n)
+
     def _views(self) -> None:
-        self.keys = self.buf_k.narrow(2, self.s, self.n)           # the used part [s, s + n): hot path (every
-        self.values = self.buf_v.narrow(2, self.s, self.n)         # row and layer of every batched step)
+        """``s`` / ``n`` / the buffers changed: ``keys`` / ``values`` are rebuilt when next read (a batched
+        step changes every row and layer's ``n`` but reads few of them in Python)."""
+        self._stale = True
+
+    def _fresh(self) -> None:
+        self._keys = self.buf_k.narrow(2, self.s, self.n)          # the used part [s, s + n)
+        self._values = self.buf_v.narrow(2, self.s, self.n)
+        self._stale = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._fresh()
+        return self._keys
+
+    @keys.setter
+    def keys(self, t) -> None:          # DynamicLayer.__init__ sets None; nothing else assigns it
+        self._keys = t
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._fresh()
+        return self._values
+
+    @values.setter
+    def values(self, t) -> None:
+        self._values = t
 
     @property
     def capacity(self) -> int:
