@@ -780,8 +780,36 @@ class BatchDecoding:
             if d._stops(rec):
                 live.discard(b)
             step_of[b] += 1
+        self.slot = list(range(B))                      # row -> its bank slot (rows move when others finish)
+        self._compact(live)
         while live:
             yield from self._step(sorted(live), step_of, live)
+            self._compact(live)
+
+    def _compact(self, live: set) -> None:
+        """Finished (and failed) rows leave the batched forwards: each is swapped with the last live row
+        of the banks' width (:meth:`~kvlab.cache.bank.Bank.swap`: both caches keep their content), and the
+        width shrinks to the live rows. The teacher bank (overfill) moves in lock-step."""
+        banks = [bk for bk in (self.bank, self.teacher_bank) if bk is not None]
+        row_at = {s: b for b, s in enumerate(self.slot)}
+        width = self.bank.width
+        s = 0
+        while s < width:
+            if row_at[s] in live:
+                s += 1
+                continue
+            last = width - 1
+            while last > s and row_at[last] not in live:
+                last -= 1
+            if last > s:                                 # a live row moves into the finished row's slot
+                for bk in banks:
+                    bk.swap(s, last)
+                a, b = row_at[s], row_at[last]
+                row_at[s], row_at[last] = b, a
+                self.slot[a], self.slot[b] = last, s
+            width = last if last > s else s
+        for bk in banks:
+            bk.set_width(max(width, 1))
 
     def _prefill_rows(self) -> tuple[dict, float]:
         """Prefill the rows that allow it (:meth:`Decoding._batch_prefill`) in ONE batched forward of
@@ -814,27 +842,28 @@ class BatchDecoding:
         catch-up for the rows whose probe or refresh is due, then probe/refresh/evict per row."""
         from .cache.batch import forward_rows
 
-        rows, B = self.rows, len(self.rows)
+        rows, B, slot = self.rows, len(self.rows), self.slot
         t0 = time.perf_counter()
         need = [b for b in order if rows[b]._pending is None]
         logits = None
         if need:
             dec = rows[0].decoder
-            caches = [rows[b].cache if b in need else None for b in range(B)]
-            tokens = [rows[b].tokens[-1] if b in need else None for b in range(B)]
-            steps = [step_of[b] - 1 for b in range(B)]
-            attention = [b in need and rows[b]._needs_attention for b in range(B)]
+            caches, tokens, steps, attention = [None] * B, [None] * B, [0] * B, [False] * B   # per bank slot
+            for b in need:
+                s = slot[b]
+                caches[s], tokens[s], steps[s] = rows[b].cache, rows[b].tokens[-1], step_of[b] - 1
+                attention[s] = rows[b]._needs_attention
             logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
-                                  attention=attention)
+                                  attention=attention)                                # (width, V) per slot
             _sync(dec.device)
-        stats = token_stats_rows(logits) if need else None      # every row's in one pass (rows in `need`)
+        stats = token_stats_rows(logits) if need else None      # every slot's in one pass (rows in `need`)
         shared = time.perf_counter() - t0
         scored = {}
         for b in order:
             d = rows[b]
             t1 = time.perf_counter()
             if b in need:
-                lg, src, st = logits[b], d.decoder_name, stats[b]
+                lg, src, st = logits[slot[b]], d.decoder_name, stats[slot[b]]
             else:
                 (lg, src), d._pending, st = d._pending, None, None
             d._fwd_bytes = d.cache.forward_nbytes()
@@ -867,22 +896,23 @@ class BatchDecoding:
         fails, nothing changed and every row catches up on its own in its phases."""
         from .cache.batch import forward_rows
 
-        rows, B = self.rows, len(self.rows)
+        rows, B, slot = self.rows, len(self.rows), self.slot
         todo = {}
         for b, n in due.items():
             d = rows[b]
             have = d.teacher_cache.next_position - len(d.prompt_ids)
-            if n > have and n <= len(d.tokens) and self.teacher_bank.owns(b, d.teacher_cache):
+            if n > have and n <= len(d.tokens) and self.teacher_bank.owns(slot[b], d.teacher_cache):
                 todo[b] = (have, n)
         if not todo:
             return 0.0
         t0 = time.perf_counter()
         teacher = rows[0].teacher
+        caches, tokens, steps = [None] * B, [None] * B, [0] * B                          # per bank slot
+        for b, (have, n) in todo.items():
+            caches[slot[b]], tokens[slot[b]], steps[slot[b]] = rows[b].teacher_cache, rows[b].tokens[have:n], \
+                len(rows[b].tokens)
         try:
-            logits = forward_rows(self.teacher_bank, teacher.model,
-                                  [rows[b].teacher_cache if b in todo else None for b in range(B)],
-                                  [rows[b].tokens[todo[b][0]:todo[b][1]] if b in todo else None for b in range(B)],
-                                  writer="teacher", steps=[len(rows[b].tokens) for b in range(B)])
+            logits = forward_rows(self.teacher_bank, teacher.model, caches, tokens, writer="teacher", steps=steps)
         except Exception as e:                          # noqa: BLE001 - rows fall back to their own forwards
             self.catch_up_errors.append(e)
             return 0.0
@@ -890,7 +920,7 @@ class BatchDecoding:
         spent = time.perf_counter() - t0
         for b, (have, n) in todo.items():
             d = rows[b]
-            d._teacher_logits = logits[b]
+            d._teacher_logits = logits[slot[b]]
             d._acc["teacher_tokens"] += n - have
             d._acc["teacher_s"] += spent
         return spent

@@ -141,6 +141,59 @@ def test_rows_stop_early_without_stalling_the_others(tiny_teacher, tiny_student)
     assert_rows_equal(bd, recs, singles)
 
 
+@pytest.mark.parametrize("mode", ["teacher", "overfill"])
+def test_finished_rows_leave_the_batched_forward(tiny_teacher, tiny_student, mode, monkeypatch):
+    """A row that finished is swapped out of the banks' width (the teacher bank too, in overfill): later
+    forwards run over the live rows only, and every row — moved or finished — still equals its single run."""
+    import kvlab.cache.batch as cb
+
+    widths = []
+    orig = cb.forward_rows
+
+    def spy(bank, model, caches, tokens, **k):
+        widths.append((bank is bd.bank, bank.width, sum(c is not None for c in caches)))
+        return orig(bank, model, caches, tokens, **k)
+
+    monkeypatch.setattr(cb, "forward_rows", spy)
+    refresh = Periodic(4) if mode == "overfill" else None
+    configs = [cfg(mode=mode, max_new_tokens=n, refresh=refresh) for n in (3, 20, 1, 9)]
+    bd = BatchDecoding(tiny_teacher, tiny_student, PROMPTS, configs)
+    recs = [[] for _ in PROMPTS]
+    for b, r in bd:
+        recs[b].append(r)
+    assert [len(r) for r in recs] == [3, 20, 1, 9]
+    dec = [w for is_dec, w, _ in widths if is_dec]
+    # the decoder's first batched forward is the prefill (teacher) or step 2, after row 2's only step (overfill)
+    assert dec[0] == (4 if mode == "teacher" else 3) and dec[-1] == 1 and sorted(dec, reverse=True) == dec
+    assert all(w >= n for _, w, n in widths)
+    assert sorted(bd.slot) == [0, 1, 2, 3] and bd.slot[1] == 0                      # the longest row moved to slot 0
+    singles = [(d, list(d)) for d in (Decoding(tiny_teacher, tiny_student, p, c) for p, c in zip(PROMPTS, configs))]
+    assert_rows_equal(bd, recs, singles)
+    if mode == "overfill":
+        assert bd.teacher_bank.width == bd.bank.width
+        for b, d in enumerate(bd.rows):
+            assert bd.teacher_bank.owns(bd.slot[b], d.teacher_cache) and bd.bank.owns(bd.slot[b], d.cache)
+
+
+def test_bank_swap_moves_rows_with_their_content(tiny_teacher):
+    bank = Bank.for_model(tiny_teacher.model, 3, capacity=16)
+    caches = [bank.row_cache(b) for b in range(3)]
+    ids = [tiny_teacher.encode_prompt(p) for p in PROMPTS[:3]]
+    forward_rows(bank, tiny_teacher.model, caches, ids, writer="teacher", steps=[-1] * 3)
+    before = [[tuple(t.clone() for t in c.kv(i)) for i in range(c.num_layers)] for c in caches]
+    bank.swap(0, 2)
+    assert bank.owns(2, caches[0]) and bank.owns(0, caches[2]) and bank.owns(1, caches[1])
+    for c, kv in zip(caches, before):
+        c.check()
+        for i, (k, v) in enumerate(kv):
+            assert torch.equal(c.kv(i)[0], k) and torch.equal(c.kv(i)[1], v)
+    bank.set_width(2)
+    with pytest.raises(ValueError, match="past the bank's width"):
+        forward_rows(bank, tiny_teacher.model, caches, [[1], [1], [1]], writer="teacher", steps=[0] * 3)
+    with pytest.raises(ValueError, match="width=0"):
+        bank.set_width(0)
+
+
 def test_eos_row_drops_out(tiny_teacher, tiny_student):
     single = run(tiny_teacher, tiny_student, PROMPTS[0], cfg(ignore_eos=False))
     eos = single.tokens[4]                                   # pretend row 0's 5th token is EOS

@@ -1,23 +1,16 @@
-"""K/V storage with a batch dimension: B sequences decoded in one forward, each row its own cache.
+"""The batched forward over a :class:`~.bank.Bank`: B sequences in one model forward, each row its own cache.
 
-A :class:`Bank` holds, per layer, one preallocated buffer ``(B, H_kv, capacity, D)`` (keys
-post-RoPE). Row ``b`` of layer ``i`` is a :class:`RowLayer`: a :class:`~.storage.BufferLayer` whose
-buffer is the view ``bank.k[i][b:b+1]`` ``(1, H_kv, capacity, D)``. A row's
-:class:`~kvlab.cache.KVCache` (:meth:`Bank.row_cache`) is therefore an ordinary batch-1 cache — its
-own ledger, live maps, attention statistics, per-layer lengths and start column — and every edit
-the cache knows (append, eviction with in-place compaction, refresh splices, INT8 demotion,
-re-rotation) works on it unchanged, in place, inside the shared buffer. Only growth is shared: a
-row that runs out of columns grows the whole layer (all rows; capacity doubles, so amortized).
-
-:func:`forward_rows` is the batched decode step: one model forward over all B rows, each row
-appending one token at its own position (``position_ids`` ``(B, 1)``). Row ``b``'s new key is
-written at its column ``s_b + n_b`` of every layer; the ``"kvlab"`` attention function
-(:mod:`.attn_fn`) gets each layer's per-row mask ``(B, 1, 1, W)`` (True on the row's used columns
-and its new one; padding and other rows' garbage masked) through the forward's kwargs. Rows with
-nothing to do this step (finished, or waiting on a refresh's logits) ride along as dummies: they
-write a throwaway column past their used part and see only it; their cache is unchanged. After
-the forward each active row commits its column (lengths + 1), ledger row, live maps and attention
-mass — or, on any error, no row commits anything. No step copies a cache.
+:func:`forward_rows` runs one model forward over the bank's slots ``[0, width)``, each row
+appending its token(s) at its own positions (``position_ids`` ``(B, n)``). Row ``b``'s new keys are
+written at its columns ``s_b + n_b + j`` of every layer; the ``"kvlab"`` attention function
+(:mod:`.attn_fn`) gets each layer's per-row mask ``(B, 1, n, W)`` (True on the row's used columns
+and its new ones up to the query; padding and other rows' garbage masked) through the forward's
+kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at the end;
+the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
+refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway
+column past their used part and see only it; their cache is unchanged. After the forward each
+active row commits its columns (lengths + n), ledger rows, live maps and attention mass — or, on
+any error, no row commits anything. No step copies a cache.
 """
 from __future__ import annotations
 
@@ -28,132 +21,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import attn_fn
 from .attention import QueryCapture
-from .storage import MIN_CAPACITY, BufferLayer, KVStore
+from .bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
 
 MASKS_KWARG = "kvlab_masks"
-
-
-class Bank:
-    """Per-layer batch buffers ``k[i]`` / ``v[i]``, each ``(B, H_kv, capacity_i, D)``, and their row layers."""
-
-    def __init__(self, batch: int, layers: int, kv_heads: int, head_dim: int, *, dtype, device,
-                 capacity: int = MIN_CAPACITY):
-        for name, v in (("batch", batch), ("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                        ("capacity", capacity)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        self.batch, self.dtype, self.device = batch, dtype, torch.device(device)
-        shape = (batch, kv_heads, max(MIN_CAPACITY, capacity), head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]   # (B, H_kv, cap, D)
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.rows = [[RowLayer(self, b, i) for i in range(layers)] for b in range(batch)]
-
-    @classmethod
-    def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
-        """A bank shaped for ``model``'s KV geometry, dtype and device."""
-        cfg = model.config
-        heads = cfg.num_attention_heads
-        hkv = getattr(cfg, "num_key_value_heads", None) or heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        p = next(model.parameters())
-        return cls(batch, cfg.num_hidden_layers, hkv, d, dtype=p.dtype, device=p.device, capacity=capacity)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k)
-
-    def capacity(self, i: int) -> int:
-        return int(self.k[i].shape[2])
-
-    def grow(self, i: int, capacity: int) -> None:
-        """Layer ``i``'s buffers to at least ``capacity`` columns (all rows keep their columns)."""
-        old = self.capacity(i)
-        if capacity <= old:
-            return
-        cap = max(capacity, 2 * old)
-        for bufs in (self.k, self.v):
-            b, h, _, d = bufs[i].shape
-            new = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)              # (B, H_kv, cap', D)
-            new[:, :, :old] = bufs[i]
-            bufs[i] = new
-        for row in self.rows:
-            row[i].bind()
-
-    def row_cache(self, b: int):
-        """A new, empty :class:`~kvlab.cache.KVCache` over row ``b`` (its layers reset to length 0)."""
-        from .kvcache import KVCache
-
-        self._check_row(b)
-        for lay in self.rows[b]:
-            lay.s = lay.n = 0
-            lay.bind()
-        return KVCache(hf=KVStore(list(self.rows[b])))
-
-    def adopt(self, b: int, src):
-        """Row ``b`` as a copy of the cache ``src`` (tensors copied once into the row; ledger, live maps
-        and statistics copied): the overfill student's ``C_0``."""
-        if src.n_int8:
-            raise ValueError("adopt copies full-precision caches only (src holds INT8 entries)")
-        if src.num_layers != self.num_layers:
-            raise ValueError(f"src has {src.num_layers} layers, the bank {self.num_layers}")
-        new = self.row_cache(b)
-        for i, lay in enumerate(new._store.layers):
-            k, v = src._store.full_kv(i)
-            lay.assign(k, v)
-        new._mirror = src._mirror.copy()
-        new._stats = src._stats.copy() if src._stats is not None else None
-        new.next_position = src.next_position
-        new.check()
-        return new
-
-    def owns(self, b: int, cache) -> bool:
-        """``cache``'s storage is row ``b`` of this bank (no edit replaced its layers)."""
-        lays = cache._store.layers
-        return len(lays) == self.num_layers and all(x is y for x, y in zip(lays, self.rows[b]))
-
-    def _check_row(self, b: int) -> None:
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch:
-            raise ValueError(f"row={b!r} must be an int in [0, {self.batch})")
-
-    def nbytes(self) -> int:
-        return sum(2 * t.numel() * t.element_size() for t in self.k)
-
-
-class RowLayer(BufferLayer):
-    """Row ``row`` of layer ``layer`` of a :class:`Bank`: a BufferLayer over the view ``bank.k[layer][row:row+1]``.
-    Growth goes through the bank (the whole layer grows); everything else is BufferLayer's, in place."""
-
-    def __init__(self, bank: Bank, row: int, layer: int):
-        super().__init__()
-        self.bank, self.row, self.layer = bank, row, layer
-        self.dtype, self.device = bank.dtype, bank.device
-        self.is_initialized = True
-        self.bind()
-
-    def bind(self) -> None:
-        r = self.row
-        self.buf_k = self.bank.k[self.layer][r:r + 1]                                         # (1, H_kv, cap, D)
-        self.buf_v = self.bank.v[self.layer][r:r + 1]
-        self._views()
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def _alloc(self, like: torch.Tensor, capacity: int) -> None:
-        self.bank.grow(self.layer, capacity)
-        self._to_front()
-
-    def assign(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.dtype != self.bank.dtype:
-            raise ValueError(f"row layer holds {self.bank.dtype}; got {k.dtype}")
-        t = k.shape[-2]
-        if t > self.capacity:
-            self.bank.grow(self.layer, max(MIN_CAPACITY, 2 * t))
-        self.buf_k[:, :, :t] = k
-        self.buf_v[:, :, :t] = v
-        self.s, self.n = 0, t
-        self._views()
 
 
 class _StepLayer(DynamicLayer):
@@ -163,12 +34,13 @@ class _StepLayer(DynamicLayer):
     def __init__(self, bank: Bank, i: int, cols: torch.Tensor, width: int):
         super().__init__()
         self.bank, self.i, self.cols, self.width = bank, i, cols, width
-        self.rows = torch.arange(bank.batch, device=bank.device)
+        self.B = bank.width
+        self.rows = torch.arange(self.B, device=bank.device)
         self.is_initialized = True
         self.dtype, self.device = bank.dtype, bank.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        k, v = self.bank.k[self.i], self.bank.v[self.i]                     # (B, H_kv, cap, D)
+        k, v = self.bank.k[self.i][:self.B], self.bank.v[self.i][:self.B]   # (B, H_kv, cap, D) slots < width
         n = key_states.shape[2]
         if n == 1:
             k[self.rows, :, self.cols] = key_states[:, :, 0].to(k.dtype)     # (B, H_kv, D) at (b, cols[b])
@@ -192,17 +64,21 @@ class _StepCache(Cache):
 @torch.inference_mode()
 def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, writer: str,
                  steps: Sequence[int], attention: Sequence[bool] | None = None) -> torch.Tensor:
-    """One batched forward. ``caches[b]`` is row ``b``'s KVCache (from :meth:`Bank.row_cache` /
-    :meth:`Bank.adopt`) or None (a dummy row this time); ``tokens[b]`` the token (a decode step) or
-    token list (a teacher catching up; rows may differ in length: padded, the padding never
-    committed) it appends at its ``next_position`` on; ``steps[b]`` its ledger step.
+    """One batched forward over the bank's slots ``[0, bank.width)``. ``caches[b]`` is slot ``b``'s
+    KVCache (from :meth:`Bank.row_cache` / :meth:`Bank.adopt`) or None (a dummy row this time);
+    ``tokens[b]`` the token (a decode step) or token list (a prefill or a teacher catching up; rows
+    may differ in length: padded, the padding never committed) it appends at its ``next_position``
+    on; ``steps[b]`` its ledger step. The lists have ``bank.batch`` entries (None past the width).
     ``attention[b]``: measure row ``b``'s attention mass (needs ``track_attention``; rows of the
-    longest length only). Returns logits ``(B, V)``: each row's after its last token (dummies'
+    longest length only). Returns logits ``(width, V)``: each row's after its last token (dummies'
     are meaningless). All-or-nothing: on error no row's cache changes."""
-    B = bank.batch
-    if len(caches) != B or len(tokens) != B or len(steps) != B:
-        raise ValueError(f"caches, tokens and steps need one entry per row ({B})")
-    attention = list(attention) if attention is not None else [False] * B
+    if len(caches) != bank.batch or len(tokens) != bank.batch or len(steps) != bank.batch:
+        raise ValueError(f"caches, tokens and steps need one entry per slot ({bank.batch})")
+    B = bank.width
+    if any(c is not None for c in caches[B:]):
+        raise ValueError(f"slots {B}.. are past the bank's width ({B}): they take no part in a forward")
+    caches, tokens, steps = list(caches[:B]), list(tokens[:B]), list(steps[:B])
+    attention = list(attention)[:B] if attention is not None else [False] * B
     active = [b for b in range(B) if caches[b] is not None]
     if not active:
         raise ValueError("forward_rows needs at least one active row")
@@ -232,7 +108,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             caches[b]._store.materialize()
             materialized.append(b)
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
-        for b, row in enumerate(bank.rows):                     # one pass: n_max free columns per row and layer
+        for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer
             c_row, s_row = [], []
             for lay in row:
                 if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + n]: keep rows near

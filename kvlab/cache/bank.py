@@ -1,0 +1,170 @@
+"""Batch K/V buffers: per layer one buffer ``(B, H_kv, capacity, D)``, row ``b`` a cache of its own.
+
+A :class:`Bank` holds, per layer, one preallocated buffer ``(B, H_kv, capacity, D)`` (keys
+post-RoPE). Row ``b`` of layer ``i`` is a :class:`RowLayer`: a :class:`~.storage.BufferLayer` whose
+buffer is the view ``bank.k[i][b:b+1]`` ``(1, H_kv, capacity, D)``. A row's
+:class:`~kvlab.cache.KVCache` (:meth:`Bank.row_cache`) is therefore an ordinary batch-1 cache — its
+own ledger, live maps, attention statistics, per-layer lengths and start column — and every edit
+the cache knows (append, eviction with in-place compaction, refresh splices, INT8 demotion,
+re-rotation) works on it unchanged, in place, inside the shared buffer. Only growth is shared: a
+row that runs out of columns grows the whole layer (all rows; capacity doubles, so amortized).
+
+The batched forward (:func:`kvlab.cache.batch.forward_rows`) runs over the bank's first ``width``
+slots. When rows finish, :meth:`Bank.swap` moves a live row into a finished row's slot (each row's
+content and :class:`RowLayer` objects move together, so every cache stays intact) and ``width``
+shrinks: finished rows cost the forward nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .storage import MIN_CAPACITY, BufferLayer, KVStore
+
+
+class Bank:
+    """Per-layer batch buffers ``k[i]`` / ``v[i]``, each ``(B, H_kv, capacity_i, D)``, and their row layers."""
+
+    def __init__(self, batch: int, layers: int, kv_heads: int, head_dim: int, *, dtype, device,
+                 capacity: int = MIN_CAPACITY):
+        for name, v in (("batch", batch), ("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                        ("capacity", capacity)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        self.batch, self.dtype, self.device = batch, dtype, torch.device(device)
+        shape = (batch, kv_heads, max(MIN_CAPACITY, capacity), head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]   # (B, H_kv, cap, D)
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.rows = [[RowLayer(self, b, i) for i in range(layers)] for b in range(batch)]
+        self.width = batch          # slots [0, width) take part in a batched forward (see swap)
+
+    @classmethod
+    def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
+        """A bank shaped for ``model``'s KV geometry, dtype and device."""
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        p = next(model.parameters())
+        return cls(batch, cfg.num_hidden_layers, hkv, d, dtype=p.dtype, device=p.device, capacity=capacity)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def capacity(self, i: int) -> int:
+        return int(self.k[i].shape[2])
+
+    def grow(self, i: int, capacity: int) -> None:
+        """Layer ``i``'s buffers to at least ``capacity`` columns (all rows keep their columns)."""
+        old = self.capacity(i)
+        if capacity <= old:
+            return
+        cap = max(capacity, 2 * old)
+        for bufs in (self.k, self.v):
+            b, h, _, d = bufs[i].shape
+            new = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)              # (B, H_kv, cap', D)
+            new[:, :, :old] = bufs[i]
+            bufs[i] = new
+        for row in self.rows:
+            row[i].bind()
+
+    def row_cache(self, b: int):
+        """A new, empty :class:`~kvlab.cache.KVCache` over row ``b`` (its layers reset to length 0)."""
+        from .kvcache import KVCache
+
+        self._check_row(b)
+        for lay in self.rows[b]:
+            lay.s = lay.n = 0
+            lay.bind()
+        return KVCache(hf=KVStore(list(self.rows[b])))
+
+    def adopt(self, b: int, src):
+        """Row ``b`` as a copy of the cache ``src`` (tensors copied once into the row; ledger, live maps
+        and statistics copied): the overfill student's ``C_0``."""
+        if src.n_int8:
+            raise ValueError("adopt copies full-precision caches only (src holds INT8 entries)")
+        if src.num_layers != self.num_layers:
+            raise ValueError(f"src has {src.num_layers} layers, the bank {self.num_layers}")
+        new = self.row_cache(b)
+        for i, lay in enumerate(new._store.layers):
+            k, v = src._store.full_kv(i)
+            lay.assign(k, v)
+        new._mirror = src._mirror.copy()
+        new._stats = src._stats.copy() if src._stats is not None else None
+        new.next_position = src.next_position
+        new.check()
+        return new
+
+    def owns(self, b: int, cache) -> bool:
+        """``cache``'s storage is row ``b`` of this bank (no edit replaced its layers)."""
+        lays = cache._store.layers
+        return len(lays) == self.num_layers and all(x is y for x, y in zip(lays, self.rows[b]))
+
+    @torch.no_grad()
+    def swap(self, a: int, b: int) -> None:
+        """Exchange slots ``a`` and ``b``: every layer's data and the two rows' :class:`RowLayer` objects, so
+        each row's cache keeps its content and now lives in the other slot (``rows[a]`` is the old
+        ``rows[b]``). Copies two rows' buffers; used when a finished row leaves the batched forward."""
+        self._check_row(a)
+        self._check_row(b)
+        if a == b:
+            return
+        for bufs in (self.k, self.v):
+            for t in bufs:                                                                 # (B, H_kv, cap, D)
+                tmp = t[a].clone()                                                         # (H_kv, cap, D)
+                t[a].copy_(t[b])
+                t[b].copy_(tmp)
+        self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+        for r in (a, b):
+            for lay in self.rows[r]:
+                lay.row = r
+                lay.bind()
+
+    def set_width(self, width: int) -> None:
+        """Batched forwards run over slots ``[0, width)`` (rows past it have finished)."""
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.batch:
+            raise ValueError(f"width={width!r} must be an int in [1, {self.batch}]")
+        self.width = width
+
+    def _check_row(self, b: int) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch:
+            raise ValueError(f"row={b!r} must be an int in [0, {self.batch})")
+
+    def nbytes(self) -> int:
+        return sum(2 * t.numel() * t.element_size() for t in self.k)
+
+
+class RowLayer(BufferLayer):
+    """Row ``row`` of layer ``layer`` of a :class:`Bank`: a BufferLayer over the view ``bank.k[layer][row:row+1]``.
+    Growth goes through the bank (the whole layer grows); everything else is BufferLayer's, in place."""
+
+    def __init__(self, bank: Bank, row: int, layer: int):
+        super().__init__()
+        self.bank, self.row, self.layer = bank, row, layer
+        self.dtype, self.device = bank.dtype, bank.device
+        self.is_initialized = True
+        self.bind()
+
+    def bind(self) -> None:
+        r = self.row
+        self.buf_k = self.bank.k[self.layer][r:r + 1]                                         # (1, H_kv, cap, D)
+        self.buf_v = self.bank.v[self.layer][r:r + 1]
+        self._views()
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def _alloc(self, like: torch.Tensor, capacity: int) -> None:
+        self.bank.grow(self.layer, capacity)
+        self._to_front()
+
+    def assign(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dtype != self.bank.dtype:
+            raise ValueError(f"row layer holds {self.bank.dtype}; got {k.dtype}")
+        t = k.shape[-2]
+        if t > self.capacity:
+            self.bank.grow(self.layer, max(MIN_CAPACITY, 2 * t))
+        self.buf_k[:, :, :t] = k
+        self.buf_v[:, :, :t] = v
+        self.s, self.n = 0, t
+        self._views()
