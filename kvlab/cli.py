@@ -665,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_arguments(p)
     p.set_defaults(fn=cmd_train_student)
+    p = sub.add_parser("train-pareto", help="held-out KL vs decode speed-up per prune shape and training recipe "
+                                            "(trains the missing points only with --train)")
+    from kvlab.train.pareto import add_pareto_arguments, cmd_train_pareto
+
+    add_pareto_arguments(p)
+    p.set_defaults(fn=cmd_train_pareto)
     p = sub.add_parser("bench", help="benchmarks (print ratios measured in one run)")
     p.add_argument("what", choices=BENCHES)
     p.add_argument("--model", default=None, help="hub id or folder (default: embedded teacher; mc: embedded student)")

@@ -60,13 +60,23 @@ class LM:
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of ``prompt``; with ``chat`` the tokenizer's chat template is applied."""
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation ``[{"role": "user" | "assistant", "content": str}, ...]`` that ends in a
+        user turn, rendered as :meth:`encode_prompt` renders one prompt: the chat template (with its default
+        system prompt, once) and the generation prompt. Without a chat template: the turns' tokens concatenated
+        (one turn: exactly ``encode_prompt(prompt)``)."""
         tok = self.tokenizer
-        if chat and getattr(tok, "chat_template", None):
-            enc = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                          add_generation_prompt=True, tokenize=True)
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} turns ending in a user turn")
+        if getattr(tok, "chat_template", None):
+            enc = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
             ids = enc["input_ids"] if hasattr(enc, "keys") else enc
             return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
-        return [int(i) for i in tok(prompt)["input_ids"]]
+        return [int(i) for m in messages for i in tok(m["content"])["input_ids"]]
 
 
 # --------------------------------------------------------------------------- device / dtype

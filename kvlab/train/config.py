@@ -15,6 +15,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 
 TRAIN_VERSION = "1"
+# versions how kvlab.train.history builds multi-turn examples; in the key of students trained with history > 0 only
+HISTORY_VERSION = "1"
 STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 TRAINED_VARIANTS = STUDENT_VARIANTS[1:]
 DEFAULT_VARIANT = "overfill"
@@ -65,6 +67,9 @@ class TrainConfig:
     threads: int = 0                # torch threads (0 = leave torch's setting)
     lora_rank: int = 16             # LoRA rank r (peft), merged before saving; 0 = full weights. Measured (README):
                                     # r 16 / lr 2e-3 reached held-out KL 1.026 against 1.131 for full weights / lr 1e-3
+    history: float = 0.0            # share of training examples that are multi-turn histories (kvlab.train.history):
+                                    # earlier (prompt, teacher response) turns + the final prompt; 0 = short only
+    history_tokens: tuple = (300, 800)  # history examples: prompt length target range in tokens (the long regime)
 
     def __post_init__(self):
         for name in ("steps", "batch", "train_prompts", "tokens", "topk", "eval_every"):
@@ -86,14 +91,30 @@ class TrainConfig:
             raise ValueError(f"refresh_gap={self.refresh_gap!r} must be (lo, hi) with 1 <= lo <= hi")
         if not 0.0 <= self.refresh_none <= 1.0:
             raise ValueError(f"refresh_none={self.refresh_none!r} must be in [0, 1]")
+        h = self.history
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not (math.isfinite(h) and 0.0 <= h <= 1.0):
+            raise ValueError(f"--history={h!r} must be a number in [0, 1]: the share of training examples that are "
+                             "multi-turn histories (0 = short prompts only, the default; e.g. --history 0.5)")
+        ht = self.history_tokens
+        if not (isinstance(ht, (tuple, list)) and len(ht) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                       for x in ht) and 1 <= ht[0] <= ht[1]):
+            raise ValueError(f"history_tokens={ht!r} must be (lo, hi) prompt tokens with 1 <= lo <= hi, e.g. (300, 800)")
 
     def replace(self, **kw) -> "TrainConfig":
         return replace(self, **kw)
 
+    def recipe(self) -> dict:
+        """The settings that change the weights (``threads`` / ``eval_every`` left out). The history settings
+        appear only when ``history > 0``, so recipes and keys from before they existed are unchanged."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("threads", "eval_every")}
+        if not d["history"]:
+            d.pop("history"), d.pop("history_tokens")
+        return d
+
     def key(self, variant: str, shape_label: str, data_key: str) -> str:
         """Cache key of the trained weights: variant, prune shape, data hash, every setting that changes
         the weights, seed and TRAIN_VERSION (``threads`` and ``eval_every`` do not change weights)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("threads", "eval_every")}
+        d = self.recipe()
         if variant != "refresh-aware":
             d.pop("refresh_gap"), d.pop("refresh_none")
         if not d["lora_rank"]:
@@ -101,6 +122,8 @@ class TrainConfig:
         else:
             d["lora_init"] = "seeded"   # adapters drawn from `seed` (kvlab.train.lora), not the process RNG
             d["lora_merge"] = "fp16"    # merged through the fp16 adapter file (kvlab.train.lora.merged)
+        if self.history:
+            d["history_data"] = HISTORY_VERSION    # how history examples are built (kvlab.train.history)
         blob = json.dumps({"v": TRAIN_VERSION, "variant": variant, "shape": shape_label, "data": data_key, **d},
                           sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]

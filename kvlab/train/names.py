@@ -38,4 +38,8 @@ def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
     extra = "" if same else f" --steps {cfg.steps} --batch {cfg.batch} --seed {cfg.seed}"
     if (cfg.lora_rank, cfg.lr) != (DEFAULT_TRAIN.lora_rank, DEFAULT_TRAIN.lr):
         extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
+    if cfg.train_prompts != DEFAULT_TRAIN.train_prompts:
+        extra += f" --train-prompts {cfg.train_prompts}"
+    if cfg.history:
+        extra += f" --history {cfg.history:g}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"

@@ -56,6 +56,9 @@ class TrainPlan:
             data = (f"the teacher's responses to {self.cfg.train_prompts} training prompts (once, "
                     f"~{self.cfg.train_prompts * self.cfg.tokens * CPU_DATA_S_PER_TOKEN / 60:.0f} min on a 2-core CPU), "
                     "then " if self.need_data else "")
+            if self.cfg.history:    # kvlab.train.history: teacher-forced, no generation (not timed here)
+                data += (f"the multi-turn history examples (--history {self.cfg.history:g}: one teacher forward over "
+                         f"{self.cfg.history_tokens[0]}-{self.cfg.history_tokens[1]} tokens per training prompt, once), then ")
             per = self.cfg.steps * self.cfg.batch * CPU_TRAIN_S_PER_EXAMPLE / 60
             lines += [
                 f"kvlab: this command needs trained students that are not in the model cache "

@@ -70,14 +70,31 @@ def _save_ckpt(path: Path, student, opt, step: int, log: list, key: str) -> None
     tmp.replace(path)
 
 
+def pick_example(examples: list, history: list | None, i: int, cfg: TrainConfig, step: int, j: int):
+    """``(example, is_history)`` for slot ``j`` of ``step``: the history version of example ``i`` with probability
+    ``cfg.history`` (a coin seeded by ``(seed, step, j)``), else example ``i`` itself. ``history=0`` draws no coin:
+    the short-only run is exactly the one from before history examples existed."""
+    if cfg.history and random.Random(f"{cfg.seed}-{step}-{j}-history").random() < cfg.history:
+        return history[i], True
+    return examples[i], False
+
+
 def train(student, teacher, examples: list, heldout: list, variant: str, cfg: TrainConfig, run_dir: Path, *,
-          key: str = "", progress: bool = True, checkpoint_s: float = 180.0, stop_after: int | None = None) -> TrainResult:
+          key: str = "", progress: bool = True, checkpoint_s: float = 180.0, stop_after: int | None = None,
+          history: list | None = None, heldout_long: list | None = None) -> TrainResult:
     """Train ``student`` (in place) for ``cfg.steps`` optimiser steps; resumes from ``run_dir/ckpt.pt``.
 
     ``stop_after``: stop (checkpointing first) once that many steps are done, as an interruption would.
     The log (one JSON row per step, plus held-out rows every ``cfg.eval_every`` steps) is returned and
     kept in the checkpoint; KeyboardInterrupt checkpoints before it propagates.
+    ``history`` (needed when ``cfg.history > 0``): multi-turn examples aligned with ``examples`` (entry ``i``
+    ends in example ``i``'s prompt, :mod:`kvlab.train.history`), mixed in at the share ``cfg.history``;
+    ``heldout_long``: long held-out examples, scored beside ``heldout`` (``heldout_kl_long`` in the log).
     """
+    if cfg.history and (history is None or len(history) != len(examples)):
+        raise ValueError(f"--history={cfg.history}: train() needs history examples aligned with the {len(examples)} "
+                         f"training examples (kvlab.train.history.history_data), got "
+                         f"{'none' if history is None else len(history)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
@@ -112,13 +129,13 @@ def train(student, teacher, examples: list, heldout: list, variant: str, cfg: Tr
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             idx = batch_indices(step, len(examples), cfg.batch, cfg.seed)
+            picked = [pick_example(examples, history, i, cfg, step, j) for j, i in enumerate(idx)]
             fws = []
             n_tok = n_in = 0
             ce_sum = kl_sum = 0.0
             # token-mean over the whole step: scale each example by 1 / (tokens in the step)
-            total = sum(len(examples[i].response_ids) - (0 if variant == "standalone" else 1) for i in idx)
-            for j, i in enumerate(idx):
-                ex = examples[i]
+            total = sum(len(ex.response_ids) - (0 if variant == "standalone" else 1) for ex, _ in picked)
+            for j, (ex, _) in enumerate(picked):
                 rng = random.Random(f"{cfg.seed}-{step}-{j}")
                 fw = student_forward(student, teacher, ex, variant, rng, gap=cfg.refresh_gap, p_none=cfg.refresh_none)
                 ce, kl = token_losses(fw, ex)
@@ -136,15 +153,20 @@ def train(student, teacher, examples: list, heldout: list, variant: str, cfg: Tr
             row = {"step": step + 1, "loss": cfg.ce_weight * ce_m + (1 - cfg.ce_weight) * kl_m, "ce": ce_m,
                    "kl": kl_m, "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm, "tokens": n_tok,
                    "tok_s": n_in / dt, "seconds": dt, "refreshed": sum(fws)}
+            if cfg.history:
+                row["history"] = sum(h for _, h in picked)      # history examples in this step's batch
             step += 1
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row.update(heldout_kl(student, teacher, heldout, variant))
+                if heldout_long:
+                    row.update({f"{k}_long": v for k, v in heldout_kl(student, teacher, heldout_long, variant).items()})
             log.append(row)
             if bar is not None:
                 bar.update(1)
                 post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tok_s']:.0f}"}
-                if "heldout_kl" in row:
-                    post["heldout_kl"] = f"{row['heldout_kl']:.3f}"
+                for k in ("heldout_kl", "heldout_kl_long"):
+                    if k in row:
+                        post[k] = f"{row[k]:.3f}"
                 bar.set_postfix(post)
             if time.perf_counter() - last_ckpt >= checkpoint_s:
                 _save_ckpt(ckpt, student, opt, step, log, key)

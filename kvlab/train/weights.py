@@ -94,6 +94,11 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
     teacher = load_teacher(dev, torch.float32)
     t0 = time.perf_counter()
     train_ex, held = training_data(cfg, teacher, progress)
+    hist = held_long = None
+    if cfg.history:         # the long regime: multi-turn histories, teacher-forced (kvlab.train.history)
+        from .history import history_data
+
+        hist, held_long = history_data(cfg, teacher, train_ex, held, progress=progress)
     data_s = time.perf_counter() - t0
     student = load_model(pruned_student_path(shape), device=dev, dtype=torch.float32, local_files_only=True)
     if cfg.lora_rank:
@@ -106,10 +111,10 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
     if dev.type == "cuda":
         with torch.autocast("cuda", dtype=torch.bfloat16):
             res = train(student, teacher, train_ex, held, variant, cfg, run_dir, key=key, progress=progress,
-                        checkpoint_s=checkpoint_s, stop_after=stop_after)
+                        checkpoint_s=checkpoint_s, stop_after=stop_after, history=hist, heldout_long=held_long)
     else:
         res = train(student, teacher, train_ex, held, variant, cfg, run_dir, key=key, progress=progress,
-                    checkpoint_s=checkpoint_s, stop_after=stop_after)
+                    checkpoint_s=checkpoint_s, stop_after=stop_after, history=hist, heldout_long=held_long)
     if not res.finished:
         return run_dir
     adapter = None
@@ -123,6 +128,10 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
             "response_tokens": sum(len(e.response_ids) for e in train_ex), "train_s_last_session": round(res.seconds, 1),
             "data_s": round(data_s, 1), "device": str(dev), "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine(), "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if hist is not None:
+        lens = [len(e.prompt_ids) for e in hist]
+        meta.update({"history_examples": len(hist), "heldout_long_examples": len(held_long),
+                     "history_prompt_tokens": [min(lens), round(sum(lens) / len(lens), 1), max(lens)]})
 
     def write(tmp: Path) -> None:
         student.model.config.name_or_path = target.name

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 SHIPPED_DIR = Path(__file__).resolve().parent
@@ -57,9 +56,8 @@ def sha256(path) -> str:
 
 
 def recipe(cfg) -> dict:
-    """The weight-changing settings of ``cfg`` (JSON-normalised; ``threads``/``eval_every`` left out)."""
-    d = {k: v for k, v in asdict(cfg).items() if k not in ("threads", "eval_every")}
-    return json.loads(json.dumps(d, default=list))
+    """The weight-changing settings of ``cfg`` (:meth:`TrainConfig.recipe`, JSON-normalised)."""
+    return json.loads(json.dumps(cfg.recipe(), default=list))
 
 
 def manifest(root: Path | None = None) -> list[dict]:
