@@ -169,6 +169,8 @@ class KVCache:
         INT8 prefix that each forward materializes, each layer its own INT8 length (equal to
         :meth:`nbytes` without INT8 entries)."""
         store = self._store
+        if not store.int8:                                              # no INT8 storage (the hot path)
+            return self.nbytes()
         nq = sum(store.int8_len(i) for i in range(store.num_layers))   # INT8 entries over all layers
         if not nq:
             return self.nbytes()
