@@ -134,3 +134,24 @@ def test_the_written_table_says_what_each_column_is_and_draws_the_front(tiny, tm
         assert f"`{col}`" in md
     assert "| i0.30 |" in md and "train-student ..." not in md
     assert (tmp_path / "train_pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_speed_reads_the_forward_cache_without_the_deprecated_name(monkeypatch):
+    """transformers >= 5.24 logs "`past_key_values`/`cache_params` are deprecated" (once, through its logger, so
+    pytest's warning filter never sees it) when code reads ``out.past_key_values``; decode_speed reads the cache
+    through kvlab.core.compat.output_cache."""
+    import transformers.utils.generic as generic
+
+    from kvlab.core.compat import output_cache
+    from kvlab.train.study import decode_speed
+
+    said = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: said.append(msg))
+    teacher, student = make_tiny_lm(seed=0), make_tiny_lm(seed=1, intermediate_size=48)
+    r = decode_speed(teacher, student, "a tiny prompt", steps=2, repeats=1)
+    assert r["teacher_ms_step"] > 0 and r["student_ms_step"] > 0
+    assert not [m for m in said if "deprecated" in m], said
+    import torch
+    with torch.inference_mode():
+        out = teacher.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert output_cache(out) is not None and not said

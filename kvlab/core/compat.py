@@ -106,3 +106,9 @@ def cache_kwarg(model) -> str:
 def _cache_kwarg(cls) -> str:
     params = inspect.signature(cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    """The KV cache a forward returned: ``out.cache`` (transformers >= 5.24, where reading
+    ``out.past_key_values`` logs a deprecation on first use) or ``out.past_key_values`` (earlier 5.x)."""
+    return out.cache if "cache" in getattr(out, "__dataclass_fields__", {}) else out.past_key_values

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
-from kvlab.core.compat import cache_kwarg
+from kvlab.core.compat import cache_kwarg, output_cache
 from kvlab.train.lora import plain_model
 
 VARIANTS_TRAINED = ("standalone", "overfill", "refresh-aware")
@@ -110,7 +110,7 @@ def student_forward(student, teacher, ex, variant: str, rng: random.Random | Non
         pos = torch.arange(P + R - 1, device=dev).view(1, -1)
         out = student.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=R)
         return Forward(out.logits[0], torch.tensor(resp, device=dev), torch.arange(R, device=dev),
-                       pos[0, P - 1:], out.past_key_values, 0, None)
+                       pos[0, P - 1:], output_cache(out), 0, None)
     if variant not in ("overfill", "refresh-aware"):
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS_TRAINED}")
     if R < 2:

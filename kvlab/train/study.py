@@ -21,7 +21,7 @@ import pandas as pd
 from kvlab.decode import DecodeConfig
 from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, write_table
 from kvlab.refresh.policies import Periodic
-from kvlab.core.compat import cache_kwarg
+from kvlab.core.compat import cache_kwarg, output_cache
 
 VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
 
@@ -109,11 +109,11 @@ def decode_speed(teacher, student, prompt: str, steps: int = 32, repeats: int = 
         ids = torch.tensor([lm.encode_prompt(prompt)], device=lm.device)
         with torch.inference_mode():
             out = lm.model(input_ids=ids, use_cache=True)
-            pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            pkv, nxt = output_cache(out), out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(steps):
                 out = lm.model(input_ids=nxt, **{cache_kwarg(lm.model): pkv}, use_cache=True)
-                pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                pkv, nxt = output_cache(out), out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - t0) / steps * 1000
 
     one(teacher), one(student)   # warm-up

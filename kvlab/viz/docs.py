@@ -259,6 +259,37 @@ def _phases(figures: Path) -> str:
             "install.*")
 
 
+MEASURED_PARETO = "docs/measured/train_pareto.csv"
+
+
+def _pareto(figures: Path) -> str:
+    """The training Pareto: one measured ``train-pareto`` run (held-out KL vs decode speed-up per prune shape
+    and recipe), kept under ``docs/measured/`` because its speed columns depend on the machine."""
+    path = ROOT / MEASURED_PARETO
+    if not path.is_file():
+        return (f"*No measured run is kept yet: run `python -m kvlab train-pareto --out docs/measured` and "
+                "`python -m kvlab docs`.*")
+    df = pd.read_csv(path)
+    need = ("point", "status", "params_M", "heldout_kl", "heldout_kl_long", "speedup", "front", "front_long")
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise DocsError(f"{path} has no column(s) {missing}")
+    lines = ["| point (shape : recipe) | params (M) | held-out KL, short ↓ | held-out KL, long ↓ | speed-up over "
+             "the teacher ↑ | on the front (short / long) |", "|---|---|---|---|---|---|"]
+    for _, r in df.iterrows():
+        if r["status"] == "missing":
+            lines.append(f"| `{r['point']}` | — | not trained | | | |")
+            continue
+        yes = lambda v: "yes" if str(v).lower() in ("true", "1", "yes") else "no"   # noqa: E731
+        lines.append(f"| `{r['point']}` | {fmt(float(r['params_M']), 1)} | {fmt(float(r['heldout_kl']))} | "
+                     f"{fmt(float(r['heldout_kl_long']))} | {fmt(float(r['speedup']), 2)}× | "
+                     f"{yes(r['front'])} / {yes(r['front_long'])} |")
+    first = df[df["status"] != "missing"].iloc[0] if (df["status"] != "missing").any() else None
+    where = "" if first is None else f" on {first.get('device', 'cpu')} with {first.get('threads', '?')} thread(s)"
+    return ("\n".join(lines) + f"\n\n*One run of `python -m kvlab train-pareto`{where}; from "
+            f"[`{MEASURED_PARETO}`](measured/train_pareto.csv) (the speed-ups depend on the machine).*")
+
+
 VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
     "baselines": View("baselines", [
         ("policy", "policy"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")),
@@ -320,6 +351,7 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
     "train_heldout": _train_heldout,
     "key_results": _key_results,
     "phases": _phases,
+    "pareto": _pareto,
 }
 
 
