@@ -259,6 +259,61 @@ def _phases(figures: Path) -> str:
             "install.*")
 
 
+MEASURED_BENCH = "docs/measured/decode_bench_batch.jsonl"
+MEASURED_EVICT = "docs/measured/evict_bench_batch.jsonl"
+
+
+def _jsonl(rel: str) -> list[dict]:
+    import json
+
+    path = ROOT / rel
+    if not path.is_file():
+        raise DocsError(f"{path} does not exist: keep one run of its benchmark there (docs/benchmarks.md)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise DocsError(f"{path} is empty")
+    return rows
+
+
+def _measured_note(rows: list[dict], rel: str) -> str:
+    r = rows[0]
+    return (f"*One run of `{r.get('command', '?')}` at commit `{r.get('commit', '?')}`, {r.get('device', '?')} "
+            f"{str(r.get('dtype', '')).replace('torch.', '')}, started {r.get('utc', '?')}; from "
+            f"[`{rel}`](measured/{Path(rel).name}).*")
+
+
+def _bench_decode(figures: Path) -> str:
+    """The kept run of ``bench decode --batch``: kvlab vs HF ``generate`` per batch size, and the batch-8 variants
+    against the plain batched loop."""
+    rows = _jsonl(MEASURED_BENCH)
+    lines = ["| batch | mode | kvlab tok/s | HF tok/s | kvlab / HF | gain over batch 1: kvlab / HF | vs the plain "
+             "batched loop |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ratio" in r:
+            gain = (f"{fmt(r['kvlab_gain_vs_b1'], 2)}× / {fmt(r['hf_gain_vs_b1'], 2)}×"
+                    if "kvlab_gain_vs_b1" in r else "–")
+            lines.append(f"| {r['batch']} | {r['mode']} | {fmt(r['kvlab_tok_s'], 1)} | {fmt(r['hf_tok_s'], 1)} | "
+                         f"{fmt(r['ratio'])} | {gain} | – |")
+        else:
+            lines.append(f"| {r['batch']} | {r['mode']} | {fmt(r['kvlab_tok_s'], 1)} | – | – | – | "
+                         f"{fmt(r['vs_plain'])} (plain {r.get('plain_mode', '?')}: {fmt(r['plain_tok_s'], 1)} tok/s) |")
+    return "\n".join(lines) + "\n\n" + _measured_note(rows, MEASURED_BENCH)
+
+
+def _bench_evict(figures: Path) -> str:
+    """The kept run of ``bench evict --batch``: each policy's decode speed over the full cache's, per batch size."""
+    rows = _jsonl(MEASURED_EVICT)
+    batches = sorted({r["batch"] for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    sp = {(r["policy"], r["batch"]): r["speedup_vs_full"] for r in rows}
+    lines = ["| policy | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+    lines += [f"| {p} | " + " | ".join(f"{fmt(sp[(p, b)])}×" if (p, b) in sp else "–" for b in batches) + " |"
+              for p in policies]
+    r = rows[0]
+    return ("\n".join(lines) + f"\n\n*Speed over the full cache's in the same run, a {r['cache_len']}-entry cache "
+            f"evicted to about {min(x['final_len'] for x in rows)} entries, {r['steps']} steps.* " + _measured_note(rows, MEASURED_EVICT))
+
+
 MEASURED_PARETO = "docs/measured/train_pareto.csv"
 
 
@@ -352,6 +407,8 @@ VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
     "key_results": _key_results,
     "phases": _phases,
     "pareto": _pareto,
+    "bench_decode": _bench_decode,
+    "bench_evict": _bench_evict,
 }
 
 
