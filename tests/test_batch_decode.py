@@ -175,6 +175,40 @@ def test_finished_rows_leave_the_batched_forward(tiny_teacher, tiny_student, mod
             assert bd.teacher_bank.owns(bd.slot[b], d.teacher_cache) and bd.bank.owns(bd.slot[b], d.cache)
 
 
+def test_prompts_prefill_in_one_batched_forward_or_fall_back_per_row(tiny_teacher, tiny_student, monkeypatch):
+    """The rows' prompts (different lengths) prefill in ONE batched forward; a row measuring attention mass
+    during its prefill (H2O) prefills alone; and when the batched prefill fails, nothing was committed and every
+    row prefills on its own — each way, every row equals its single run."""
+    import kvlab.cache.batch as cb
+    import kvlab.cache.forward as cf
+
+    orig_rows, orig_one = cb.forward_rows, cf.forward
+    seen = {"batched": [], "single": 0}
+
+    def rows_spy(bank, model, caches, tokens, **k):
+        if all(s == -1 for s in k["steps"]):
+            seen["batched"].append(sum(c is not None for c in caches))
+            if fail:
+                raise RuntimeError("no batched prefill today")
+        return orig_rows(bank, model, caches, tokens, **k)
+
+    def one_spy(cache, model, ids, **k):
+        seen["single"] += k.get("step", 0) == -1
+        return orig_one(cache, model, ids, **k)
+
+    monkeypatch.setattr(cb, "forward_rows", rows_spy)
+    monkeypatch.setattr(cf, "forward", one_spy)
+    for fail, configs, batched, single in (
+            (False, [cfg(mode="teacher")] * 4, [4], 0),
+            (False, [cfg(mode="teacher", evict=H2O(14, 4))] + [cfg(mode="teacher")] * 3, [3], 1),
+            (True, [cfg(mode="teacher")] * 4, [4], 4)):
+        seen.update(batched=[], single=0)
+        bd, recs, singles = batch_and_singles(tiny_teacher, tiny_student, PROMPTS, configs)
+        assert seen["batched"] == batched and seen["single"] == single + len(PROMPTS)   # + the single runs'
+        assert len(bd.prefill_errors) == fail
+        assert_rows_equal(bd, recs, singles)
+
+
 def test_bank_swap_moves_rows_with_their_content(tiny_teacher):
     bank = Bank.for_model(tiny_teacher.model, 3, capacity=16)
     caches = [bank.row_cache(b) for b in range(3)]
