@@ -107,6 +107,18 @@ def test_playground_tau_slider_in_a_real_browser(tmp_path):
                 page.screenshot(path=str(shot), full_page=True)
                 assert shot.stat().st_size > 10_000
 
+                # cache-inspector tab: the shown (stored) eviction run is decoded again with the inspector
+                # attached; the page then shows which tokens each layer holds and the survival map, per step
+                page.locator(".lm-TabBar-tab", has_text="Cache inspector").click()
+                button = page.locator(".kvlab-inspect")
+                if button.is_visible():
+                    button.click()
+                page.locator(".kvlab-inspect-map").wait_for(timeout=180_000)
+                assert page.locator(".kvlab-inspect-tokens span").count() > 0
+                assert page.locator(".kvlab-inspect-step").is_visible()
+                last = page.locator(".kvlab-inspect-step .widget-readout").inner_text()
+                assert f"after step {last}" in page.locator(".kvlab-inspect-text").inner_text()
+
                 # step-through tab: Reset builds one decoding of these settings, Step decodes a token
                 page.locator(".lm-TabBar-tab", has_text="Step through").click()
                 page.locator(".kvlab-step-reset").click()
