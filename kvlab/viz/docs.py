@@ -234,21 +234,28 @@ def _key_results(figures: Path) -> str:
     return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
 
 
+def _jsonl(rel: str) -> list[dict]:
+    import json
+
+    path = ROOT / rel
+    if not path.is_file():
+        raise DocsError(f"{path} does not exist: keep one run of its benchmark there (docs/benchmarks.md)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise DocsError(f"{path} is empty")
+    return rows
+
+
 MEASURED_PHASES = "docs/measured/make_figures_timing.jsonl"
 
 
 def _phases(figures: Path) -> str:
     """The main job's phase table: one measured ``make figures`` run from an empty model cache and run store
     (``all_timing.jsonl`` as ``python -m kvlab all`` wrote it, kept under ``docs/measured/``)."""
-    import json
-
-    path = ROOT / MEASURED_PHASES
-    if not path.is_file():
+    if not (ROOT / MEASURED_PHASES).is_file():
         return (f"*No measured run is kept yet: copy the lines of one `make figures` run from `figures/all_timing.jsonl` "
                 f"to `{MEASURED_PHASES}` and run `python -m kvlab docs`.*")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        raise DocsError(f"{path} is empty")
+    rows = _jsonl(MEASURED_PHASES)
     first = rows[0]
     lines = ["| job | minutes |", "|---|---|"]
     lines += [f"| {r['job']} | {fmt(r['seconds'] / 60, 1)} |" for r in rows]
@@ -261,18 +268,6 @@ def _phases(figures: Path) -> str:
 
 MEASURED_BENCH = "docs/measured/decode_bench_batch.jsonl"
 MEASURED_EVICT = "docs/measured/evict_bench_batch.jsonl"
-
-
-def _jsonl(rel: str) -> list[dict]:
-    import json
-
-    path = ROOT / rel
-    if not path.is_file():
-        raise DocsError(f"{path} does not exist: keep one run of its benchmark there (docs/benchmarks.md)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        raise DocsError(f"{path} is empty")
-    return rows
 
 
 def _measured_note(rows: list[dict], rel: str) -> str:
