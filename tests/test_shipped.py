@@ -151,10 +151,19 @@ def test_a_short_retrain_follows_the_shipped_recipe(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
-def test_speed_beside_quality_per_shape_in_one_run():
-    """`bench students`: teacher and student timed in one run; an untrained shape says so."""
+def test_speed_beside_quality_per_shape_in_one_run(tmp_path, monkeypatch):
+    """`bench students`: teacher and student timed in one run; an untrained shape says so. Runs in a fresh
+    model cache holding only the teacher, so a student trained earlier in the user's cache (e.g. by
+    `train-pareto`, which trains i0.30) cannot turn the row into a trained one."""
+    from kvlab.core.models import cache_dir
     from kvlab.train.speed import speed_quality
 
+    real = cache_dir()
+    (tmp_path / "models").mkdir()
+    teacher = real / "models" / "smollm2-135m-instruct"
+    if teacher.is_dir():
+        (tmp_path / "models" / teacher.name).symlink_to(teacher)
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     df = speed_quality(["i0.30"], steps=4, repeats=1, device="cpu")
     row = df.iloc[0]
     assert row["shape"] == "i0.30" and row["student"] == "pruned (untrained)"
