@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ from kvlab.train.shipped import (SHIPPED_DIR, ShippedAdapterMismatch, manifest, 
 # The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship` with the
 # default recipe). Changing them changes every committed student table: update these only with a retrain.
 PINNED = {
-    "overfill-h0.20-i0.50.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
-    "standalone-h0.20-i0.50.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
-    "refresh-aware-h0.20-i0.50.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
+    "smollm2-135m-instruct-overfill-h0.20-i0.50-ta2a958138c.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
+    "smollm2-135m-instruct-standalone-h0.20-i0.50-tb693a7011f.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
+    "smollm2-135m-instruct-refresh-aware-h0.20-i0.50-t34b155997c.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
 }
 
 
@@ -51,6 +52,43 @@ def test_a_shipped_adapter_trained_on_other_data_is_refused(tmp_path):
     _entry(tmp_path, name="smollm2-135m-instruct-overfill-h0.20-i0.50-t0123456789", data_key="feedfacecafe")
     with pytest.raises(ShippedAdapterMismatch, match=r"training-data hash feedfacecafe.*python -m kvlab train-student"):
         shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, root=tmp_path)
+
+
+def test_shipping_keeps_one_file_pair_per_key(tmp_path, monkeypatch):
+    """Files are named by the student's key: shipping a second recipe of one variant and shape adds an entry
+    beside the first (both files keep their hashes); re-shipping a recipe under a new key (other training data)
+    replaces its entry and removes the old files."""
+    import kvlab.core.models as models
+    import kvlab.train.names as names
+    from kvlab.train.names import trained_dir
+    from kvlab.train.shipped import ship
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "pruned_student_path", lambda shape: Path("pruned-base"))
+    root = tmp_path / "shipped"
+    root.mkdir()
+
+    def train(cfg, byte):
+        src = trained_dir("overfill", DEFAULT_SHAPE, cfg)
+        src.mkdir(parents=True, exist_ok=True)
+        (src / "adapter.safetensors").write_bytes(bytes([byte]) * 64)
+        (src / "train_log.jsonl").write_text(json.dumps({"step": cfg.steps, "heldout_kl": byte / 10}) + "\n")
+        (src / "train_meta.json").write_text("{}")
+        return ship("overfill", DEFAULT_SHAPE, cfg, root=root)
+
+    other = DEFAULT_TRAIN.replace(steps=DEFAULT_TRAIN.steps * 2, history=0.5)
+    a, b = train(DEFAULT_TRAIN, 1), train(other, 2)
+    assert a["file"] != b["file"] and a["file"] == a["name"] + ".safetensors"
+    assert manifest(root) == sorted([a, b], key=lambda e: e["name"])
+    for e, byte in ((a, 1), (b, 2)):
+        assert sha256(root / e["file"]) == e["sha256"] and (root / e["file"]).read_bytes() == bytes([byte]) * 64
+    assert shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, root=root) == a
+    assert shipped_entry("overfill", DEFAULT_SHAPE, other, root=root) == b
+    # the same recipe under another training-data key: the stale entry and its files go, the other recipe stays
+    monkeypatch.setattr(names, "train_data_key", lambda cfg: "feedfacecafe")
+    c = train(other, 3)
+    assert c["name"] != b["name"] and not (root / b["file"]).exists() and not (root / b["log"]).exists()
+    assert {e["name"] for e in manifest(root)} == {a["name"], c["name"]} and (root / a["file"]).is_file()
 
 
 def test_a_tampered_adapter_file_is_refused(tmp_path):

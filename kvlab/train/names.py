@@ -40,6 +40,6 @@ def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
         extra += f" --lora-rank {cfg.lora_rank} --lr {cfg.lr:g}"
     if cfg.train_prompts != DEFAULT_TRAIN.train_prompts:
         extra += f" --train-prompts {cfg.train_prompts}"
-    if cfg.history:
+    if cfg.history != DEFAULT_TRAIN.history:
         extra += f" --history {cfg.history:g}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"

@@ -12,8 +12,9 @@ pruned base's calibration digest), training-data hash, every weight-changing rec
 variant, shape and recipe whose data hash or training-code version no longer matches is an error naming
 ``python -m kvlab train-student`` (retrain and re-ship), never a silent fallback.
 
-Files: ``<variant>-<shape>.safetensors`` (A/B per adapted Linear, fp16, metadata: scale) and
-``<variant>-<shape>.log.jsonl`` (its training log: the train study's curves).
+Files, one pair per shipped student, named by its key (the model cache's folder name, so several recipes of one
+variant and shape can be shipped side by side): ``<name>.safetensors`` (A/B per adapted Linear, fp16, metadata:
+scale) and ``<name>.log.jsonl`` (its training log: the train study's curves).
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def build_from_shipped(entry: dict, target: Path, root: Path | None = None) -> P
 
 def ship(variant: str, shape, cfg, root: Path | None = None) -> dict:
     """Copy the cached trained ``variant``'s fp16 adapter and log into the repository and record it in the
-    manifest (replacing the entry for the same variant, shape and recipe). Returns the entry."""
+    manifest. An entry for the same variant, shape and recipe (a stale key: other training data or code version)
+    is replaced and its files removed; entries of other recipes stay. Returns the entry."""
     from kvlab.core.models import pruned_student_path
     from kvlab.train.config import TRAIN_VERSION
     from kvlab.train.names import _shape, train_data_key, trained_dir
@@ -150,7 +152,7 @@ def ship(variant: str, shape, cfg, root: Path | None = None) -> dict:
     if not (src / "adapter.safetensors").is_file():
         raise FileNotFoundError(f"{src} has no adapter.safetensors: only LoRA students (--lora-rank > 0) trained by "
                                 "this version of `python -m kvlab train-student` can be shipped")
-    stem = f"{variant}-{shape.label}"
+    stem = src.name                      # the key: one file pair per variant, shape and recipe
     (root / f"{stem}.safetensors").write_bytes((src / "adapter.safetensors").read_bytes())
     (root / f"{stem}.log.jsonl").write_bytes((src / "train_log.jsonl").read_bytes())
     meta = json.loads((src / "train_meta.json").read_text())
@@ -163,11 +165,20 @@ def ship(variant: str, shape, cfg, root: Path | None = None) -> dict:
              "meta": {k: meta.get(k) for k in ("train_examples", "heldout_examples", "response_tokens",
                                                "train_s_last_session", "data_s", "device", "torch_threads",
                                                "machine", "finished_utc")}}
-    entries = [e for e in manifest(root) if not (e["variant"] == variant and e["shape"] == shape.label
-                                                 and e["recipe"] == entry["recipe"])]
+    keep, stale = [], []
+    for e in manifest(root):
+        same = e["name"] == entry["name"] or (e["variant"] == variant and e["shape"] == shape.label
+                                              and e["recipe"] == entry["recipe"])
+        (stale if same else keep).append(e)
+    used = {entry["file"], entry["log"]} | {e[k] for e in keep for k in ("file", "log")}
+    for e in stale:                      # a replaced entry's files go with it (unless still named by another)
+        for k in ("file", "log"):
+            if e[k] not in used:
+                (root / e[k]).unlink(missing_ok=True)
+    entries = keep
     entries.append(entry)
-    entries.sort(key=lambda e: (e["shape"], e["variant"]))
-    (root / "manifest.json").write_text(json.dumps({"about": "trained default students as fp16 LoRA adapters; "
+    entries.sort(key=lambda e: (e["shape"], e["variant"], e["name"]))
+    (root / "manifest.json").write_text(json.dumps({"about": "trained students as fp16 LoRA adapters, one file pair per key; "
                                                     "see kvlab/train/shipped/__init__.py", "adapters": entries},
                                                    indent=1) + "\n")
     return entry
