@@ -190,3 +190,22 @@ def test_readme_example_runs(tmp_path):
     assert "True" in out.stdout                                            # a refresh fired
     writers = lines[-1]
     assert set(writers) <= {"t", "s"} and "t" in writers                   # the live map's writers
+
+
+def test_generated_links_resolve_from_the_page_they_are_in():
+    """Views write links from the project root (figures/x.md, docs/measured/y.jsonl); a block in docs/*.md gets
+    them rebased (../figures/x.md, measured/y.jsonl), so every relative link in a generated block of README.md or
+    docs/*.md names a file that exists, seen from that page."""
+    assert docs.rebase_links("[a](figures/x.md) [b](docs/measured/y.jsonl) [c](https://e.org/z) [d](#h)", "docs") == \
+        "[a](../figures/x.md) [b](measured/y.jsonl) [c](https://e.org/z) [d](#h)"
+    assert docs.rebase_links("[a](figures/x.md)", "") == "[a](figures/x.md)"
+    seen = 0
+    for p in docs.doc_files(ROOT):
+        for m in docs.BLOCK.finditer(p.read_text()):
+            for link in docs.LINK.finditer(m.group("body")):
+                path = link.group("path").split("#")[0]
+                if not path or re.match(r"^[a-z][a-z0-9+.-]*:", path):
+                    continue
+                assert (p.parent / path).exists(), f"{p.name}: the generated link {path!r} names no file"
+                seen += 1
+    assert seen >= 5

@@ -274,7 +274,7 @@ def _measured_note(rows: list[dict], rel: str) -> str:
     r = rows[0]
     return (f"*One run of `{r.get('command', '?')}` at commit `{r.get('commit', '?')}`, {r.get('device', '?')} "
             f"{str(r.get('dtype', '')).replace('torch.', '')}, started {r.get('utc', '?')}; from "
-            f"[`{rel}`](measured/{Path(rel).name}).*")
+            f"[`{rel}`]({rel}).*")
 
 
 def _bench_decode(figures: Path) -> str:
@@ -337,7 +337,7 @@ def _pareto(figures: Path) -> str:
     first = df[df["status"] != "missing"].iloc[0] if (df["status"] != "missing").any() else None
     where = "" if first is None else f" on {first.get('device', 'cpu')} with {first.get('threads', '?')} thread(s)"
     return ("\n".join(lines) + f"\n\n*One run of `python -m kvlab train-pareto`{where}; from "
-            f"[`{MEASURED_PARETO}`](measured/train_pareto.csv) (the speed-ups depend on the machine).*")
+            f"[`{MEASURED_PARETO}`]({MEASURED_PARETO}) (the speed-ups depend on the machine).*")
 
 
 VIEWS: dict[str, Union[View, Callable[[Path], str]]] = {
@@ -472,11 +472,33 @@ def render_value(args: str, figures: Path = FIGURES) -> str:
     return cell(pick(df, row, csv), spec[0] if len(spec) == 1 else tuple(spec), digits, whole_columns(df))
 
 
-def fill(text: str, figures: Path = FIGURES, where: str = "") -> str:
-    """``text`` with every marked block regenerated from the CSVs in ``figures``."""
+LINK = re.compile(r"\]\((?P<path>[^)\s]+)\)")
+
+
+def rebase_links(md: str, base: str) -> str:
+    """``md``'s relative links, written from the project root (``figures/x.md``, ``docs/measured/y.jsonl``), as
+    seen from the folder ``base`` of the file they go into (``docs`` → ``../figures/x.md``, ``measured/y.jsonl``)."""
+    import os
+
+    if not base:
+        return md
+
+    def one(m):
+        path = m.group("path")
+        if re.match(r"^(?:[a-z][a-z0-9+.-]*:|/|#|\.\./)", path):     # a URL, absolute, an anchor, or rebased
+            return m.group(0)
+        return "](" + os.path.relpath(path, base).replace(os.sep, "/") + ")"
+
+    return LINK.sub(one, md)
+
+
+def fill(text: str, figures: Path = FIGURES, where: str = "", base: str = "") -> str:
+    """``text`` with every marked block regenerated from the CSVs in ``figures``; ``base`` is the folder of the
+    file the text goes into, relative to the project root (``""``: README.md; ``"docs"``), so the generated
+    links, written from the root, resolve from there (:func:`rebase_links`)."""
     def table(m):
         try:
-            return m.group(1) + render_view(m.group("name"), figures) + "\n" + m.group(4)
+            return m.group(1) + rebase_links(render_view(m.group("name"), figures), base) + "\n" + m.group(4)
         except DocsError as e:
             raise DocsError(f"{where}: {e}") from None
 
@@ -497,7 +519,13 @@ def doc_files(root: Path = ROOT) -> list[Path]:
 def stale(root: Path = ROOT, figures: Path | None = None) -> list[Path]:
     """The files whose generated parts differ from what the tables give now."""
     figures = Path(figures) if figures is not None else root / "figures"
-    return [p for p in doc_files(root) if fill(p.read_text(), figures, str(p)) != p.read_text()]
+    return [p for p in doc_files(root) if fill(p.read_text(), figures, str(p), _base(p, root)) != p.read_text()]
+
+
+def _base(path: Path, root: Path) -> str:
+    """``path``'s folder relative to ``root`` (``""`` for a file at the root)."""
+    rel = Path(path).resolve().parent.relative_to(Path(root).resolve())
+    return "" if str(rel) == "." else rel.as_posix()
 
 
 def write(root: Path = ROOT, figures: Path | None = None) -> list[Path]:
@@ -506,7 +534,7 @@ def write(root: Path = ROOT, figures: Path | None = None) -> list[Path]:
     changed = []
     for p in doc_files(root):
         old = p.read_text()
-        new = fill(old, figures, str(p))
+        new = fill(old, figures, str(p), _base(p, root))
         if new != old:
             p.write_text(new)
             changed.append(p)
