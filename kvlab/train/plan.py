@@ -10,12 +10,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-# Rates from the README's timed `make figures` run on the 2-core development CPU (2 threads, default recipe):
-# teacher responses to 424 prompts × ≤ 128 tokens in 7.9 min; the overfill / standalone / refresh-aware
-# students (80 steps × 4) in 4.4 / 3.8 / 4.9 min. A loaded machine takes 2-3x longer (README: 18.4 min of data
-# at load ≈ 10), so the notice says "about".
-CPU_DATA_S_PER_TOKEN = 7.9 * 60 / (424 * 128)        # per response-token budget (prompts × tokens)
-CPU_TRAIN_S_PER_EXAMPLE = 4.4 * 60 / (80 * 4)        # one student, per example (steps × batch)
+# Rates measured on a 2-core AMD EPYC VM with 2 threads (the run that trained PARETO_TRAIN's students):
+# the teacher's responses to 424 prompts × ≤ 128 tokens in 14.5 min; 424 multi-turn history examples
+# (300-800 tokens, mean 600) in 24 min; an overfill training step of 4 examples costs about 1.35 s per short
+# example and 4.15 s per history example (a least-squares fit over the steps of its log; evaluations add about
+# a quarter). Another VM of the same name ran the README's timed `make figures` about 3x faster, so the notice
+# says "about".
+CPU_DATA_S_PER_TOKEN = 14.5 * 60 / (424 * 128)        # per response-token budget (prompts × tokens)
+CPU_HISTORY_S_PER_EXAMPLE = 24.0 * 60 / 424           # building one history example (one teacher forward)
+CPU_TRAIN_S_PER_EXAMPLE = 1.35 * 1.25                 # one student, per short example (steps × batch), evals included
+CPU_TRAIN_S_PER_HISTORY_EXAMPLE = 4.15 * 1.25         # one student, per history example, evals included
 GPU_SPEEDUP = 10.0                # rough, not measured here: a lent GPU was not available to time it
 
 
@@ -27,6 +31,7 @@ class TrainPlan:
     shipped: tuple = ()            # variants rebuilt from the repository's adapters (seconds)
     train: tuple = ()              # variants to train
     need_data: bool = False        # the teacher's training responses are not cached yet
+    need_history: bool = False     # the multi-turn history examples (cfg.history > 0) are not cached yet
     skip_hint: bool = True         # say how to skip it (not for `train-student`, whose job it is)
 
     def estimate_s(self, device=None) -> float:
@@ -34,10 +39,17 @@ class TrainPlan:
         if not self.train:
             return 0.0
         cfg = self.cfg
-        s = len(self.train) * cfg.steps * cfg.batch * CPU_TRAIN_S_PER_EXAMPLE
+        s = len(self.train) * self.per_student_s()
         if self.need_data:
             s += cfg.train_prompts * cfg.tokens * CPU_DATA_S_PER_TOKEN
+        if self.need_history:
+            s += cfg.train_prompts * CPU_HISTORY_S_PER_EXAMPLE
         return s / GPU_SPEEDUP if getattr(device, "type", device) == "cuda" else s
+
+    def per_student_s(self) -> float:
+        """Rough CPU seconds to train one student: steps × batch examples, a share ``history`` of them long."""
+        h = self.cfg.history
+        return self.cfg.steps * self.cfg.batch * ((1 - h) * CPU_TRAIN_S_PER_EXAMPLE + h * CPU_TRAIN_S_PER_HISTORY_EXAMPLE)
 
     def message(self, device=None) -> str:
         """The up-front notice ('' when nothing needs training or rebuilding)."""
@@ -56,10 +68,11 @@ class TrainPlan:
             data = (f"the teacher's responses to {self.cfg.train_prompts} training prompts (once, "
                     f"~{self.cfg.train_prompts * self.cfg.tokens * CPU_DATA_S_PER_TOKEN / 60:.0f} min on a 2-core CPU), "
                     "then " if self.need_data else "")
-            if self.cfg.history:    # kvlab.train.history: teacher-forced, no generation (not timed here)
+            if self.need_history:   # kvlab.train.history: teacher-forced, no generation
                 data += (f"the multi-turn history examples (--history {self.cfg.history:g}: one teacher forward over "
-                         f"{self.cfg.history_tokens[0]}-{self.cfg.history_tokens[1]} tokens per training prompt, once), then ")
-            per = self.cfg.steps * self.cfg.batch * CPU_TRAIN_S_PER_EXAMPLE / 60
+                         f"{self.cfg.history_tokens[0]}-{self.cfg.history_tokens[1]} tokens per training prompt, once, "
+                         f"~{self.cfg.train_prompts * CPU_HISTORY_S_PER_EXAMPLE / 60:.0f} min on a 2-core CPU), then ")
+            per = self.per_student_s() / 60
             lines += [
                 f"kvlab: this command needs trained students that are not in the model cache "
                 f"({cache_dir() / 'models'}): {', '.join(self.train)} ({flag}; {self.cfg.steps} steps × "
@@ -78,6 +91,8 @@ class TrainPlan:
 def plan(variants, shape, cfg=None, *, use_shipped: bool = True) -> TrainPlan:
     """What loading ``variants`` at ``shape`` under ``cfg`` will do (no model loads, nothing trained).
     ``use_shipped=False``: ``train-student``, which trains from scratch even where an adapter is shipped."""
+    from kvlab.core.models import cache_dir
+
     from .config import DEFAULT_TRAIN, TRAINED_VARIANTS
     from .data import _data_dir, data_key, load_train_prompts
     from .shipped import shipped_entry
@@ -101,7 +116,11 @@ def plan(variants, shape, cfg=None, *, use_shipped: bool = True) -> TrainPlan:
 
         key = data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
         need_data = not (_data_dir(key) / "examples.pt").is_file()
-    return TrainPlan(shape, cfg, tuple(cached), tuple(shipped), tuple(train), need_data, skip_hint=use_shipped)
+    # rough: the history examples' key needs the examples themselves; any built set counts as this one's
+    need_history = bool(train and cfg.history) and (need_data or not any(
+        (cache_dir() / "train").glob("history-*/examples.pt")))
+    return TrainPlan(shape, cfg, tuple(cached), tuple(shipped), tuple(train), need_data, need_history,
+                     skip_hint=use_shipped)
 
 
 _SAID: set = set()
