@@ -9,16 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_TRAIN, TRAINED_VARIANTS
+from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_TRAIN, PARETO_TRAIN, TRAINED_VARIANTS
 from kvlab.train.shipped import (SHIPPED_DIR, ShippedAdapterMismatch, manifest, read_adapter, recipe, sha256,
                                  shipped_entry)
 
-# The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship` with the
-# default recipe). Changing them changes every committed student table: update these only with a retrain.
+# The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship`), the
+# default recipe's first: changing those changes every committed student table, so update them only with a
+# retrain. Then the training Pareto's best recipe at the default shape (PARETO_TRAIN), no table uses it yet.
+RECIPES = {"default": DEFAULT_TRAIN, "pareto": PARETO_TRAIN}
 PINNED = {
     "smollm2-135m-instruct-overfill-h0.20-i0.50-ta2a958138c.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
     "smollm2-135m-instruct-standalone-h0.20-i0.50-tb693a7011f.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
     "smollm2-135m-instruct-refresh-aware-h0.20-i0.50-t34b155997c.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
+    "smollm2-135m-instruct-overfill-h0.20-i0.50-tdd05051f6b.safetensors": "bcbecdaefeeaa59af7edc72d1d38891380cf11a4c508f996e5e4e7f18169bd7f",
 }
 
 
@@ -103,25 +106,29 @@ def test_a_tampered_adapter_file_is_refused(tmp_path):
 
 def test_the_shipped_adapters_are_pinned_and_match_this_code():
     """The committed files hash to the pinned values, are fp16 and a few MB, and their keys match what this
-    code trains with the default recipe (so `make figures` builds them instead of training)."""
+    code trains: every trained variant with the default recipe (so `make figures` builds them instead of
+    training), and the training Pareto's best recipe (PARETO_TRAIN) beside it."""
     entries = manifest()
     assert {e["file"]: e["sha256"] for e in entries} == PINNED
-    assert sorted(e["variant"] for e in entries) == sorted(TRAINED_VARIANTS)
-    for e in entries:
-        f = SHIPPED_DIR / e["file"]
-        assert sha256(f) == e["sha256"] == PINNED[e["file"]]
-        assert f.stat().st_size < 8e6 and (SHIPPED_DIR / e["log"]).is_file()
-        tensors, scale, _ = read_adapter(f)
-        assert scale == 2.0 and all(t.dtype == torch.float16 for t in tensors.values())
-        assert e["recipe"] == recipe(DEFAULT_TRAIN)
-        assert shipped_entry(e["variant"], DEFAULT_SHAPE, DEFAULT_TRAIN) == e      # the key matches: no raise
+    by = {name: [e for e in entries if e["recipe"] == recipe(cfg)] for name, cfg in RECIPES.items()}
+    assert sum(map(len, by.values())) == len(entries)                     # no entry of another recipe
+    assert sorted(e["variant"] for e in by["default"]) == sorted(TRAINED_VARIANTS)
+    assert {"overfill"} <= {e["variant"] for e in by["pareto"]} <= set(TRAINED_VARIANTS)
+    for name, es in by.items():
+        for e in es:
+            f = SHIPPED_DIR / e["file"]
+            assert f.name == e["name"] + ".safetensors" and sha256(f) == e["sha256"] == PINNED[e["file"]]
+            assert f.stat().st_size < 8e6 and (SHIPPED_DIR / e["log"]).is_file()
+            tensors, scale, _ = read_adapter(f)
+            assert scale == 2.0 and all(t.dtype == torch.float16 for t in tensors.values())
+            assert shipped_entry(e["variant"], DEFAULT_SHAPE, RECIPES[name]) == e      # the key matches: no raise
 
 
 def test_make_figures_on_a_fresh_cache_trains_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     from kvlab.train.plan import plan
 
-    shipped = {e["variant"] for e in manifest()}
+    shipped = {e["variant"] for e in manifest() if e["recipe"] == recipe(DEFAULT_TRAIN)}
     p = plan(TRAINED_VARIANTS, DEFAULT_SHAPE, DEFAULT_TRAIN)
     assert set(p.shipped) == shipped and set(p.train) == set(TRAINED_VARIANTS) - shipped
     q = plan(sorted(shipped), DEFAULT_SHAPE, DEFAULT_TRAIN)
