@@ -22,6 +22,7 @@ PINNED = {
     "smollm2-135m-instruct-standalone-h0.20-i0.50-tb693a7011f.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
     "smollm2-135m-instruct-refresh-aware-h0.20-i0.50-t34b155997c.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
     "smollm2-135m-instruct-overfill-h0.20-i0.50-tdd05051f6b.safetensors": "bcbecdaefeeaa59af7edc72d1d38891380cf11a4c508f996e5e4e7f18169bd7f",
+    "smollm2-135m-instruct-standalone-h0.20-i0.50-t29c76e0686.safetensors": "41f0e3369e78bf7155b11c642c574fd0c01952cfd9eaf62ac2cef3b46038a979",
 }
 
 
@@ -113,7 +114,7 @@ def test_the_shipped_adapters_are_pinned_and_match_this_code():
     by = {name: [e for e in entries if e["recipe"] == recipe(cfg)] for name, cfg in RECIPES.items()}
     assert sum(map(len, by.values())) == len(entries)                     # no entry of another recipe
     assert sorted(e["variant"] for e in by["default"]) == sorted(TRAINED_VARIANTS)
-    assert {"overfill"} <= {e["variant"] for e in by["pareto"]} <= set(TRAINED_VARIANTS)
+    assert {"overfill", "standalone"} <= {e["variant"] for e in by["pareto"]} <= set(TRAINED_VARIANTS)
     for name, es in by.items():
         for e in es:
             f = SHIPPED_DIR / e["file"]
