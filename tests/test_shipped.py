@@ -9,20 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_TRAIN, PARETO_TRAIN, TRAINED_VARIANTS
+from kvlab.train.config import BASE_TRAIN, DEFAULT_SHAPE, DEFAULT_TRAIN, TRAINED_VARIANTS
 from kvlab.train.shipped import (SHIPPED_DIR, ShippedAdapterMismatch, manifest, read_adapter, recipe, sha256,
                                  shipped_entry)
 
-# The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship`), the
-# default recipe's first: changing those changes every committed student table, so update them only with a
-# retrain. Then the training Pareto's best recipe at the default shape (PARETO_TRAIN), no table uses it yet.
-RECIPES = {"default": DEFAULT_TRAIN, "pareto": PARETO_TRAIN}
+# The adapters committed in kvlab/train/shipped/ (trained by `python -m kvlab train-student --ship`). The
+# default recipe's (160 steps, history 0.5: the training Pareto's pick) build every committed student table, so
+# update them only with a retrain and `make figures`. The base recipe's (80 steps, short prompts only: the default
+# before the Pareto, and the base of every Pareto point) stay beside them.
+RECIPES = {"default": DEFAULT_TRAIN, "base": BASE_TRAIN}
 PINNED = {
+    "smollm2-135m-instruct-overfill-h0.20-i0.50-tdd05051f6b.safetensors": "bcbecdaefeeaa59af7edc72d1d38891380cf11a4c508f996e5e4e7f18169bd7f",
+    "smollm2-135m-instruct-standalone-h0.20-i0.50-t29c76e0686.safetensors": "41f0e3369e78bf7155b11c642c574fd0c01952cfd9eaf62ac2cef3b46038a979",
+    "smollm2-135m-instruct-refresh-aware-h0.20-i0.50-tdef3e85c0a.safetensors": "5a50e7f6183f9bad2af7687ef06268a4a08b9cb38b510c81c8ed0bf66c1aa7a0",
     "smollm2-135m-instruct-overfill-h0.20-i0.50-ta2a958138c.safetensors": "ffa3655732f747dd3dc10ac5270c01bd6f022e9d99c6329d5c8928f7b8202692",
     "smollm2-135m-instruct-standalone-h0.20-i0.50-tb693a7011f.safetensors": "5dc5ea7eee464096a613340c0c589fee10b12bed6773c4615a568b60a54fd66c",
     "smollm2-135m-instruct-refresh-aware-h0.20-i0.50-t34b155997c.safetensors": "ccb947359e70d76deb317154f903c881d1b916e74301ab3ea15e2c8bbb38fd61",
-    "smollm2-135m-instruct-overfill-h0.20-i0.50-tdd05051f6b.safetensors": "bcbecdaefeeaa59af7edc72d1d38891380cf11a4c508f996e5e4e7f18169bd7f",
-    "smollm2-135m-instruct-standalone-h0.20-i0.50-t29c76e0686.safetensors": "41f0e3369e78bf7155b11c642c574fd0c01952cfd9eaf62ac2cef3b46038a979",
 }
 
 
@@ -108,13 +110,13 @@ def test_a_tampered_adapter_file_is_refused(tmp_path):
 def test_the_shipped_adapters_are_pinned_and_match_this_code():
     """The committed files hash to the pinned values, are fp16 and a few MB, and their keys match what this
     code trains: every trained variant with the default recipe (so `make figures` builds them instead of
-    training), and the training Pareto's best recipe (PARETO_TRAIN) beside it."""
+    training), and with the base recipe (the default before the training Pareto, every Pareto point's base)."""
     entries = manifest()
     assert {e["file"]: e["sha256"] for e in entries} == PINNED
     by = {name: [e for e in entries if e["recipe"] == recipe(cfg)] for name, cfg in RECIPES.items()}
     assert sum(map(len, by.values())) == len(entries)                     # no entry of another recipe
-    assert sorted(e["variant"] for e in by["default"]) == sorted(TRAINED_VARIANTS)
-    assert {"overfill", "standalone"} <= {e["variant"] for e in by["pareto"]} <= set(TRAINED_VARIANTS)
+    for es in by.values():
+        assert sorted(e["variant"] for e in es) == sorted(TRAINED_VARIANTS)
     for name, es in by.items():
         for e in es:
             f = SHIPPED_DIR / e["file"]
@@ -167,27 +169,45 @@ def test_a_student_built_from_its_adapter_is_the_pruned_base_plus_the_merge(tmp_
 
 @pytest.mark.integration
 @pytest.mark.long
-def test_a_short_retrain_follows_the_shipped_recipe(tmp_path, monkeypatch):
-    """`train-student` with the default recipe, stopped after 2 steps in a fresh cache: its first steps'
-    loss is the shipped log's (the same data, batches, init and loss; only float noise between machines)."""
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_short_retrain_follows_the_shipped_recipe(tmp_path, monkeypatch, name):
+    """`train-student` with a shipped recipe, stopped after 2 steps in a fresh cache: its first steps' loss is
+    the shipped log's (the same data, batches, init and loss; only float noise between machines). Uses the model
+    cache's teacher data (and, for the default recipe, its multi-turn history examples); skips without them."""
     from kvlab.core.models import cache_dir
     from kvlab.train.names import train_data_key
     from kvlab.train.weights import train_student
 
+    cfg = RECIPES[name]
     real = cache_dir()
-    e = shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)
+    e = shipped_entry("overfill", DEFAULT_SHAPE, cfg)
     data = real / "train" / f"data-{e['data_key']}"
     if not (data / "examples.pt").is_file():
         pytest.skip("needs the default teacher data in the model cache (any trained default student builds it)")
+    hist = []
+    if cfg.history:             # the built history sets of this teacher, seed and token range (train + held-out)
+        for h in (real / "train").glob("history-*"):
+            try:
+                m = json.loads((h / "meta.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if ((h / "examples.pt").is_file() and m.get("seed") == cfg.seed
+                    and tuple(m.get("history_tokens", ())) == tuple(cfg.history_tokens)):
+                hist.append((m.get("tag"), h))
+        if {t for t, _ in hist} != {"train", "heldout"}:
+            pytest.skip("needs the multi-turn history examples in the model cache (a trained default student "
+                        "builds them: `python -m kvlab train-student --student overfill`, ~40 min of it)")
     for sub in ("models", "train"):
         (tmp_path / sub).mkdir()
     for d in (real / "models").glob("smollm2-135m-instruct*"):
         if "-pruned-" in d.name or d.name == "smollm2-135m-instruct":
             (tmp_path / "models" / d.name).symlink_to(d)
     (tmp_path / "train" / data.name).symlink_to(data)
+    for _, h in hist:
+        (tmp_path / "train" / h.name).symlink_to(h)
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    assert train_data_key(DEFAULT_TRAIN) == e["data_key"]
-    run = train_student("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN, progress=False, stop_after=2)
+    assert train_data_key(cfg) == e["data_key"]
+    run = train_student("overfill", DEFAULT_SHAPE, cfg, progress=False, stop_after=2)
     got = torch.load(run / "ckpt.pt", weights_only=False)["log"]
     want = [json.loads(x) for x in (SHIPPED_DIR / e["log"]).read_text().splitlines()][:2]
     assert [r["step"] for r in got] == [1, 2] and [r["tokens"] for r in got] == [r["tokens"] for r in want]

@@ -56,7 +56,8 @@ def examples(pair):
 
 
 def _cfg(**kw):
-    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3, topk=16, lora_rank=0)
+    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3, topk=16, lora_rank=0,
+                history=0.0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -255,6 +256,25 @@ def test_bad_arguments_fail_before_any_model_loads(argv, flag, no_model_loads, c
     assert flag in capsys.readouterr().err
 
 
+def test_train_recipe_flag_picks_a_shipped_recipe(no_model_loads):
+    """--train-recipe base selects the 80-step short-prompt students (shipped beside the default's); with
+    --train-steps, that recipe's steps change; a bad name fails at parsing, naming the flag."""
+    from kvlab.cli import build_parser
+    from kvlab.train.command import train_choice
+    from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN
+    from kvlab.train.shipped import shipped_entry
+
+    parse = build_parser().parse_args
+    assert train_choice(parse(["baselines"])) == DEFAULT_TRAIN
+    assert train_choice(parse(["baselines", "--train-recipe", "base"])) == BASE_TRAIN
+    assert train_choice(parse(["refresh", "--train-recipe", "base", "--train-steps", "40"])) == BASE_TRAIN.replace(steps=40)
+    assert train_choice(parse(["train-study", "--train-steps", "40"])) == DEFAULT_TRAIN.replace(steps=40)
+    for cfg in (DEFAULT_TRAIN, BASE_TRAIN):
+        assert shipped_entry("overfill", "h0.20,i0.50", cfg) is not None
+    with pytest.raises(SystemExit):
+        parse(["baselines", "--train-recipe", "pareto"])
+
+
 def test_missing_trained_student_raises_naming_the_command(tmp_path, monkeypatch, no_model_loads):
     from kvlab.train.pair import load_pair, load_student
 
@@ -283,9 +303,9 @@ def test_training_key_separates_what_changes_the_weights():
 
 def test_full_weight_keys_did_not_move_when_lora_arrived():
     """Adding ``lora_rank`` must not invalidate trained students in users' caches (full weights: same key)."""
-    from kvlab.train.config import TrainConfig
+    from kvlab.train.config import BASE_TRAIN, TrainConfig
 
-    full = TrainConfig(lora_rank=0, lr=1e-3)
+    full = BASE_TRAIN.replace(lora_rank=0, lr=1e-3)       # 80 steps, short prompts only: the recipe of that era
     assert full.key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
     assert full.replace(lora_rank=8).key("overfill", "h0.20-i0.50", "d464f6799ef6") != "9968c83ee2"
     assert TrainConfig().lora_rank == 16 and TrainConfig().key("overfill", "h0.20-i0.50", "d464f6799ef6") not in (

@@ -18,8 +18,12 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prune", default=None,
                    help=f"prune shape of the embedded student, e.g. h0.45,i0.45 (default {DEFAULT_SHAPE})")
     p.add_argument("--train-steps", type=int, default=None,
-                   help="trained students: the one trained for this many optimiser steps (default: "
+                   help="trained students: the one trained for this many optimiser steps (default: the recipe's, "
                         "kvlab.train.config.DEFAULT_TRAIN.steps; trained and cached on first use)")
+    p.add_argument("--train-recipe", default="default", choices=("default", "base"),
+                   help="trained students: the recipe they come from, default (kvlab.train.config.DEFAULT_TRAIN: "
+                        "160 steps, half the examples multi-turn histories) or base (BASE_TRAIN: 80 steps, short "
+                        "prompts only, the default before the training Pareto); both are shipped")
 
 
 def student_choice(args):
@@ -53,16 +57,22 @@ def student_choice(args):
 
 
 def train_choice(args):
-    """The ``TrainConfig`` the embedded trained students come from: ``DEFAULT_TRAIN``, or with
-    ``--train-steps N`` the same recipe run for N steps (ValueError naming the flag)."""
-    from .config import DEFAULT_TRAIN
+    """The ``TrainConfig`` the embedded trained students come from: ``DEFAULT_TRAIN`` (``--train-recipe base``:
+    ``BASE_TRAIN``), with ``--train-steps N`` that recipe run for N steps (ValueError naming the flag)."""
+    from .config import BASE_TRAIN, DEFAULT_TRAIN
 
+    recipes = {"default": DEFAULT_TRAIN, "base": BASE_TRAIN}
+    name = getattr(args, "train_recipe", None) or "default"
+    if name not in recipes:
+        raise ValueError(f"--train-recipe={name!r} must be one of {', '.join(recipes)} (default: the shipped default "
+                         "recipe; base: 80 steps, short prompts only)")
+    cfg = recipes[name]
     n = getattr(args, "train_steps", None)
     if n is None:
-        return DEFAULT_TRAIN
+        return cfg
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"--train-steps={n!r} must be a positive integer (optimiser steps of the trained students)")
-    return DEFAULT_TRAIN.replace(steps=n)
+    return cfg.replace(steps=n)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 recipes. Reads trained students from the model cache (or rebuilds them from the shipped adapters); trains only
 when asked (``train=True``); writes ``train_pareto.{csv,md,png}`` under ``out`` (:func:`write_pareto`).
 
-A point is ``SHAPE[:key=value,...]``: a prune shape and overrides of the default recipe (fields of
-:class:`kvlab.train.config.TrainConfig`), e.g. ``h0.20,i0.50``, ``i0.30``, ``h0.20,i0.50:steps=160``,
+A point is ``SHAPE[:key=value,...]``: a prune shape and overrides of the Pareto's *base* recipe
+(:data:`BASE_TRAIN`: the default recipe with 80 steps and short prompts only, the recipe the shapes are compared
+under; fields of :class:`kvlab.train.config.TrainConfig`), e.g. ``h0.20,i0.50``, ``i0.30``, ``h0.20,i0.50:steps=160``,
 ``h0.20,i0.50:lora_rank=0,lr=0.001``, ``h0.20,i0.50:history=0.5``. Per present point: parameters; the held-out KL
 (short, from the training log); the held-out KL on the long held-out examples (:mod:`kvlab.train.history`), from
 the log when the point was trained with history examples, else measured here (the row says which); decode ms per
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 
+from .config import BASE_TRAIN     # the recipe every point's overrides apply to (80 steps, history 0)
 DEFAULT_POINTS = ("h0.20,i0.50", "i0.30", "i0.50", "h0.20,i0.30", "h0.45,i0.45", "h0.20,i0.50:steps=160",
                   "h0.20,i0.50:lora_rank=0,lr=0.001", "h0.20,i0.50:history=0.5", "h0.20,i0.50:steps=160,history=0.5")
 
@@ -23,17 +25,16 @@ DEFAULT_POINTS = ("h0.20,i0.50", "i0.30", "i0.50", "h0.20,i0.30", "h0.45,i0.45",
 class Point:
     spec: str            # as given
     shape: object        # PruneShape
-    cfg: object          # TrainConfig: the default recipe with the point's overrides
+    cfg: object          # TrainConfig: BASE_TRAIN with the point's overrides
 
     @property
     def recipe(self) -> str:
-        return self.spec.split(":", 1)[1] if ":" in self.spec else "default"
+        return self.spec.split(":", 1)[1] if ":" in self.spec else "base"
 
 
 def parse_point(spec: str) -> Point:
     """``SHAPE[:key=value,...]`` → :class:`Point` (ValueError naming ``--points`` and the fix)."""
     from kvlab.core.prune import PruneShape
-    from .config import DEFAULT_TRAIN
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"--points: {spec!r} must look like 'h0.20,i0.50' or 'h0.20,i0.50:steps=160,history=0.5'")
@@ -42,7 +43,7 @@ def parse_point(spec: str) -> Point:
         shape = PruneShape.parse(shape_s)
     except ValueError as e:
         raise ValueError(f"--points {spec!r}: {e}") from None
-    types = {f.name: type(getattr(DEFAULT_TRAIN, f.name)) for f in fields(DEFAULT_TRAIN)}
+    types = {f.name: type(getattr(BASE_TRAIN, f.name)) for f in fields(BASE_TRAIN)}
     over = {}
     for item in filter(None, (s.strip() for s in over_s.split(","))):
         k, eq, v = item.partition("=")
@@ -55,7 +56,7 @@ def parse_point(spec: str) -> Point:
         except ValueError:
             raise ValueError(f"--points {spec!r}: {k}={v!r} is not a {types[k].__name__}") from None
     try:
-        cfg = DEFAULT_TRAIN.replace(**over)
+        cfg = BASE_TRAIN.replace(**over)
     except ValueError as e:
         raise ValueError(f"--points {spec!r}: {e}") from None
     return Point(spec.strip(), shape, cfg)
@@ -183,7 +184,9 @@ def pareto_table(points, variant: str = "overfill", *, train: bool = False, devi
 
 
 NOTES = [
-    "`point`: prune shape[:overrides of the default recipe, kvlab.train.config.TrainConfig]; `student`: the variant "
+    "`point`: prune shape[:overrides of the base recipe: kvlab.train.config.TrainConfig with 80 steps and short "
+    "prompts only (history 0); `recipe` base = no overrides]. The shipped default is h0.20,i0.50:steps=160,history=0.5. "
+    "`student`: the variant "
     "(overfill: trained and scored on the teacher's prefill); `status`: cached (model cache), shipped (rebuilt from "
     "kvlab/train/shipped), trained here (--train), missing (`train` is the command that trains it).",
     "`params_M`: the student's parameters in millions (the teacher: `teacher_params_M`).",
@@ -234,8 +237,8 @@ def add_pareto_arguments(p) -> None:
     from kvlab.core.args import positive_int
 
     p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
-                   help="SHAPE[:key=value,...]: a prune shape and overrides of the default training recipe "
-                        "(kvlab.train.config.TrainConfig fields), e.g. h0.20,i0.50:steps=160 or "
+                   help="SHAPE[:key=value,...]: a prune shape and overrides of the base training recipe (the "
+                        "default with steps=80,history=0; kvlab.train.config.TrainConfig fields), e.g. h0.20,i0.50:steps=160 or "
                         "h0.20,i0.50:lora_rank=0,lr=0.001 or h0.20,i0.50:history=0.5 (default: %(default)s)")
     p.add_argument("--student", default="overfill", help="the trained variant at every point")
     p.add_argument("--train", action="store_true",

@@ -154,7 +154,8 @@ def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), s
     if bad:
         raise ValueError(f"variants={bad}: only trained variants have curves ({', '.join(TRAINED_VARIANTS)})")
     cfg = TrainConfig(steps=steps, batch=3, lr=3e-3, warmup=1, train_prompts=14, heldout=2, eval_every=3,
-                      topk=16, lora_rank=0, seed=seed, refresh_gap=(2, 5), refresh_none=0.25)
+                      topk=16, lora_rank=0, seed=seed, refresh_gap=(2, 5), refresh_none=0.25,
+                      history=0.0)     # tiny models: short examples only (no multi-turn history set)
     frames = []
     with torch.random.fork_rng(), tempfile.TemporaryDirectory() as tmp:
         teacher = make_tiny_lm(seed=seed)
