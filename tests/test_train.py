@@ -257,22 +257,26 @@ def test_bad_arguments_fail_before_any_model_loads(argv, flag, no_model_loads, c
 
 
 def test_train_recipe_flag_picks_a_shipped_recipe(no_model_loads):
-    """--train-recipe base selects the 80-step short-prompt students (shipped beside the default's); with
-    --train-steps, that recipe's steps change; a bad name fails at parsing, naming the flag."""
+    """--train-recipe pareto selects the training Pareto's students (160 steps, half the examples multi-turn
+    histories), shipped beside the default's; with --train-steps that recipe's steps change; a bad name fails
+    at parsing, naming the flag."""
     from kvlab.cli import build_parser
     from kvlab.train.command import train_choice
-    from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN
+    from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN, PARETO_TRAIN
     from kvlab.train.shipped import shipped_entry
 
     parse = build_parser().parse_args
     assert train_choice(parse(["baselines"])) == DEFAULT_TRAIN
     assert train_choice(parse(["baselines", "--train-recipe", "base"])) == BASE_TRAIN
-    assert train_choice(parse(["refresh", "--train-recipe", "base", "--train-steps", "40"])) == BASE_TRAIN.replace(steps=40)
+    assert train_choice(parse(["baselines", "--train-recipe", "pareto"])) == PARETO_TRAIN
+    assert train_choice(parse(["refresh", "--train-recipe", "pareto", "--train-steps", "40"])) == PARETO_TRAIN.replace(
+        steps=40)
     assert train_choice(parse(["train-study", "--train-steps", "40"])) == DEFAULT_TRAIN.replace(steps=40)
-    for cfg in (DEFAULT_TRAIN, BASE_TRAIN):
-        assert shipped_entry("overfill", "h0.20,i0.50", cfg) is not None
+    for cfg in (DEFAULT_TRAIN, BASE_TRAIN, PARETO_TRAIN):
+        for v in ("overfill", "standalone", "refresh-aware"):
+            assert shipped_entry(v, "h0.20,i0.50", cfg) is not None
     with pytest.raises(SystemExit):
-        parse(["baselines", "--train-recipe", "pareto"])
+        parse(["baselines", "--train-recipe", "best"])
 
 
 def test_missing_trained_student_raises_naming_the_command(tmp_path, monkeypatch, no_model_loads):

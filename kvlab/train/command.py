@@ -20,10 +20,11 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=None,
                    help="trained students: the one trained for this many optimiser steps (default: the recipe's, "
                         "kvlab.train.config.DEFAULT_TRAIN.steps; trained and cached on first use)")
-    p.add_argument("--train-recipe", default="default", choices=("default", "base"),
-                   help="trained students: the recipe they come from, default (kvlab.train.config.DEFAULT_TRAIN: "
-                        "160 steps, half the examples multi-turn histories) or base (BASE_TRAIN: 80 steps, short "
-                        "prompts only, the default before the training Pareto); both are shipped")
+    p.add_argument("--train-recipe", default="default", choices=("default", "base", "pareto"),
+                   help="trained students: the shipped recipe they come from (kvlab.train.config.RECIPES): default "
+                        "(DEFAULT_TRAIN), base (80 steps, short prompts only: every training-Pareto point's base; "
+                        "today the default) or pareto (160 steps, half the examples multi-turn histories: the "
+                        "training Pareto's best point at the default shape)")
 
 
 def student_choice(args):
@@ -57,16 +58,14 @@ def student_choice(args):
 
 
 def train_choice(args):
-    """The ``TrainConfig`` the embedded trained students come from: ``DEFAULT_TRAIN`` (``--train-recipe base``:
-    ``BASE_TRAIN``), with ``--train-steps N`` that recipe run for N steps (ValueError naming the flag)."""
-    from .config import BASE_TRAIN, DEFAULT_TRAIN
+    """The ``TrainConfig`` the embedded trained students come from: ``--train-recipe``'s (default
+    ``DEFAULT_TRAIN``), with ``--train-steps N`` that recipe run for N steps (ValueError naming the flag)."""
+    from .config import RECIPES
 
-    recipes = {"default": DEFAULT_TRAIN, "base": BASE_TRAIN}
     name = getattr(args, "train_recipe", None) or "default"
-    if name not in recipes:
-        raise ValueError(f"--train-recipe={name!r} must be one of {', '.join(recipes)} (default: the shipped default "
-                         "recipe; base: 80 steps, short prompts only)")
-    cfg = recipes[name]
+    if name not in RECIPES:
+        raise ValueError(f"--train-recipe={name!r} must be one of {', '.join(RECIPES)} (kvlab.train.config.RECIPES)")
+    cfg = RECIPES[name]
     n = getattr(args, "train_steps", None)
     if n is None:
         return cfg

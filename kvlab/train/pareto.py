@@ -3,7 +3,7 @@ recipes. Reads trained students from the model cache (or rebuilds them from the 
 when asked (``train=True``); writes ``train_pareto.{csv,md,png}`` under ``out`` (:func:`write_pareto`).
 
 A point is ``SHAPE[:key=value,...]``: a prune shape and overrides of the Pareto's *base* recipe
-(:data:`BASE_TRAIN`: the default recipe with 80 steps and short prompts only, the recipe the shapes are compared
+(:data:`kvlab.train.config.BASE_TRAIN`: 80 steps and short prompts only, the recipe the shapes are compared
 under; fields of :class:`kvlab.train.config.TrainConfig`), e.g. ``h0.20,i0.50``, ``i0.30``, ``h0.20,i0.50:steps=160``,
 ``h0.20,i0.50:lora_rank=0,lr=0.001``, ``h0.20,i0.50:history=0.5``. Per present point: parameters; the held-out KL
 (short, from the training log); the held-out KL on the long held-out examples (:mod:`kvlab.train.history`), from
@@ -185,7 +185,7 @@ def pareto_table(points, variant: str = "overfill", *, train: bool = False, devi
 
 NOTES = [
     "`point`: prune shape[:overrides of the base recipe: kvlab.train.config.TrainConfig with 80 steps and short "
-    "prompts only (history 0); `recipe` base = no overrides]. The shipped default is h0.20,i0.50:steps=160,history=0.5. "
+    "prompts only (history 0); `recipe` base = no overrides]. "
     "`student`: the variant "
     "(overfill: trained and scored on the teacher's prefill); `status`: cached (model cache), shipped (rebuilt from "
     "kvlab/train/shipped), trained here (--train), missing (`train` is the command that trains it).",
@@ -237,8 +237,8 @@ def add_pareto_arguments(p) -> None:
     from kvlab.core.args import positive_int
 
     p.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS),
-                   help="SHAPE[:key=value,...]: a prune shape and overrides of the base training recipe (the "
-                        "default with steps=80,history=0; kvlab.train.config.TrainConfig fields), e.g. h0.20,i0.50:steps=160 or "
+                   help="SHAPE[:key=value,...]: a prune shape and overrides of the base training recipe ("
+                        "80 steps, history 0: kvlab.train.config.BASE_TRAIN; TrainConfig fields), e.g. h0.20,i0.50:steps=160 or "
                         "h0.20,i0.50:lora_rank=0,lr=0.001 or h0.20,i0.50:history=0.5 (default: %(default)s)")
     p.add_argument("--student", default="overfill", help="the trained variant at every point")
     p.add_argument("--train", action="store_true",
