@@ -10,7 +10,7 @@ import argparse
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
     """``--student`` (variant or hub id/folder) and ``--prune`` (the embedded student's shape)."""
-    from .config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS   # torch-free: --help stays fast
+    from .config import DEFAULT_SHAPE, DEFAULT_VARIANT, RECIPES, STUDENT_VARIANTS   # torch-free: --help stays fast
 
     p.add_argument("--student", default=None,
                    help=f"embedded student: {' | '.join(STUDENT_VARIANTS)} (default {DEFAULT_VARIANT}; trained ones are "
@@ -20,7 +20,7 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-steps", type=int, default=None,
                    help="trained students: the one trained for this many optimiser steps (default: the recipe's, "
                         "kvlab.train.config.DEFAULT_TRAIN.steps; trained and cached on first use)")
-    p.add_argument("--train-recipe", default="default", choices=("default", "base", "pareto"),
+    p.add_argument("--train-recipe", default="default", choices=tuple(RECIPES),
                    help="trained students: the shipped recipe they come from (kvlab.train.config.RECIPES): default "
                         "(DEFAULT_TRAIN), base (80 steps, short prompts only: every training-Pareto point's base; "
                         "today the default) or pareto (160 steps, half the examples multi-turn histories: the "

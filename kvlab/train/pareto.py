@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass, fields
 
 from .config import BASE_TRAIN     # the recipe every point's overrides apply to (80 steps, history 0)
+
 DEFAULT_POINTS = ("h0.20,i0.50", "i0.30", "i0.50", "h0.20,i0.30", "h0.45,i0.45", "h0.20,i0.50:steps=160",
                   "h0.20,i0.50:lora_rank=0,lr=0.001", "h0.20,i0.50:history=0.5", "h0.20,i0.50:steps=160,history=0.5")
 
