@@ -10,7 +10,6 @@ import pytest
 
 from kvlab.core.tiny import make_tiny_lm, tiny_examples
 from kvlab.train.config import BASE_TRAIN, PARETO_TRAIN
-from kvlab.train.names import train_command
 from kvlab.train.pareto import parse_point, pareto_front, point_row, with_fronts
 
 
@@ -90,10 +89,8 @@ def test_missing_points_are_reported_with_their_command_and_nothing_loads(tmp_pa
     said = []
     df = pareto_table(["i0.30", "h0.20,i0.50:steps=3,history=0.5"], log=said.append)
     assert list(df.status) == ["missing", "missing"] and not df.front.any()
-    # each point's command trains its recipe (flags said where it differs from the default)
-    assert f"`{train_command('overfill', 'i0.30', BASE_TRAIN)}`" in said[0]
-    assert df.train[1] == train_command("overfill", "h0.20,i0.50", BASE_TRAIN.replace(steps=3, history=0.5))
-    assert "--steps 3" in df.train[1] and "--train" in said[1]
+    assert "python -m kvlab train-student --student overfill --prune i0.30`" in said[0]
+    assert df.train[1].endswith("--steps 3 --batch 4 --seed 0 --history 0.5") and "--train" in said[1]
     assert df.heldout_set[0] == df.heldout_set[1] and df.heldout_set[0].startswith("16 (")
 
 

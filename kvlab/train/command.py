@@ -18,8 +18,8 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prune", default=None,
                    help=f"prune shape of the embedded student, e.g. h0.45,i0.45 (default {DEFAULT_SHAPE})")
     p.add_argument("--train-steps", type=int, default=None,
-                   help="trained students: the one trained for this many optimiser steps (default: the recipe's, "
-                        "kvlab.train.config.DEFAULT_TRAIN.steps; trained and cached on first use)")
+                   help="trained students: the one trained for this many optimiser steps (default: the steps of "
+                        "--train-recipe's recipe; trained and cached on first use)")
     p.add_argument("--train-recipe", default="default", choices=tuple(RECIPES),
                    help="trained students: the shipped recipe they come from (kvlab.train.config.RECIPES): default "
                         "(DEFAULT_TRAIN), base (80 steps, short prompts only: every training-Pareto point's base; "

@@ -186,10 +186,9 @@ def pareto_table(points, variant: str = "overfill", *, train: bool = False, devi
 
 NOTES = [
     "`point`: prune shape[:overrides of the base recipe: kvlab.train.config.TrainConfig with 80 steps and short "
-    "prompts only (history 0); `recipe` base = no overrides]. "
-    "`student`: the variant "
-    "(overfill: trained and scored on the teacher's prefill); `status`: cached (model cache), shipped (rebuilt from "
-    "kvlab/train/shipped), trained here (--train), missing (`train` is the command that trains it).",
+    "prompts only (history 0); `recipe` base = no overrides]. `student`: the variant (overfill: trained and scored "
+    "on the teacher's prefill); `status`: cached (model cache), shipped (rebuilt from kvlab/train/shipped), trained "
+    "here (--train), missing (`train` is the command that trains it).",
     "`params_M`: the student's parameters in millions (the teacher: `teacher_params_M`).",
     "`heldout_kl`: KL(p_T ‖ q) in nats per response token on the point's held-out prompts (the last `heldout` of its "
     "training prompts), teacher-forced on the teacher's responses in the variant's own forward: the training log's "
