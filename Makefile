@@ -51,8 +51,9 @@ lock:
 figures: install
 	$(PY) -m kvlab all --out figures $(FIGURE_ARGS)
 
-# Retrain the shipped default students from scratch (a fresh model cache: teacher data + 3 LoRA students,
-# ~30 min alone on a 2-core CPU; minutes on a GPU) and re-ship their fp16 adapters into kvlab/train/shipped/.
+# Retrain the shipped default students from scratch (a fresh model cache: teacher data, the multi-turn history
+# examples and 3 LoRA students, about 2.5 h alone on a 2-core CPU; minutes on a GPU) and re-ship their fp16
+# adapters into kvlab/train/shipped/ (the command says its own estimate first).
 # `git diff --stat kvlab/train/shipped` then shows whether this machine reproduced them; commit to adopt them
 # (and update PINNED in tests/test_shipped.py). `make figures` itself never trains when the shipped keys match.
 STUDENTS_CACHE ?= $(CURDIR)/build/students-cache

@@ -257,9 +257,9 @@ def test_bad_arguments_fail_before_any_model_loads(argv, flag, no_model_loads, c
 
 
 def test_train_recipe_flag_picks_a_shipped_recipe(no_model_loads):
-    """--train-recipe pareto selects the training Pareto's students (160 steps, half the examples multi-turn
-    histories), shipped beside the default's; with --train-steps that recipe's steps change; a bad name fails
-    at parsing, naming the flag."""
+    """The default recipe is the training Pareto's pick (160 steps, half the examples multi-turn histories; pareto
+    names it too); --train-recipe base selects the 80-step short-prompt students shipped beside it; with
+    --train-steps that recipe's steps change; a bad name fails at parsing, naming the flag."""
     from kvlab.cli import build_parser
     from kvlab.train.command import train_choice
     from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN, PARETO_TRAIN
@@ -268,7 +268,7 @@ def test_train_recipe_flag_picks_a_shipped_recipe(no_model_loads):
     parse = build_parser().parse_args
     assert train_choice(parse(["baselines"])) == DEFAULT_TRAIN
     assert train_choice(parse(["baselines", "--train-recipe", "base"])) == BASE_TRAIN
-    assert train_choice(parse(["baselines", "--train-recipe", "pareto"])) == PARETO_TRAIN
+    assert train_choice(parse(["baselines", "--train-recipe", "pareto"])) == PARETO_TRAIN == DEFAULT_TRAIN
     assert train_choice(parse(["refresh", "--train-recipe", "pareto", "--train-steps", "40"])) == PARETO_TRAIN.replace(
         steps=40)
     assert train_choice(parse(["train-study", "--train-steps", "40"])) == DEFAULT_TRAIN.replace(steps=40)

@@ -64,28 +64,38 @@ def _pool(n=12, seed=0):
 # --------------------------------------------------------------------------- keys and flags
 
 
-def test_the_default_recipe_keeps_its_keys_and_the_shipped_students():
-    """history = 0 (the default) must not move any key: the shipped adapters are keyed on them."""
+def test_history_zero_keeps_the_keys_from_before_history_and_the_default_is_shipped():
+    """history = 0 must not move any key (the students trained before the option existed keep their names and
+    their shipped adapters: --train-recipe base); the default recipe (160 steps, history 0.5, the training
+    Pareto's pick) is its own student, shipped for every trained variant."""
+    from kvlab.train.config import BASE_TRAIN, PARETO_TRAIN, RECIPES
     from kvlab.train.names import train_data_key, trained_name
     from kvlab.train.shipped import manifest, recipe, shipped_entry
 
-    assert DEFAULT_TRAIN.history == 0.0
-    names = {e["variant"]: e["name"] for e in manifest() if e["recipe"] == recipe(DEFAULT_TRAIN)}
-    assert names["overfill"].endswith("-ta2a958138c")
-    for v, name in names.items():
-        assert trained_name(v, DEFAULT_SHAPE, DEFAULT_TRAIN) == name
-        assert trained_name(v, DEFAULT_SHAPE, DEFAULT_TRAIN.replace(history=0.0, history_tokens=(10, 20))) == name
-        assert shipped_entry(v, DEFAULT_SHAPE, DEFAULT_TRAIN)["name"] == name
-    assert train_data_key(DEFAULT_TRAIN) == "d464f6799ef6" == train_data_key(DEFAULT_TRAIN.replace(history=0.5))
-    assert "history" not in recipe(DEFAULT_TRAIN) and "history_tokens" not in recipe(DEFAULT_TRAIN)
+    assert DEFAULT_TRAIN.history == 0.5 and DEFAULT_TRAIN.steps == 160
+    assert PARETO_TRAIN == DEFAULT_TRAIN == RECIPES["default"] == RECIPES["pareto"]
+    assert BASE_TRAIN == DEFAULT_TRAIN.replace(steps=80, history=0.0) == RECIPES["base"]
+    assert "history" not in recipe(BASE_TRAIN) and "history_tokens" not in recipe(BASE_TRAIN)
+    for cfg, overfill_tail in ((BASE_TRAIN, "-ta2a958138c"), (DEFAULT_TRAIN, "-tdd05051f6b")):
+        names = {e["variant"]: e["name"] for e in manifest() if e["recipe"] == recipe(cfg)}
+        assert set(names) == {"overfill", "standalone", "refresh-aware"}
+        assert names["overfill"].endswith(overfill_tail)
+        for v, name in names.items():
+            assert trained_name(v, DEFAULT_SHAPE, cfg) == name
+            assert shipped_entry(v, DEFAULT_SHAPE, cfg)["name"] == name
+    for v in ("overfill", "standalone", "refresh-aware"):     # history 0: the history settings do not matter
+        assert trained_name(v, DEFAULT_SHAPE, BASE_TRAIN.replace(history_tokens=(10, 20))) == trained_name(
+            v, DEFAULT_SHAPE, BASE_TRAIN)
+    assert train_data_key(DEFAULT_TRAIN) == "d464f6799ef6" == train_data_key(BASE_TRAIN)
+    assert recipe(DEFAULT_TRAIN)["history"] == 0.5
     # full weights: the key from before LoRA and history existed
-    assert TrainConfig(lora_rank=0, lr=1e-3).key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
-    # history > 0: its own student, and the history settings matter then
-    h = DEFAULT_TRAIN.replace(history=0.5)
+    assert BASE_TRAIN.replace(lora_rank=0, lr=1e-3).key("overfill", "h0.20-i0.50", "d464f6799ef6") == "9968c83ee2"
+    # history > 0: the history settings matter
     keys = {trained_name("overfill", DEFAULT_SHAPE, c) for c in
-            (DEFAULT_TRAIN, h, h.replace(history=0.25), h.replace(history_tokens=(300, 600)))}
+            (BASE_TRAIN.replace(steps=160), DEFAULT_TRAIN, DEFAULT_TRAIN.replace(history=0.25),
+             DEFAULT_TRAIN.replace(history_tokens=(300, 600)))}
     assert len(keys) == 4
-    assert shipped_entry("overfill", DEFAULT_SHAPE, h) is None and recipe(h)["history"] == 0.5
+    assert shipped_entry("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN.replace(history=0.25)) is None
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -111,19 +121,22 @@ def test_cli_history_flag(monkeypatch, capsys):
         monkeypatch.setattr(models, name, boom)
     assert main(["train-student", "--student", "overfill", "--history", "2", "--no-progress"]) == 2
     assert "--history=2.0 must be a number in [0, 1]" in capsys.readouterr().err
-    args = build_parser().parse_args(["train-student", "--student", "overfill", "--history", "0.5"])
+    args = build_parser().parse_args(["train-student", "--student", "overfill", "--history", "0"])
     cfg = train_config(args)
-    assert cfg.history == 0.5 and cfg.replace(history=0.0) == DEFAULT_TRAIN
-    assert train_command("overfill", DEFAULT_SHAPE, cfg).endswith("--history 0.5")
-    assert build_parser().parse_args(["train-student"]).history == 0.0
+    assert cfg.history == 0.0 and cfg.replace(history=0.5) == DEFAULT_TRAIN
+    assert train_command("overfill", DEFAULT_SHAPE, cfg).endswith("--history 0")       # not the default: said
+    assert "--history" not in train_command("overfill", DEFAULT_SHAPE, DEFAULT_TRAIN)
+    assert build_parser().parse_args(["train-student"]).history == DEFAULT_TRAIN.history == 0.5
 
 
 def test_plan_says_it_builds_the_history_examples(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     from kvlab.train.plan import plan
 
-    msg = plan(["overfill"], DEFAULT_SHAPE, DEFAULT_TRAIN.replace(history=0.5)).message()
-    assert "history examples (--history 0.5" in msg and "--history 0.5`" in msg
+    msg = plan(["overfill"], DEFAULT_SHAPE, DEFAULT_TRAIN.replace(history=0.25)).message()
+    assert "history examples (--history 0.25" in msg and "--history 0.25`" in msg
+    # the default recipe builds them too (at a shape whose students are not shipped)
+    assert "history examples (--history 0.5" in plan(["overfill"], "i0.30", DEFAULT_TRAIN).message()
 
 
 # --------------------------------------------------------------------------- rendering a history
@@ -279,7 +292,8 @@ def hist(tiny, tmp_path_factory):
 
 
 def _cfg(**kw):
-    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=12, heldout=2, eval_every=3, topk=16, lora_rank=0)
+    base = dict(steps=6, batch=3, lr=3e-3, warmup=1, train_prompts=12, heldout=2, eval_every=3, topk=16, lora_rank=0,
+                history=0.0)
     base.update(kw)
     return TrainConfig(**base)
 

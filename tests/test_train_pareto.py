@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from kvlab.core.tiny import make_tiny_lm, tiny_examples
-from kvlab.train.config import BASE_TRAIN, PARETO_TRAIN
+from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN, PARETO_TRAIN
 from kvlab.train.pareto import parse_point, pareto_front, point_row, with_fronts
 
 
@@ -19,7 +19,7 @@ def test_points_are_a_shape_and_recipe_overrides():
     p = parse_point("h0.20,i0.50")
     assert p.shape.flag == "h0.20,i0.50" and p.cfg == BASE_TRAIN and p.recipe == "base"
     assert BASE_TRAIN.steps == 80 and BASE_TRAIN.history == 0.0
-    assert BASE_TRAIN.replace(steps=160, history=0.5) == PARETO_TRAIN
+    assert BASE_TRAIN.replace(steps=160, history=0.5) == PARETO_TRAIN == DEFAULT_TRAIN
     assert parse_point("h0.20,i0.50:steps=160,history=0.5").cfg == PARETO_TRAIN
     assert parse_point("i0.30").shape.label == "i0.30"
     assert parse_point("h0.20,i0.50:steps=160").cfg == BASE_TRAIN.replace(steps=160)
@@ -89,8 +89,10 @@ def test_missing_points_are_reported_with_their_command_and_nothing_loads(tmp_pa
     said = []
     df = pareto_table(["i0.30", "h0.20,i0.50:steps=3,history=0.5"], log=said.append)
     assert list(df.status) == ["missing", "missing"] and not df.front.any()
-    assert "python -m kvlab train-student --student overfill --prune i0.30`" in said[0]
-    assert df.train[1].endswith("--steps 3 --batch 4 --seed 0 --history 0.5") and "--train" in said[1]
+    # the base recipe (80 steps, history 0) differs from the default (160 steps, history 0.5): the command says so
+    assert "python -m kvlab train-student --student overfill --prune i0.30 --steps 80 --batch 4 --seed 0 " \
+           "--history 0`" in said[0]
+    assert df.train[1].endswith("--steps 3 --batch 4 --seed 0") and "--train" in said[1]
     assert df.heldout_set[0] == df.heldout_set[1] and df.heldout_set[0].startswith("16 (")
 
 

@@ -22,9 +22,9 @@ def add_student_arguments(p: argparse.ArgumentParser) -> None:
                         "--train-recipe's recipe; trained and cached on first use)")
     p.add_argument("--train-recipe", default="default", choices=tuple(RECIPES),
                    help="trained students: the shipped recipe they come from (kvlab.train.config.RECIPES): default "
-                        "(DEFAULT_TRAIN), base (80 steps, short prompts only: every training-Pareto point's base; "
-                        "today the default) or pareto (160 steps, half the examples multi-turn histories: the "
-                        "training Pareto's best point at the default shape)")
+                        "(DEFAULT_TRAIN: 160 steps, half the examples multi-turn histories, the training Pareto's "
+                        "best point at the default shape; pareto names the same recipe) or base (80 steps, short "
+                        "prompts only: the default before the Pareto, every Pareto point's base)")
 
 
 def student_choice(args):
