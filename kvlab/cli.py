@@ -70,8 +70,9 @@ def _pair(args):
     from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
-    if variant is not None:   # baselines also needs the standalone student (its equal-budget row)
-        _announce(args, [variant] + (["standalone"] if getattr(args, "fn", None) is cmd_baselines else []))
+    if variant is not None:   # baselines also needs the standalone student (its equal-budget row; see _alone_student)
+        alone = getattr(args, "fn", None) is cmd_baselines and variant not in ("pruned", "standalone")
+        _announce(args, [variant] + (["standalone"] if alone else []))
     if variant is None:
         return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
     return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,

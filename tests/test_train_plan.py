@@ -63,6 +63,11 @@ def test_baselines_announces_every_student_before_loading_anything(cache, monkey
     err = capsys.readouterr().err
     assert "overfill, standalone" in err and "--student pruned" in err and "min in all" in err
     assert not (cache / "models").exists()                              # nothing was built or trained
+    # --student pruned (the way to skip training): no standalone row, so no standalone student is announced
+    with pytest.raises(Loaded):
+        main(["baselines", "--student", "pruned", "--prompts", "2", "--tokens", "12", "--out", str(tmp_path / "o"),
+              "--runs", str(tmp_path / "r"), "--no-progress"])
+    assert "standalone" not in capsys.readouterr().err
 
 
 def test_two_processes_needing_the_same_student_train_it_once(cache, monkeypatch, capsys):
