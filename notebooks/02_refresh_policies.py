@@ -205,23 +205,26 @@ display(Markdown(readings.read_forced(forced)))
 # policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
 # periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
 #
-# **As committed** (`make figures`: the shipped trained `overfill` student, h0.20,i0.50, 32 prompts × 64
-# tokens, T = 0.7, top-p 0.9, CPU fp32; `figures/refresh_periodic.md`, `refresh_entropy.md`,
+# **As committed** (`make figures`: the shipped trained `overfill` student of the default recipe, h0.20,i0.50,
+# 32 prompts × 64 tokens, T = 0.7, top-p 0.9, CPU fp32; `figures/refresh_periodic.md`, `refresh_entropy.md`,
 # `refresh_methods.md`, `refresh_forced.md`). **Refresh lowers `kl_forced`, and more refresh lowers it more**:
 # teacher-forced on the teacher's reference text, a full teacher refresh every T = 14 / 7 / 3 tokens gives
-# Δ −0.076 [−0.107, −0.042] / −0.114 [−0.144, −0.080] / −0.225 [−0.262, −0.189] against no refresh
-# (`kl_forced` 1.636; MDE about 0.05 at n = 32), every interval below 0. Speculative refresh (k = 8) gives
-# −0.119 [−0.154, −0.078]; the entropy gates, which fire about once per run, −0.020 to −0.035 (intervals
-# just below 0); probe-KL −0.044 [−0.075, −0.012]. The blog's on-path KL agrees in direction at T = 7
-# (−0.173 [−0.253, −0.090]), but teacher-PPL does not move monotonically (15.6 → 15.8 / 13.8 / 18.3) and
-# repeat@3 barely changes: on this student the on-path scores are too noisy to rank policies, the forced score
-# is not. With the tokens held fixed (`refresh_forced`), the student reading its own prompt cache is
-# +0.238 [+0.181, +0.296] worse than reading the teacher's, and a full refresh of the generated part now
-# helps the trained student (−0.039 [−0.068, −0.011]). In the regime OverFill is for
-# (`figures/refresh_periodic_T8_long.md`: 32 long prompts × 48 tokens, T = 8, 5 refreshes per run) refresh
-# helps as much: `kl_forced` 1.868 → 1.629, Δ −0.239 [−0.317, −0.169] (MDE 0.105), and on-path KL agrees
-# (−0.100 [−0.175, −0.023]). The earlier single-policy tables on 8 prompts with the untrained student are
-# superseded.
+# Δ −0.075 [−0.103, −0.048] / −0.110 [−0.136, −0.083] / −0.197 [−0.231, −0.166] against no refresh
+# (`kl_forced` 1.475; MDE about 0.04 at n = 32), every interval below 0. Speculative refresh (k = 8) gives
+# −0.114 [−0.141, −0.084]; the entropy gates, which fire between 0 and 5 times per run, −0.007 to −0.059
+# (every interval below 0, the most for the gate that fires most); probe-KL −0.030 [−0.055, −0.008]. The
+# blog's on-path KL agrees in direction at T = 7 (−0.119 [−0.197, −0.043]) but its detectable effect is
+# about three times larger (0.115), and teacher-PPL falls with more refresh only from T = 7 on
+# (17.1 → 17.2 / 14.0 / 12.9) while repeat@3 barely changes: on this student the on-path scores cannot rank
+# policies that the forced score separates. With the tokens held fixed (`refresh_forced`), the student
+# reading its own prompt cache is +0.166 [+0.116, +0.216] worse than reading the teacher's, and a full
+# refresh of the generated part helps the trained student (−0.049 [−0.071, −0.027]). In the regime OverFill
+# is for (`figures/refresh_periodic_T8_long.md`: 32 long prompts × 48 tokens, T = 8, 5 refreshes per run)
+# refresh helps as much: `kl_forced` 1.748 → 1.531, Δ −0.217 [−0.294, −0.145] (MDE 0.106); on-path KL agrees
+# (−0.144 [−0.262, −0.030]) and repeat@3 falls from 0.23 to 0.08, while teacher-PPL rises (22.5 → 24.8):
+# less looping text is harder for the teacher to predict.
+# The base recipe's tables (`docs/measured/base_recipe/`) say the same with every `kl_forced` higher; the
+# earlier single-policy tables on 8 prompts with the untrained student are superseded.
 
 # %%
 from pathlib import Path
