@@ -70,13 +70,19 @@ def _pair(args):
     from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
-    if variant is not None:   # baselines also needs the standalone student (its equal-budget row; see _alone_student)
-        alone = getattr(args, "fn", None) is cmd_baselines and variant not in ("pruned", "standalone")
+    if variant is not None:   # baselines also needs the standalone student (its equal-budget row)
+        alone = getattr(args, "fn", None) is cmd_baselines and _needs_standalone(variant)
         _announce(args, [variant] + (["standalone"] if alone else []))
     if variant is None:
         return load_pair(args.teacher, args.student, device=args.device, dtype=args.dtype)
     return load_pair(args.teacher, None, device=args.device, dtype=args.dtype, variant=variant, shape=shape,
                      train_if_missing=True, train=train_choice(args))
+
+
+def _needs_standalone(variant) -> bool:
+    """Whether the Student row of ``variant`` (a ``--student`` variant, None for a model path) is a separately
+    trained ``standalone`` student: only for trained variants other than standalone itself."""
+    return variant not in (None, "pruned", "standalone")
 
 
 def _alone_student(args, student):
@@ -86,7 +92,7 @@ def _alone_student(args, student):
     from kvlab.train.command import student_choice, train_choice
 
     variant, shape = student_choice(args)
-    if variant in (None, "pruned", "standalone"):
+    if not _needs_standalone(variant):
         return student
     return load_student("standalone", shape, device=args.device, dtype=args.dtype, train_if_missing=True,
                         train=train_choice(args))
