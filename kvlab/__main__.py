@@ -1,6 +1,6 @@
 """``python -m kvlab``: runs :func:`kvlab.cli.main` and exits with its status. Touches nothing itself."""
 import sys
 
-from .cli import main
+from kvlab.cli import main
 
 sys.exit(main())

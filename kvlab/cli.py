@@ -101,7 +101,7 @@ def _alone_student(args, student):
 def cmd_baselines(args) -> list[Path]:
     from kvlab.studies.baselines import baselines, write_baselines
     from kvlab.viz.figures import render
-    from .store import RunStore
+    from kvlab.store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     teacher, student = _pair(args)
@@ -200,7 +200,7 @@ def cmd_refresh(args) -> list[Path]:
     from kvlab.refresh.forced import forced_table
     from kvlab.refresh.choice import policy_choice, single_policy_tables
     from kvlab.refresh.tables import provenance_table, refresh_tables, write_refresh
-    from .store import RunStore
+    from kvlab.store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     choice = policy_choice(getattr(args, "policy", None), getattr(args, "refresh_next", None),
@@ -299,7 +299,7 @@ def cmd_evict(args) -> list[Path]:
     from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
     from kvlab.viz.figures import render
     from kvlab.refresh.policies import Periodic
-    from .store import RunStore
+    from kvlab.store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
     n = getattr(args, "evict_prompts", None)
@@ -714,7 +714,7 @@ def main(argv=None) -> int:
         from kvlab.core.data import SET_TOKENS
 
         args.tokens = SET_TOKENS["long"] if _set_suffix(args) else args.default_tokens
-    from .store import SESSION
+    from kvlab.store import SESSION
 
     SESSION.clear()
     try:

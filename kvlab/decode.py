@@ -80,9 +80,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .cache import KVCache
-from .cache.attention import attention_modules
-from .decode_refresh import PROBE_TEACHER_UPTO, RefreshPhases, Signals, _sync  # noqa: F401 (kvlab.decode.* too)
+from kvlab.cache import KVCache
+from kvlab.cache.attention import attention_modules
+from kvlab.decode_refresh import PROBE_TEACHER_UPTO, RefreshPhases, Signals, _sync  # noqa: F401 (kvlab.decode.* too)
 from kvlab.core.compat import IncompatiblePairError, kv_compat
 from kvlab.eviction.base import EvictView, validate_evict
 from kvlab.refresh.base import policy_dict, validate_policy
@@ -632,7 +632,7 @@ class BatchDecoding:
         live.discard(b)
 
     def _steps(self) -> Iterator[tuple[int, StepRecord]]:
-        from .cache.batch import Bank
+        from kvlab.cache.batch import Bank
 
         rows = self.rows
         B = len(rows)
@@ -695,7 +695,7 @@ class BatchDecoding:
         (cache, logits)}`` and the forward's time. With fewer than two such rows, or if the forward
         fails (nothing committed: :func:`~kvlab.cache.batch.forward_rows` is all-or-nothing; the error
         goes to ``prefill_errors``), every row prefills on its own in :meth:`Decoding._start`."""
-        from .cache.batch import forward_rows
+        from kvlab.cache.batch import forward_rows
 
         rows, B = self.rows, len(self.rows)
         first = rows[0]
@@ -718,7 +718,7 @@ class BatchDecoding:
     def _step(self, order: list[int], step_of: list[int], live: set):
         """One lock-step: advance (one batched decoder forward), score per row, one batched teacher
         catch-up for the rows whose probe or refresh is due, then probe/refresh/evict per row."""
-        from .cache.batch import forward_rows
+        from kvlab.cache.batch import forward_rows
 
         rows, B, slot = self.rows, len(self.rows), self.slot
         t0 = time.perf_counter()
@@ -772,7 +772,7 @@ class BatchDecoding:
         refreshes then find their teacher logits ready (``_teacher_upto``), and their tallies get the
         tokens and the forward's time. Returns that time (0 if none ran). If the batched forward
         fails, nothing changed and every row catches up on its own in its phases."""
-        from .cache.batch import forward_rows
+        from kvlab.cache.batch import forward_rows
 
         rows, B, slot = self.rows, len(self.rows), self.slot
         todo = {}

@@ -1,9 +1,9 @@
 """The cache module: the one place that touches KV-cache tensors (:mod:`kvlab.cache.kvcache`),
 with its pure-Python token mirror (:mod:`.ledger`) and surgery planner (:mod:`.plan`). Every edit changes tensors,
 live maps and attention statistics in the same call, or nothing; no other package edits cache tensors."""
-from .kvcache import EvictReport, KVCache
-from .ledger import EventLog, Ledger, Row
-from .plan import ACTIONS, SPLICE_MODES, Block, SurgeryError, TickPlan, TickReport, plan_actions
+from kvlab.cache.kvcache import EvictReport, KVCache
+from kvlab.cache.ledger import EventLog, Ledger, Row
+from kvlab.cache.plan import ACTIONS, SPLICE_MODES, Block, SurgeryError, TickPlan, TickReport, plan_actions
 
 __all__ = ["ACTIONS", "EvictReport", "SPLICE_MODES", "Block", "EventLog", "KVCache", "Ledger", "Row", "SurgeryError",
            "TickPlan", "TickReport", "plan_actions"]

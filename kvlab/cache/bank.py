@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .storage import MIN_CAPACITY, BufferLayer, KVStore
+from kvlab.cache.storage import MIN_CAPACITY, BufferLayer, KVStore
 
 
 class Bank:
@@ -70,7 +70,7 @@ class Bank:
 
     def row_cache(self, b: int):
         """A new, empty :class:`~kvlab.cache.KVCache` over row ``b`` (its layers reset to length 0)."""
-        from .kvcache import KVCache
+        from kvlab.cache.kvcache import KVCache
 
         self._check_row(b)
         for lay in self.rows[b]:

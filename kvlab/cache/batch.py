@@ -19,9 +19,9 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import attn_fn
-from .attention import QueryCapture
-from .bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
+from kvlab.cache import attn_fn
+from kvlab.cache.attention import QueryCapture
+from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
 
 MASKS_KWARG = "kvlab_masks"
@@ -163,7 +163,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         for b in materialized:
             caches[b]._store.dematerialize()
         raise
-    from .forward import commit_append
+    from kvlab.cache.forward import commit_append
 
     for b in active:
         c = caches[b]

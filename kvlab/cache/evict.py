@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .rope import rope_of
+from kvlab.cache.rope import rope_of
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from . import attn_fn
-from .attention import QueryCapture
+from kvlab.cache import attn_fn
+from kvlab.cache.attention import QueryCapture
 from kvlab.core.compat import cache_kwarg
 
 

@@ -33,17 +33,17 @@ from typing import Callable, Mapping, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
-from . import evict as _evict
-from . import forward as _forward
-from . import splices as _splices
-from . import surgery as _surgery
-from .evict import EvictReport
-from .ledger import Ledger
-from .mirror import Mirror
-from .plan import TickReport
-from .stats import EMA_PREFILL, AttnStats
-from .storage import BufferLayer, KVStore, Storage
-from .views import CacheViews
+from kvlab.cache import evict as _evict
+from kvlab.cache import forward as _forward
+from kvlab.cache import splices as _splices
+from kvlab.cache import surgery as _surgery
+from kvlab.cache.evict import EvictReport
+from kvlab.cache.ledger import Ledger
+from kvlab.cache.mirror import Mirror
+from kvlab.cache.plan import TickReport
+from kvlab.cache.stats import EMA_PREFILL, AttnStats
+from kvlab.cache.storage import BufferLayer, KVStore, Storage
+from kvlab.cache.views import CacheViews
 
 
 class KVCache(CacheViews):

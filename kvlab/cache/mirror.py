@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .ledger import EventLog, Ledger, Row
-from .plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
+from kvlab.cache.ledger import EventLog, Ledger, Row
+from kvlab.cache.plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
 
 
 class Mirror:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .forward import rollback_append
+from kvlab.cache.forward import rollback_append
 
 
 def _copy_rows(cache, src, rows: Sequence[int]) -> dict[int, int]:

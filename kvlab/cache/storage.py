@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .int8 import Int8Layer
+from kvlab.cache.int8 import Int8Layer
 
 MIN_CAPACITY = 64
 

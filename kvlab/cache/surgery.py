@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .evict import move_to
-from .plan import SPLICE_MODES, SurgeryError, TickPlan, TickReport, plan_actions
-from .rope import rope_of
+from kvlab.cache.evict import move_to
+from kvlab.cache.plan import SPLICE_MODES, SurgeryError, TickPlan, TickReport, plan_actions
+from kvlab.cache.rope import rope_of
 from kvlab.core.compat import cache_kwarg
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .ledger import EventLog, Ledger, Row
+from kvlab.cache.ledger import EventLog, Ledger, Row
 
 
 class CacheViews:

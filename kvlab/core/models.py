@@ -376,8 +376,8 @@ from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS 
 
 def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:
     """Cached safetensors folder of the untrained pruned student for ``shape`` (built on first use)."""
-    from .data import calibration_file, load_prompts
-    from .prune import PruneShape, prune_lm
+    from kvlab.core.data import calibration_file, load_prompts
+    from kvlab.core.prune import PruneShape, prune_lm
 
     shape = PruneShape.parse(shape)
     calib = calibration_file()
@@ -399,6 +399,6 @@ def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:
 
 def student_path(ratio: float = DEFAULT_PRUNE) -> Path:
     """The untrained student pruned at MLP ``ratio`` (old name; see :func:`pruned_student_path`)."""
-    from .prune import PruneShape
+    from kvlab.core.prune import PruneShape
 
     return pruned_student_path(PruneShape(0.0, ratio))

@@ -36,7 +36,7 @@ def make_tiny_lm(seed: int = 0, intermediate_size: int = 96, num_kv_heads: int =
     leave the caller's generator alone)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .models import LM
+    from kvlab.core.models import LM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate_size,

@@ -10,18 +10,18 @@ matched-memory table and the run store's rows read it): the built-ins below, plu
 registered with :func:`register_eviction` (docs/custom_policies.md).
 """
 from kvlab.core.registry import Registry
-from .base import EvictView, Keep, drawn_stats, validate_evict
-from .block import BlockEvict
-from .confkv import ConfKV, confidence, pyramid_weights
-from .full import FullCache
-from .h2o import H2O
-from .pyramidkv import PyramidKV
-from .random_evict import RandomEvict
-from .scissorhands import Scissorhands
-from .scorer import ScorerPolicy
-from .scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
-from .sliding import SlidingWindow
-from .snapkv import SnapKV
+from kvlab.eviction.base import EvictView, Keep, drawn_stats, validate_evict
+from kvlab.eviction.block import BlockEvict
+from kvlab.eviction.confkv import ConfKV, confidence, pyramid_weights
+from kvlab.eviction.full import FullCache
+from kvlab.eviction.h2o import H2O
+from kvlab.eviction.pyramidkv import PyramidKV
+from kvlab.eviction.random_evict import RandomEvict
+from kvlab.eviction.scissorhands import Scissorhands
+from kvlab.eviction.scorer import ScorerPolicy
+from kvlab.eviction.scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
+from kvlab.eviction.sliding import SlidingWindow
+from kvlab.eviction.snapkv import SnapKV
 
 EVICTION_POLICIES = Registry("eviction", {
     "full": FullCache,

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, keep_all, layer_rows, nonneg_int, per_layer, positive_int
+from kvlab.eviction.base import EvictView, Keep, keep_all, layer_rows, nonneg_int, per_layer, positive_int
 
 SCORES = ("sum", "norm_sum")
 ANCHORS = ("mean", "alternate", "random", "zeros", "ones")

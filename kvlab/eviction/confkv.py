@@ -69,9 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, check_sinks, drawn_stats, finite_float, keep_all, layer_mean, layer_rows,
+from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, drawn_stats, finite_float, keep_all, layer_mean, layer_rows,
                    layer_stat, minmax, nonneg_int, positive_int, protected_below, sink_counts, top_slots, unit_float)
-from .base import per_layer as layer_decision
+from kvlab.eviction.base import per_layer as layer_decision
 
 MARGIN_CLIP = 10.0
 CONFIDENCE_FROM = ("raw", "drawn")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictView, Keep, keep_all
+from kvlab.eviction.base import EvictView, Keep, keep_all
 
 
 @dataclass(frozen=True)

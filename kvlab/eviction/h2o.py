@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
+from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
                    over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
-from .base import per_layer as layer_decision
+from kvlab.eviction.base import per_layer as layer_decision
 
 
 @dataclass(frozen=True)

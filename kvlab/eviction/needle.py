@@ -253,7 +253,7 @@ def matched_needle_runs(lm, cases: Sequence[NeedleCase], budget: int, store: Run
 def needle_confkv(budget: int, gamma: float = 0.9):
     """Conf-KV of the needle grid: ``tight = 3/4·budget`` on confident steps, ``loose = budget`` on
     uncertain ones, ``budget // 8`` protected, 4 sinks."""
-    from . import ConfKV
+    from kvlab.eviction import ConfKV
 
     return ConfKV(gamma=gamma, tight=budget * 3 // 4, loose=budget, protect=budget // 8, sinks=4)
 
@@ -264,7 +264,7 @@ def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size
     (4 sinks, ``budget // 8`` recent) hold ``B`` from the first step on, so ``B = round(mean_len)``;
     block eviction sits in ``[max, max + bs - 1]``, mean ``max + (bs - 1)/2``; SnapKV cuts the prompt
     once to ``b`` and appends, mean ``b + (steps - 1)/2``."""
-    from . import H2O, BlockEvict, SlidingWindow, SnapKV
+    from kvlab.eviction import H2O, BlockEvict, SlidingWindow, SnapKV
 
     b = max(budget // 8 + 6, round(mean_len))
     rec = budget // 8
@@ -352,7 +352,7 @@ def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> di
     ``budget - ANSWER_TOKENS`` entries (observation window ``budget // 8``), so the answer's last step
     also sees at most ``budget``. PyramidKV keeps the same number *on average over layers* (the same
     total memory as SnapKV): its lower layers keep more than ``budget``, its upper layers fewer."""
-    from . import H2O, BlockEvict, ConfKV, PyramidKV, SlidingWindow, SnapKV
+    from kvlab.eviction import H2O, BlockEvict, ConfKV, PyramidKV, SlidingWindow, SnapKV
 
     rec = budget // 4
     rb = max(1, rec // block_size)

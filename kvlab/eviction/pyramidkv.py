@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictView, Keep, check_observation_window, keep_all, layer_rows, per_layer, positive_int
-from .snapkv import SnapKV
+from kvlab.eviction.base import EvictView, Keep, check_observation_window, keep_all, layer_rows, per_layer, positive_int
+from kvlab.eviction.snapkv import SnapKV
 
 
 @dataclass(frozen=True)

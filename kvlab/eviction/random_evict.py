@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictView, Keep, check_sinks, keep_all, nonneg_int, positive_int, protected_below, sink_counts, unit_float
+from kvlab.eviction.base import EvictView, Keep, check_sinks, keep_all, nonneg_int, positive_int, protected_below, sink_counts, unit_float
 
 
 @dataclass(frozen=True)

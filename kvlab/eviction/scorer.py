@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_rows, nonneg_int, over_budget,
+from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_rows, nonneg_int, over_budget,
                    per_layer, positive_int, sink_counts, top_and_recent_layers)
 
 SIGNATURE = "score(module, hidden_states, keys, values, attentions, kwargs) -> (B, H_kv, T)"

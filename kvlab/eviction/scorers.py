@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import check_observation_window, check_sinks
-from .scorer import ScoredEviction
+from kvlab.eviction.base import check_observation_window, check_sinks
+from kvlab.eviction.scorer import ScoredEviction
 
 
 @dataclass(frozen=True)

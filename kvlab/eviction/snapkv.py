@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import (EvictView, Keep, check_bool, check_observation_window, keep_all, layer_rows, layer_stat,
+from kvlab.eviction.base import (EvictView, Keep, check_bool, check_observation_window, keep_all, layer_rows, layer_stat,
                    over_budget, top_slots)
-from .base import per_layer as layer_decision
+from kvlab.eviction.base import per_layer as layer_decision
 
 
 @dataclass(frozen=True)

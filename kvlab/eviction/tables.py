@@ -219,7 +219,7 @@ class EvictStudy:
             raise ValueError(f"gammas={self.gammas!r} must lie in [0, 1] (the γ sweep)")
 
     def confkv(self, **kw):
-        from . import ConfKV
+        from kvlab.eviction import ConfKV
 
         kw = {"sinks": self.sinks, "gamma": self.gamma, "pyramid_ratio": self.pyramid_ratio, **kw}
         return ConfKV(tight=self.tight, loose=self.loose, protect=self.protect, **kw)
@@ -232,7 +232,7 @@ class EvictStudy:
         Only ``run_families`` run (default: all of them; a smaller set for quick runs). ``confkv_fixed`` is the confidence-off control: Conf-KV's ranker (sinks, protect, λ, EMA) at
         one fixed budget (γ = 0: every step takes ``tight = knob``). Policies registered with
         ``kvlab.register_eviction`` are families too (knob: their budget); ``only`` picks any of them by name."""
-        from . import EVICTION_POLICIES, H2O, BlockEvict, ConfKV, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
+        from kvlab.eviction import EVICTION_POLICIES, H2O, BlockEvict, ConfKV, PyramidKV, RandomEvict, Scissorhands, SlidingWindow, SnapKV
 
         bs, rec, k = self.block_size, self.protect, self.sinks
         lo = rec + k + 1
@@ -266,7 +266,7 @@ class EvictStudy:
 
     def ablations(self) -> dict[str, object]:
         """Conf-KV's schedule with other rankers (the paper's isolation study) and its storage variants."""
-        from . import ConfKV
+        from kvlab.eviction import ConfKV
 
         out = {"confkv": self.confkv()}
         names = set(ConfKV.__dataclass_fields__)
@@ -345,7 +345,7 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
         bar.update()
     target = _mean_mb(runs["confkv"])
     rate = eviction_rate([r["steps"] for r in runs["confkv"]], study.tight)
-    from . import RandomEvict
+    from kvlab.eviction import RandomEvict
 
     rnd = RandomEvict(budget=study.tight, recent=study.protect, seed=0, rate=round(max(rate, 1e-3), 4),
                       sinks=study.sinks)
@@ -524,7 +524,7 @@ def sawtooth_runs(teacher, student, spec: RunSpec, store: RunStore, policies: di
     with a refresh policy (eviction composed with refresh) when ``refresh`` and a student are given.
     ``names`` default: :data:`SAWTOOTH_POLICIES` and every policy registered with ``kvlab.register_eviction``."""
     if names is None:
-        from . import EVICTION_POLICIES
+        from kvlab.eviction import EVICTION_POLICIES
 
         names = (*SAWTOOTH_POLICIES, *EVICTION_POLICIES.user())
     out = {n: scored_run(teacher, None, spec.prompts[0], _cfg(spec, 0, policies[n]), store)
@@ -550,7 +550,7 @@ class NeedleGrid:
     seed: int = 0
 
     def __post_init__(self):
-        from .needle import check_grid
+        from kvlab.eviction.needle import check_grid
 
         check_grid(self.lengths, self.depths, self.reps, self.budget)
 
@@ -559,7 +559,7 @@ def evict_tables(teacher, student, spec: RunSpec, store: RunStore, study: EvictS
                  grid: NeedleGrid | None = NeedleGrid(), refresh=None,
                  progress: bool = True) -> dict[str, pd.DataFrame]:
     """Every table of ``python -m kvlab evict`` from stored runs (computed where missing)."""
-    from . import needle
+    from kvlab.eviction import needle
 
     per_run, info, pols = matched_runs(teacher, spec, store, study, progress)
     matched = matched_table(per_run, info)
@@ -632,7 +632,7 @@ def int8_error_table(lm, prompts: Sequence[str], window: int, group: int = INT8_
 
 def write_evict(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown of every table; ``evict_needle.md`` holds the two accuracy pivots."""
-    from .needle import needle_markdown
+    from kvlab.eviction.needle import needle_markdown
 
     out = Path(out)
     paths = []

@@ -7,10 +7,10 @@ store (keyed like the tables' runs) and, on export, files under ``./playground-e
 * :class:`Stepper` — step-through over one :class:`~kvlab.decode.Decoding`.
 * :class:`Settings` — every control, checked per control (:func:`check`).
 """
-from .controller import READOUTS, LivePoint, Playground, Progress, Shown, readouts
-from .runner import Cancelled, ModelGate, Runner
-from .settings import POLICIES, RANGES, Range, Settings, check, decode_config
-from .stepper import SettingsError, Stepper, StepView
+from kvlab.playground.controller import READOUTS, LivePoint, Playground, Progress, Shown, readouts
+from kvlab.playground.runner import Cancelled, ModelGate, Runner
+from kvlab.playground.settings import POLICIES, RANGES, Range, Settings, check, decode_config
+from kvlab.playground.stepper import SettingsError, Stepper, StepView
 
 __all__ = ["Cancelled", "LivePoint", "ModelGate", "POLICIES", "Playground", "Progress", "RANGES", "READOUTS", "Range",
            "Runner", "Settings", "SettingsError", "Shown", "StepView", "Stepper", "check", "decode_config", "readouts"]

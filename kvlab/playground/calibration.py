@@ -12,8 +12,8 @@ import math
 from dataclasses import replace
 
 from kvlab.studies.experiment import run_config, scored_run
-from .settings import Range, Settings, check, percentile_of
-from .students import StudentPool
+from kvlab.playground.settings import Range, Settings, check, percentile_of
+from kvlab.playground.students import StudentPool
 
 MC_NEVER = 1e30          # an MC gate threshold no signal reaches (calibration runs probe but never refresh)
 MC_PERCENTILE = 90.0     # the MC threshold a newly chosen signal starts at (calibrated percentile)

@@ -4,9 +4,9 @@ model vocabulary, eviction policies, slider ranges and students, plus what only 
 """
 from __future__ import annotations
 
-from .settings import Settings, check
-from .spread import pairs
-from .students import StudentPool
+from kvlab.playground.settings import Settings, check
+from kvlab.playground.spread import pairs
+from kvlab.playground.students import StudentPool
 
 
 class SettingsChecker:

@@ -5,8 +5,8 @@ Keeps pins in memory; the timing decodes without storing anything.
 """
 from __future__ import annotations
 
-from .settings import Settings, decode_config, sampling_of
-from .shown import Shown
+from kvlab.playground.settings import Settings, decode_config, sampling_of
+from kvlab.playground.shown import Shown
 
 MAX_PINS = 4
 

@@ -27,18 +27,18 @@ import time
 from typing import Callable
 
 from kvlab.store import RunStore
-from .calibration import MC_NEVER, MC_PERCENTILE, Calibrator, nice_range
-from .checks import SettingsChecker
-from .compare import MAX_PINS, Pins, check_repeats
-from .inspection import Inspection
-from .jobs import Jobs
-from .lookups import Lookups
-from .reader import RunReader
-from .runner import Cancelled, ModelGate, Runner
-from .settings import RANGES, Settings, check, eviction_policies, normalize
-from .shown import READOUTS, LivePoint, Progress, Shown, describe, fmt, readouts
-from .spread import Spread, pairs
-from .students import StudentPool, load_variant
+from kvlab.playground.calibration import MC_NEVER, MC_PERCENTILE, Calibrator, nice_range
+from kvlab.playground.checks import SettingsChecker
+from kvlab.playground.compare import MAX_PINS, Pins, check_repeats
+from kvlab.playground.inspection import Inspection
+from kvlab.playground.jobs import Jobs
+from kvlab.playground.lookups import Lookups
+from kvlab.playground.reader import RunReader
+from kvlab.playground.runner import Cancelled, ModelGate, Runner
+from kvlab.playground.settings import RANGES, Settings, check, eviction_policies, normalize
+from kvlab.playground.shown import READOUTS, LivePoint, Progress, Shown, describe, fmt, readouts
+from kvlab.playground.spread import Spread, pairs
+from kvlab.playground.students import StudentPool, load_variant
 
 
 class Playground(Lookups):
@@ -261,7 +261,7 @@ class Playground(Lookups):
 
     def stepper(self):
         """A :class:`~kvlab.playground.stepper.Stepper` over the current settings (shares the models)."""
-        from .stepper import Stepper
+        from kvlab.playground.stepper import Stepper
 
         return Stepper(self)
 

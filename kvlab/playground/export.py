@@ -10,7 +10,7 @@ import csv
 import time
 from pathlib import Path
 
-from .controller import READOUTS
+from kvlab.playground.controller import READOUTS
 
 TEACHER, STUDENT, BASE, REFRESH = "#1b9e77", "#d95f02", "#9e9e9e", "#e7298a"
 PIN_COLORS = ("#1f77b4", "#9467bd", "#8c564b", "#17becf")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlab.eviction.inspector import STAT_LABELS, CacheInspector, score_stat, survival_figure, tokens_html
-from .settings import NO_EVICTION, Settings, eviction_policy
+from kvlab.playground.settings import NO_EVICTION, Settings, eviction_policy
 
 NOTHING = ("nothing to inspect: the full cache keeps every prompt and generated token on every layer "
            "(choose an eviction policy to see which tokens each layer drops)")

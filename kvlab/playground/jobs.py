@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from .calibration import MC_PERCENTILE
-from .compare import time_vs_baseline
-from .inspection import Inspection, recorder, same_tokens_note
-from .settings import PRUNED, Settings, decode_config
-from .shown import LivePoint, Progress, readouts
-from .spread import Spread, pairs, spread_stats
+from kvlab.playground.calibration import MC_PERCENTILE
+from kvlab.playground.compare import time_vs_baseline
+from kvlab.playground.inspection import Inspection, recorder, same_tokens_note
+from kvlab.playground.settings import PRUNED, Settings, decode_config
+from kvlab.playground.shown import LivePoint, Progress, readouts
+from kvlab.playground.spread import Spread, pairs, spread_stats
 
 
 class Jobs:

@@ -9,7 +9,7 @@ It touches nothing itself: a calibration that is not stored yet is decoded (and 
 """
 from __future__ import annotations
 
-from .settings import Range, Settings
+from kvlab.playground.settings import Range, Settings
 
 
 class Lookups:

@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     from kvlab.core.data import calibration_file, load_prompts
     from kvlab.train.pair import load_pair
     from kvlab.store import RunStore
-    from . import Playground, Settings
+    from kvlab.playground import Playground, Settings
 
     hf_logging.disable_progress_bar()
     teacher, student = load_pair(device=args.device)
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
                     settings=Settings(prompt=load_prompts()[0]["prompt"], policy="entropy", N=args.tokens),
                     calib_prompts=[r["prompt"] for r in load_prompts(calibration_file(), n=1)], calib_tokens=args.tokens)
     try:
-        from .view import PlaygroundView
+        from kvlab.playground.view import PlaygroundView
         view = PlaygroundView(pg)
     except ImportError:
         view = None

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from kvlab.studies.experiment import run_config, scored_run, scored_runs
 from kvlab.store import run_key
-from .settings import Settings, decode_config, refresh_policy
-from .shown import Shown, readouts
-from .students import StudentPool
-from .why import refresh_reasons, same_tokens_note
+from kvlab.playground.settings import Settings, decode_config, refresh_policy
+from kvlab.playground.shown import Shown, readouts
+from kvlab.playground.students import StudentPool
+from kvlab.playground.why import refresh_reasons, same_tokens_note
 
 
 class RunReader:

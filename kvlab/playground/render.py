@@ -8,9 +8,9 @@ from __future__ import annotations
 import html
 
 from kvlab.studies.experiment import MIN_PAIRS
-from .shown import READOUTS, Shown, fmt
-from .spread import Spread
-from .why import PPL_NOTE
+from kvlab.playground.shown import READOUTS, Shown, fmt
+from kvlab.playground.spread import Spread
+from kvlab.playground.why import PPL_NOTE
 
 TEACHER, STUDENT, BASE, REFRESH = "#1b9e77", "#d95f02", "#9e9e9e", "#e7298a"
 PIN_COLORS = ("#1f77b4", "#9467bd", "#8c564b", "#17becf")

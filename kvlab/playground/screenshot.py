@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .browser import REPO, chromium, open_page, serve, type_slider, wait_key_change
+from kvlab.playground.browser import REPO, chromium, open_page, serve, type_slider, wait_key_change
 
 PAGE_TIMEOUT_MS = 900_000
 

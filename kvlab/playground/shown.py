@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .settings import EVICT_PARAMS, POLICY_PARAMS, Settings
+from kvlab.playground.settings import EVICT_PARAMS, POLICY_PARAMS, Settings
 
 # (name, label, format) of every readout, in display order. "g3": three significant digits (one run is
 # one sample: more digits would claim a precision it does not have). No readout compares times of two

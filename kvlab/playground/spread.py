@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .settings import Settings
+from kvlab.playground.settings import Settings
 
 # readouts averaged over pairs (every readout that is a number per run)
 SPREAD_READOUTS = ("teacher_ppl", "kl", "repeat3", "refreshes", "teacher_tokens_pct", "teacher_time_pct", "cache_kib")

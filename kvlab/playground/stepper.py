@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvlab.decode import Decoding, StepRecord
-from .settings import Settings, decode_config
-from .why import reason
+from kvlab.playground.settings import Settings, decode_config
+from kvlab.playground.why import reason
 
 
 class SettingsError(ValueError):

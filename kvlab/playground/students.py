@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .settings import PRUNED, Settings
+from kvlab.playground.settings import PRUNED, Settings
 
 
 def student_variants_offered() -> tuple:
@@ -91,7 +91,7 @@ class StudentPool:
 
     def __init__(self, teacher, students=None, student=None, initial: Settings | None = None, prune_ratios=None,
                  variants=None):
-        from .settings import PRUNE_RATIOS
+        from kvlab.playground.settings import PRUNE_RATIOS
 
         self.teacher = teacher
         self._models: dict[tuple, object] = {}

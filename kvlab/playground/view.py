@@ -22,14 +22,14 @@ import threading
 
 import ipywidgets as W
 
-from .compare import MAX_PINS
-from .controller import Playground
-from .render import PIN_COLORS, live_map_html
-from .view_controls import ControlPanel, PrecomputeRow
-from .view_inspect import InspectPanel
-from .view_plot import PLOT_THROTTLE_S, T_PIN0, ExplorePlot, on_kernel_loop
-from .view_results import ResultsPanel
-from .view_step import StepPanel
+from kvlab.playground.compare import MAX_PINS
+from kvlab.playground.controller import Playground
+from kvlab.playground.render import PIN_COLORS, live_map_html
+from kvlab.playground.view_controls import ControlPanel, PrecomputeRow
+from kvlab.playground.view_inspect import InspectPanel
+from kvlab.playground.view_plot import PLOT_THROTTLE_S, T_PIN0, ExplorePlot, on_kernel_loop
+from kvlab.playground.view_results import ResultsPanel
+from kvlab.playground.view_step import StepPanel
 
 
 class PlaygroundView:

@@ -12,8 +12,8 @@ import math
 
 import ipywidgets as W
 
-from .render import esc
-from .settings import EVICT_PARAMS, MC_SIGNALS, NO_EVICTION, POLICIES, POLICY_LABELS, POLICY_PARAMS, SAMPLINGS
+from kvlab.playground.render import esc
+from kvlab.playground.settings import EVICT_PARAMS, MC_SIGNALS, NO_EVICTION, POLICIES, POLICY_LABELS, POLICY_PARAMS, SAMPLINGS
 
 _LABELS = {"T": "T (period)", "W": "W (window, 0=∞)", "tau_bits": "τ (bits)", "M": "M (probe every)",
            "kappa": "κ (nats)", "k": "k (burst)", "mc_threshold": "MC threshold", "mc_every": "MC every",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .render import esc, inspect_html, png_html
+from kvlab.playground.render import esc, inspect_html, png_html
 
 
 class InspectPanel:

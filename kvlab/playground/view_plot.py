@@ -12,9 +12,9 @@ import time
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .compare import MAX_PINS
-from .render import BASE, PIN_COLORS, REFRESH, STUDENT, TEACHER
-from .shown import LivePoint, Shown
+from kvlab.playground.compare import MAX_PINS
+from kvlab.playground.render import BASE, PIN_COLORS, REFRESH, STUDENT, TEACHER
+from kvlab.playground.shown import LivePoint, Shown
 
 _WRITER_SCALE = [[0.0, STUDENT], [0.5, STUDENT], [0.5, TEACHER], [1.0, TEACHER]]
 # trace indices of the Explore figure

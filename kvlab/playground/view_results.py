@@ -8,8 +8,8 @@ import html
 
 import ipywidgets as W
 
-from .render import REFRESH, TEACHER, esc, spread_html, status_html, table_html, text_html, timing_html, why_html
-from .shown import Progress, Shown, fmt
+from kvlab.playground.render import REFRESH, TEACHER, esc, spread_html, status_html, table_html, text_html, timing_html, why_html
+from kvlab.playground.shown import Progress, Shown, fmt
 
 _LEGEND = (f"<small><span style='background:{TEACHER}33'>teacher-written entry (refreshed)</span> · "
            f"<u>token drawn from the teacher</u> · <b style='color:{REFRESH}'>⟳</b> refresh after this token · "
@@ -64,7 +64,7 @@ class ResultsPanel:
             self.set_status(f"⚠ {e}")
 
     def _export(self) -> None:
-        from .export import export_view
+        from kvlab.playground.export import export_view
 
         try:
             paths = export_view(self.pg)

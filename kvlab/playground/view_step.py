@@ -9,9 +9,9 @@ import time
 
 import ipywidgets as W
 
-from .render import esc, live_map_html, step_info_html, step_text_html
-from .settings import POLICY_LABELS
-from .stepper import SettingsError, Stepper
+from kvlab.playground.render import esc, live_map_html, step_info_html, step_text_html
+from kvlab.playground.settings import POLICY_LABELS
+from kvlab.playground.stepper import SettingsError, Stepper
 
 _OVER = "<small>the run is over: Reset to start again</small>"
 

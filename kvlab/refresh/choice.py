@@ -15,8 +15,8 @@ import pandas as pd
 
 from kvlab.decode import REFRESH_NEXT, DecodeConfig
 from kvlab.studies.experiment import RunSpec, run_policies
-from .policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
-from .tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary,
+from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
+from kvlab.refresh.tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary,
                      with_forced)
 from kvlab.store import RunStore
 

@@ -182,7 +182,7 @@ class ForcedDecoding(Decoding):
 def _fast_path(config) -> bool:
     """Configs :func:`forced_scores` computes in a few batched forwards: no eviction, and no refresh or
     a fixed-schedule full refresh (``Periodic(T)`` with no window, ``refresh_next="rerun"``)."""
-    from .policies import Periodic
+    from kvlab.refresh.policies import Periodic
 
     if config.evict is not None or config.rebuild_student_cache:
         return False

@@ -20,8 +20,8 @@ import pandas as pd
 
 from kvlab.decode import DecodeConfig, run
 from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, scored_run, scored_runs, write_table
-from .policies import EntropyGate, Periodic, ProbeKL, Speculative
-from .base import run_costs, tau_for_budget, tau_from_percentile
+from kvlab.refresh.policies import EntropyGate, Periodic, ProbeKL, Speculative
+from kvlab.refresh.base import run_costs, tau_for_budget, tau_from_percentile
 from kvlab.store import RunStore
 
 BLOG_N = 1200
@@ -242,7 +242,7 @@ def with_forced(teacher, student, spec: RunSpec, cfgs: dict, store: RunStore, pe
                 progress: bool = False) -> pd.DataFrame:
     """``per_run`` with ``kl_forced`` / ``nll_forced`` / ``distinct2`` per run (kvlab.refresh.forced: every
     policy scored on the teacher's stored reference continuation, refreshing at its own steps on it)."""
-    from .forced import forced_columns
+    from kvlab.refresh.forced import forced_columns
 
     if progress:
         print(f"forced scores: {len(cfgs)} configurations × {len(spec.prompts)} prompts on the teacher's reference "
@@ -281,7 +281,7 @@ CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
     from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE, MDE_NOTE
-    from .forced import DISTINCT_NOTE, FORCED_NOTE, FORCED_SCORE_NOTE
+    from kvlab.refresh.forced import DISTINCT_NOTE, FORCED_NOTE, FORCED_SCORE_NOTE
 
     paths = []
     for name, df in tables.items():
@@ -315,7 +315,7 @@ def provenance_table(teacher, student, spec: RunSpec, T: int | None = None, prog
     cache equal to the teacher's over its window): one row per (condition, step) with the writers
     as a string (``T`` teacher, ``S`` student) — the table behind the ``refresh_provenance`` figure."""
     from kvlab.decode import Decoding
-    from .base import provenance
+    from kvlab.refresh.base import provenance
 
     T = T or min(periods_for(spec.tokens))
     W = max(1, T // 2)

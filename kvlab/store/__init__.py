@@ -9,8 +9,8 @@ can migrate them.
 """
 from __future__ import annotations
 
-from .legacy import read_json_runs
-from .results import SESSION, CodeVersionMismatch, Store, StoredRun, StoreStats, default_root, run_key
+from kvlab.store.legacy import read_json_runs
+from kvlab.store.results import SESSION, CodeVersionMismatch, Store, StoredRun, StoreStats, default_root, run_key
 
 RunStore = Store
 

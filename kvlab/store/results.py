@@ -56,7 +56,7 @@ from urllib.parse import quote, unquote
 
 import pandas as pd
 
-from . import provenance
+from kvlab.store import provenance
 
 ROWS, TRACES, COMPACT, TAGS = "rows", "traces", "compact", "tags"
 AUTO_COMPACT = 512   # loose row files above which load() compacts
@@ -253,7 +253,7 @@ class Store:
                 f"refused a run computed by kvlab code version {meta.get('code_version')!r} (this process runs "
                 f"{provenance.CODE_VERSION!r}): the worker runs other code; ship this code to it "
                 "(the Ray engine does so with a runtime_env) or update it")
-        from .rows import build_row, trace_frame
+        from kvlab.store.rows import build_row, trace_frame
 
         config = _canon(config)
         key = run_key(config)
@@ -267,7 +267,7 @@ class Store:
     def put_error(self, key: str, columns: dict, error: str, *, meta: dict | None = None, tags=()) -> str:
         """Record a run that failed (status ``error``): a row only, never reused; a later success
         under the same key replaces it."""
-        from .rows import meta_columns
+        from kvlab.store.rows import meta_columns
 
         meta = meta if meta is not None else provenance.stamp()
         row = {"run_key": key, **columns, **meta_columns(meta), "status": "error", "error": error,
@@ -472,7 +472,7 @@ class Store:
         root) that were written by this code version: each becomes a run of this store (same
         result and provenance; nothing is rerun). Returns how many were imported. Files of other
         code versions are skipped: their runs would not be reused anyway."""
-        from .legacy import read_json_runs
+        from kvlab.store.legacy import read_json_runs
 
         n = 0
         have = self.ok_keys()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvlab.decode import DecodeConfig
-from .experiment import RunSpec, paired_bootstrap, run_policies, summarize, write_table
+from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, summarize, write_table
 from kvlab.store import RunStore
 
 POLICIES = {

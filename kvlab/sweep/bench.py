@@ -29,7 +29,7 @@ QUALITY = ["tokens", "teacher_ppl", "kl", "repeat3", "tail_logprob", "refreshes"
 
 
 def bench_grid(tokens: int = 16, prompts: int = 4, models: str = "embedded", device=None, dtype=None, seed: int = 0):
-    from .spec import parse_spec
+    from kvlab.sweep.spec import parse_spec
 
     data = {"name": "bench", "prompts": {"count": prompts}, "run": {"modes": ["overfill"], "tokens": tokens},
             "sampling": {"seed": seed}, "models": {"kind": models}, "refresh": {"periodic": {"T": [4, 8]}}}
@@ -42,7 +42,7 @@ def bench_grid(tokens: int = 16, prompts: int = 4, models: str = "embedded", dev
 
 def _measure(engine, spec, warm, root: Path) -> dict:
     from kvlab.store.results import Results
-    from .runner import run_sweep
+    from kvlab.sweep.runner import run_sweep
 
     t0 = time.perf_counter()
     run_sweep(warm, store=Results(root / "warm"), progress=False, engine_obj=engine)
@@ -60,8 +60,8 @@ def bench_sweep(tokens: int = 16, prompts: int = 4, workers: int = 2, models: st
                 device=None, dtype=None) -> str:
     import torch
 
-    from .engines import LocalEngine, ProcessEngine, RayEngine
-    from .task import PairCache
+    from kvlab.sweep.engines import LocalEngine, ProcessEngine, RayEngine
+    from kvlab.sweep.task import PairCache
 
     spec = bench_grid(tokens, prompts, models, device, dtype)
     warm = bench_grid(tokens, max(1, min(prompts, workers)), models, device, dtype, seed=1000)

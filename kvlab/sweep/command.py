@@ -58,7 +58,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 def overrides(args) -> dict:
     """The flags as a TOML-shaped dict (only flags that were given)."""
-    from .spec import parse_policy_flag
+    from kvlab.sweep.spec import parse_policy_flag
 
     o: dict = {}
 
@@ -99,7 +99,7 @@ def overrides(args) -> dict:
 
 
 def spec_from_args(args):
-    from .spec import load_spec, parse_spec
+    from kvlab.sweep.spec import load_spec, parse_spec
 
     o = overrides(args)
     if args.grid is not None:
@@ -112,10 +112,10 @@ def spec_from_args(args):
 
 def cmd_sweep(args):
     from kvlab.store.results import Store
-    from .engines import LocalEngine
-    from .runner import key_tasks, pending, run_sweep
+    from kvlab.sweep.engines import LocalEngine
+    from kvlab.sweep.runner import key_tasks, pending, run_sweep
 
-    from .students import check_trained
+    from kvlab.sweep.students import check_trained
 
     from kvlab.studies.experiment import check_batch
 
@@ -166,7 +166,7 @@ def cmd_sweep(args):
 
 def cmd_figures_from_results(args):
     from kvlab.store.results import Store
-    from .tables import write_from_results
+    from kvlab.sweep.tables import write_from_results
 
     store = Store(args.runs)
     if args.import_runs is not None:

@@ -17,8 +17,8 @@ import socket
 import time
 from typing import Callable, Iterable
 
-from .spec import Task
-from .task import PairCache, execute, execute_chunk, failed, probe, run_chunk
+from kvlab.sweep.spec import Task
+from kvlab.sweep.task import PairCache, execute, execute_chunk, failed, probe, run_chunk
 
 PROCESS_PAIRS = PairCache()          # the driver process's pairs (local engine), reused across sweeps
 

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvlab.store.results import CodeVersionMismatch, Store
-from .engines import make_engine
-from .spec import GridSpec, Task
-from .task import execute, execute_chunk
+from kvlab.sweep.engines import make_engine
+from kvlab.sweep.spec import GridSpec, Task
+from kvlab.sweep.task import execute, execute_chunk
 
 
 @dataclass
@@ -134,8 +134,8 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
 
     from kvlab.studies.experiment import stored_config
     from kvlab.store.rows import config_columns
-    from .students import check_trained
-    from .task import student_columns
+    from kvlab.sweep.students import check_trained
+    from kvlab.sweep.task import student_columns
 
     from kvlab.studies.experiment import check_batch
 

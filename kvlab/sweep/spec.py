@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.decode import MODES, REFRESH_NEXT, DecodeConfig, Sampling
-from .families import SECTIONS, parameters, required
-from .students import StudentChoice, parse_students
-from .values import SpecError, _check_keys, _err, expand_values
+from kvlab.sweep.families import SECTIONS, parameters, required
+from kvlab.sweep.students import StudentChoice, parse_students
+from kvlab.sweep.values import SpecError, _check_keys, _err, expand_values
 
 REPEAT_STRIDE = 10_000      # seed of (prompt i, repeat r) = seed + i + REPEAT_STRIDE * r
 DEFAULT_PROMPTS = 8

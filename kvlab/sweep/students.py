@@ -53,7 +53,7 @@ class StudentChoice:
 
 
 def _err(key: str, msg: str):
-    from .values import SpecError
+    from kvlab.sweep.values import SpecError
 
     return SpecError(f"grid spec key {key!r}: {msg}")
 
@@ -72,7 +72,7 @@ def _shape_flag(value, key: str) -> str:
 def parse_students(run: dict, kind: str, custom_student: str | None) -> tuple:
     """The student axis of a ``[run]`` table: a tuple of :class:`StudentChoice` (``(None,)`` when
     ``[models] student`` names the student model). Raises ``SpecError`` naming the key."""
-    from .values import expand_values
+    from kvlab.sweep.values import expand_values
 
     given = [k for k in ("student", "prune", "student_ratio") if k in run]
     if custom_student is not None:

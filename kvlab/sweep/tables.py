@@ -50,7 +50,7 @@ def no_evict(df: pd.DataFrame) -> pd.DataFrame:
 def family(df: pd.DataFrame) -> pd.Series:
     """A row's policy family: its policies' families joined by ``+`` (e.g. ``periodic``, ``h2o``,
     ``periodic+sliding``), or the mode for a run without policies."""
-    from .families import SECTIONS
+    from kvlab.sweep.families import SECTIONS
 
     parts = [df[s].fillna("none").astype(str) if s in df else pd.Series("none", index=df.index) for s in SECTIONS]
     out = pd.Series("", index=df.index, dtype=object)

@@ -15,8 +15,8 @@ import platform
 import time
 import traceback
 
-from .spec import ModelSpec, Task
-from .students import StudentChoice
+from kvlab.sweep.spec import ModelSpec, Task
+from kvlab.sweep.students import StudentChoice
 
 # --------------------------------------------------------------------------- models
 

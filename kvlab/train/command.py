@@ -10,7 +10,7 @@ import argparse
 
 def add_student_arguments(p: argparse.ArgumentParser) -> None:
     """``--student`` (variant or hub id/folder) and ``--prune`` (the embedded student's shape)."""
-    from .config import DEFAULT_SHAPE, DEFAULT_VARIANT, RECIPES, STUDENT_VARIANTS   # torch-free: --help stays fast
+    from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, RECIPES, STUDENT_VARIANTS   # torch-free: --help stays fast
 
     p.add_argument("--student", default=None,
                    help=f"embedded student: {' | '.join(STUDENT_VARIANTS)} (default {DEFAULT_VARIANT}; trained ones are "
@@ -60,7 +60,7 @@ def student_choice(args):
 def train_choice(args):
     """The ``TrainConfig`` the embedded trained students come from: ``--train-recipe``'s (default
     ``DEFAULT_TRAIN``), with ``--train-steps N`` that recipe run for N steps (ValueError naming the flag)."""
-    from .config import RECIPES
+    from kvlab.train.config import RECIPES
 
     name = getattr(args, "train_recipe", None) or "default"
     if name not in RECIPES:
@@ -76,7 +76,7 @@ def train_choice(args):
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from kvlab.core.args import positive_int
-    from .config import DEFAULT_TRAIN as D
+    from kvlab.train.config import DEFAULT_TRAIN as D
 
     p.add_argument("--student", nargs="+", default=["standalone", "overfill", "refresh-aware"],
                    help="variant(s) to train: standalone | overfill | refresh-aware")
@@ -108,7 +108,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def train_config(args):
-    from .config import DEFAULT_TRAIN
+    from kvlab.train.config import DEFAULT_TRAIN
 
     return DEFAULT_TRAIN.replace(steps=args.steps, batch=args.batch, lr=args.lr, ce_weight=args.ce_weight,
                                  seed=args.seed, train_prompts=args.train_prompts, heldout=args.heldout,
@@ -120,8 +120,8 @@ def cmd_train_student(args) -> list:
     """Train every ``--student`` variant at ``--prune`` (cached: a second call returns at once)."""
     from kvlab.core.models import DEFAULT_SHAPE, resolve_device
     from kvlab.train.pair import check_student
-    from .config import TRAINED_VARIANTS
-    from .weights import train_student
+    from kvlab.train.config import TRAINED_VARIANTS
+    from kvlab.train.weights import train_student
 
     for v in args.student:
         if v not in TRAINED_VARIANTS:
@@ -131,7 +131,7 @@ def cmd_train_student(args) -> list:
     resolve_device(args.device)
     if args.ship and not cfg.lora_rank:
         raise ValueError("--ship needs LoRA students (--lora-rank > 0): full-weight students are too large to ship")
-    from .plan import announce
+    from kvlab.train.plan import announce
 
     announce(args.student, shape, cfg, resolve_device(args.device), use_shipped=False)
     paths = []
@@ -140,7 +140,7 @@ def cmd_train_student(args) -> list:
                              checkpoint_s=args.checkpoint_s)
         print(f"{v} {shape.flag}: {path}", flush=True)
         if args.ship:
-            from .shipped import ship
+            from kvlab.train.shipped import ship
 
             e = ship(v, shape, cfg)
             print(f"  shipped: kvlab/train/shipped/{e['file']} (sha256 {e['sha256'][:12]}…, held-out KL "

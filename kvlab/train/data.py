@@ -133,7 +133,7 @@ def load_train_prompts(n: int | None = None, path=None) -> list[dict]:
     import random
 
     from kvlab.core.data import load_prompts
-    from .prompts import train_prompts_file
+    from kvlab.train.prompts import train_prompts_file
 
     rows = load_prompts(path if path is not None else train_prompts_file())
     if n is None:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .config import HISTORY_VERSION
-from .data import Example
+from kvlab.train.config import HISTORY_VERSION
+from kvlab.train.data import Example
 
 MAX_SKIPS = 32          # turns skipped (too long for `hi`) before an example settles for what it has
 PART = 32               # examples per part file: an interrupted build resumes from the last finished part
@@ -158,7 +158,7 @@ def history_data(cfg, teacher, train_ex: list[Example], held: list[Example], *, 
                  progress: bool = True) -> tuple[list[Example] | None, list[Example]]:
     """(training history examples aligned with ``train_ex`` — example ``i`` ends in ``train_ex[i]``'s prompt —
     or None without ``train``; held-out long examples, one per ``held`` prompt), turns from ``train_ex``."""
-    from .data import load_train_prompts
+    from kvlab.train.data import load_train_prompts
 
     texts = {r["id"]: r["prompt"] for r in load_train_prompts(cfg.train_prompts)}
     lo, hi = cfg.history_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import DEFAULT_TRAIN, TrainConfig
+from kvlab.train.config import DEFAULT_TRAIN, TrainConfig
 
 
 def _shape(shape):
@@ -15,7 +15,7 @@ def _shape(shape):
 
 def train_data_key(cfg: TrainConfig) -> str:
     from kvlab.core.models import TEACHER_NAME
-    from .data import data_key, load_train_prompts
+    from kvlab.train.data import data_key, load_train_prompts
 
     return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 
-from .config import BASE_TRAIN     # the recipe every point's overrides apply to (80 steps, history 0)
+from kvlab.train.config import BASE_TRAIN     # the recipe every point's overrides apply to (80 steps, history 0)
 
 DEFAULT_POINTS = ("h0.20,i0.50", "i0.30", "i0.50", "h0.20,i0.30", "h0.45,i0.45", "h0.20,i0.50:steps=160",
                   "h0.20,i0.50:lora_rank=0,lr=0.001", "h0.20,i0.50:history=0.5", "h0.20,i0.50:steps=160,history=0.5")
@@ -74,8 +74,8 @@ def pareto_front(kl, speed) -> list[bool]:
 
 def status(point: Point, variant: str) -> str:
     """``cached`` (model cache), ``shipped`` (rebuilt from kvlab/train/shipped) or ``missing``; loads nothing."""
-    from .names import trained_dir
-    from .shipped import shipped_entry
+    from kvlab.train.names import trained_dir
+    from kvlab.train.shipped import shipped_entry
 
     if (trained_dir(variant, point.shape, point.cfg) / "config.json").is_file():
         return "cached"
@@ -84,7 +84,7 @@ def status(point: Point, variant: str) -> str:
 
 def heldout_label(cfg) -> str:
     """The short held-out prompts of ``cfg``: their count and a hash of their ids (no model loads)."""
-    from .data import load_train_prompts
+    from kvlab.train.data import load_train_prompts
 
     ids = [r["id"] for r in load_train_prompts(cfg.train_prompts)[cfg.train_prompts - cfg.heldout:]]
     return f"{len(ids)} ({hashlib.sha256(' '.join(ids).encode()).hexdigest()[:6]})"
@@ -94,8 +94,8 @@ def point_row(teacher, student, log: list, held_long, variant: str, prompt: str,
               repeats: int = 3) -> dict:
     """One present point's measures: params, held-out KL (short: last logged; long: logged, else measured on
     ``held_long`` if given), teacher / student ms per decode step timed alternately, speed-up."""
-    from .study import decode_speed
-    from .trainer import heldout_kl
+    from kvlab.train.study import decode_speed
+    from kvlab.train.trainer import heldout_kl
 
     evals = [r for r in log if "heldout_kl" in r]
     kl = evals[-1]["heldout_kl"] if evals else None
@@ -126,13 +126,13 @@ def with_fronts(rows: list[dict]):
 
 def _long_heldout(point: Point, teacher, progress: bool):
     """The point's long held-out examples, built if its short training data is cached (None otherwise)."""
-    from .data import _data_dir
-    from .names import train_data_key
+    from kvlab.train.data import _data_dir
+    from kvlab.train.names import train_data_key
 
     if not (_data_dir(train_data_key(point.cfg)) / "examples.pt").is_file():
         return None
-    from .history import history_data
-    from .weights import training_data
+    from kvlab.train.history import history_data
+    from kvlab.train.weights import training_data
 
     train_ex, held = training_data(point.cfg, teacher, progress=False)
     return history_data(point.cfg, teacher, train_ex, held, train=False, progress=progress)[1]
@@ -146,8 +146,8 @@ def pareto_table(points, variant: str = "overfill", *, train: bool = False, devi
 
     from kvlab.core.data import load_prompts, prompt_set_file
     from kvlab.core.models import load_model, load_teacher
-    from .names import train_command
-    from .weights import read_log, trained_student_path
+    from kvlab.train.names import train_command
+    from kvlab.train.weights import read_log, trained_student_path
 
     points = [p if isinstance(p, Point) else parse_point(p) for p in points]
     state = {p.spec: status(p, variant) for p in points}
@@ -260,7 +260,7 @@ def cmd_train_pareto(args) -> list:
     import shlex
 
     from kvlab.core.models import resolve_device
-    from .config import TRAINED_VARIANTS
+    from kvlab.train.config import TRAINED_VARIANTS
 
     if args.student not in TRAINED_VARIANTS:
         raise ValueError(f"--student={args.student!r} must be one of {', '.join(TRAINED_VARIANTS)} (trained variants)")

@@ -55,7 +55,7 @@ class TrainPlan:
         """The up-front notice ('' when nothing needs training or rebuilding)."""
         from kvlab.core.models import cache_dir
 
-        from .names import train_command
+        from kvlab.train.names import train_command
 
         lines = []
         flag = self.shape.flag
@@ -93,10 +93,10 @@ def plan(variants, shape, cfg=None, *, use_shipped: bool = True) -> TrainPlan:
     ``use_shipped=False``: ``train-student``, which trains from scratch even where an adapter is shipped."""
     from kvlab.core.models import cache_dir
 
-    from .config import DEFAULT_TRAIN, TRAINED_VARIANTS
-    from .data import _data_dir, data_key, load_train_prompts
-    from .shipped import shipped_entry
-    from .names import _shape, trained_dir
+    from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
+    from kvlab.train.data import _data_dir, data_key, load_train_prompts
+    from kvlab.train.shipped import shipped_entry
+    from kvlab.train.names import _shape, trained_dir
 
     cfg = cfg or DEFAULT_TRAIN
     shape = _shape(shape)

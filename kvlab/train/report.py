@@ -16,9 +16,9 @@ def train_study(args, T: int = 27) -> list[Path]:
     from kvlab.core.models import load_teacher
     from kvlab.train.pair import load_student
     from kvlab.store import RunStore
-    from .command import student_choice, train_choice
-    from .study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
-    from .weights import trained_dir
+    from kvlab.train.command import student_choice, train_choice
+    from kvlab.train.study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
+    from kvlab.train.weights import trained_dir
 
     spec = _spec(args)
     variant, shape = student_choice(args)

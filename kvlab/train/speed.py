@@ -18,16 +18,16 @@ def speed_quality(shapes, variant: str = "overfill", cfg=None, *, device=None, d
 
     from kvlab.core.data import load_prompts
     from kvlab.core.models import load_model, load_teacher, pruned_student_path
-    from .config import DEFAULT_TRAIN
-    from .data import _data_dir, data_key, load_train_prompts
-    from .names import _shape, trained_dir
-    from .shipped import shipped_entry
-    from .study import decode_speed
-    from .trainer import heldout_kl
-    from .weights import read_log, trained_student_path
+    from kvlab.train.config import DEFAULT_TRAIN
+    from kvlab.train.data import _data_dir, data_key, load_train_prompts
+    from kvlab.train.names import _shape, trained_dir
+    from kvlab.train.shipped import shipped_entry
+    from kvlab.train.study import decode_speed
+    from kvlab.train.trainer import heldout_kl
+    from kvlab.train.weights import read_log, trained_student_path
 
     cfg = cfg or DEFAULT_TRAIN
-    from .config import DEFAULT_SHAPE
+    from kvlab.train.config import DEFAULT_SHAPE
 
     shapes = [_shape(DEFAULT_SHAPE if s is None else s) for s in shapes]
     teacher = load_teacher(device, dtype)
@@ -36,7 +36,7 @@ def speed_quality(shapes, variant: str = "overfill", cfg=None, *, device=None, d
     data = _data_dir(key) / "examples.pt"
     held = None
     if data.is_file():
-        from .weights import training_data
+        from kvlab.train.weights import training_data
 
         held = training_data(cfg, teacher, progress=False)[1]
     n_t = sum(p.numel() for p in teacher.model.parameters())

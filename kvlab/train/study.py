@@ -126,7 +126,7 @@ def decode_speed(teacher, student, prompt: str, steps: int = 32, repeats: int = 
 
 
 def curves_frame(paths: dict) -> pd.DataFrame:
-    from .weights import read_log
+    from kvlab.train.weights import read_log
 
     frames = []
     for v, p in paths.items():
@@ -147,8 +147,8 @@ def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), s
     import torch
 
     from kvlab.core.tiny import make_tiny_lm, tiny_examples
-    from .config import TRAINED_VARIANTS, TrainConfig
-    from .trainer import train
+    from kvlab.train.config import TRAINED_VARIANTS, TrainConfig
+    from kvlab.train.trainer import train
 
     bad = [v for v in variants if v not in TRAINED_VARIANTS]
     if bad:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
-from .forward import student_forward, token_losses
+from kvlab.train.config import TrainConfig
+from kvlab.train.forward import student_forward, token_losses
 
 
 def batch_indices(step: int, n: int, batch: int, seed: int) -> list[int]:

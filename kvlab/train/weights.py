@@ -14,8 +14,8 @@ import platform
 import time
 from pathlib import Path
 
-from .config import DEFAULT_TRAIN, TRAINED_VARIANTS, TrainConfig
-from .names import _shape, train_command, train_data_key, trained_dir, trained_name  # noqa: F401  (public here too)
+from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS, TrainConfig
+from kvlab.train.names import _shape, train_command, train_data_key, trained_dir, trained_name  # noqa: F401  (public here too)
 
 
 def trained_student_path(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, *, train_if_missing: bool = False,
@@ -25,14 +25,14 @@ def trained_student_path(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, 
     ``train_if_missing`` (else a clear error naming ``train-student``)."""
     if variant not in TRAINED_VARIANTS:
         raise ValueError(f"--student={variant!r}: trained variants are {TRAINED_VARIANTS}")
-    from .shipped import build_from_shipped, shipped_entry
+    from kvlab.train.shipped import build_from_shipped, shipped_entry
 
     target = trained_dir(variant, shape, cfg)
     if (target / "config.json").is_file():
         return target
     entry = shipped_entry(variant, shape, cfg)      # raises (naming train-student) if shipped under another key
     if entry is not None:
-        from .plan import announce
+        from kvlab.train.plan import announce
 
         announce([variant], shape, cfg)
         return build_from_shipped(entry, target)
@@ -41,7 +41,7 @@ def trained_student_path(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, 
             f"the {variant!r} student ({_shape(shape).flag}) is not trained yet (no {target.name} in the model "
             f"cache); train it first with `{train_command(variant, shape, cfg)}` (~10 min on a 2-core CPU), "
             "use variant='pruned' for the untrained student, or pass train_if_missing=True")
-    from .plan import announce
+    from kvlab.train.plan import announce
 
     announce([variant], shape, cfg)                  # a caller that announced the whole set said it already
     return train_student(variant, shape, cfg, device=device, progress=progress)
@@ -50,7 +50,7 @@ def trained_student_path(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN, 
 def training_data(cfg: TrainConfig, teacher, progress: bool = True):
     """(train examples, held-out examples): the teacher's responses, cached; the held-out slice is the
     last ``cfg.heldout`` of the seeded prompt selection."""
-    from .data import load_train_prompts, teacher_responses
+    from kvlab.train.data import load_train_prompts, teacher_responses
 
     rows = load_train_prompts(cfg.train_prompts)
     ex = teacher_responses(teacher, rows, tokens=cfg.tokens, topk=cfg.topk, batch=53, seed=cfg.seed,
@@ -86,7 +86,7 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
     import torch
 
     from kvlab.core.models import _atomic_save, cache_dir, load_model, load_teacher, pruned_student_path, resolve_device
-    from .trainer import train, write_log
+    from kvlab.train.trainer import train, write_log
 
     dev = resolve_device(device)
     if cfg.threads:
@@ -96,13 +96,13 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
     train_ex, held = training_data(cfg, teacher, progress)
     hist = held_long = None
     if cfg.history:         # the long regime: multi-turn histories, teacher-forced (kvlab.train.history)
-        from .history import history_data
+        from kvlab.train.history import history_data
 
         hist, held_long = history_data(cfg, teacher, train_ex, held, progress=progress)
     data_s = time.perf_counter() - t0
     student = load_model(pruned_student_path(shape), device=dev, dtype=torch.float32, local_files_only=True)
     if cfg.lora_rank:
-        from .lora import with_lora
+        from kvlab.train.lora import with_lora
 
         student = with_lora(student, cfg.lora_rank, seed=cfg.seed)
     run_dir = cache_dir() / "train" / "runs" / target.name
@@ -119,7 +119,7 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
         return run_dir
     adapter = None
     if cfg.lora_rank:
-        from .lora import adapter_tensors, merged
+        from kvlab.train.lora import adapter_tensors, merged
 
         adapter = adapter_tensors(student)      # fp16: what the repository ships (kvlab.train.shipped)
         student = merged(student)
@@ -139,7 +139,7 @@ def _train(variant, shape, cfg, target, *, device, progress, stop_after, checkpo
         student.tokenizer.save_pretrained(tmp)
         write_log(res.log, tmp, meta)
         if adapter is not None:
-            from .shipped import write_adapter
+            from kvlab.train.shipped import write_adapter
 
             write_adapter(tmp / "adapter.safetensors", *adapter, meta={"variant": variant, "shape": shape.label,
                                                                        "key": target.name})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .base import FIGURES, figure, new_figure  # noqa: F401  (the registry lives in figbase)
+from kvlab.viz.base import FIGURES, figure, new_figure  # noqa: F401  (the registry lives in figbase)
 
 
 def render(name: str, out) -> Path | None:
@@ -35,5 +35,5 @@ def _load_registrations() -> None:
     """Import the modules that register figures (kept lazy: no import-time side effects;
     they import :mod:`kvlab.viz.base`, never this module)."""
     from kvlab.eviction import plots as evict_plots  # noqa: F401
-    from . import plots
+    from kvlab.viz import plots
     from kvlab.train import plots as _train_plots  # noqa: F401

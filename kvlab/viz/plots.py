@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import figure, new_figure
-from .tableview import plural
+from kvlab.viz.base import figure, new_figure
+from kvlab.viz.tableview import plural
 
 POLICY_COLORS = {"teacher": "#1b9e77", "overfill": "#7570b3", "student": "#d95f02", "standalone": "#e7298a"}
 

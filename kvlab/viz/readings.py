@@ -11,7 +11,7 @@ import math
 
 import pandas as pd
 
-from .tableview import fmt, plural, single_prompt
+from kvlab.viz.tableview import fmt, plural, single_prompt
 
 # --- the sources, named (links where the source has one) --------------------------------------------------------
 OVERFILL = "[OverFill (Kim et al. 2025)](https://arxiv.org/abs/2508.08446)"

@@ -10,10 +10,10 @@ store's rows read it): the built-ins below, plus a user's own class registered w
 """
 from kvlab.core.registry import Registry
 
-from .entropy import EntropyGate
-from .periodic import Periodic
-from .probe_kl import ProbeKL
-from .speculative import Speculative
+from kvlab.refresh.policies.entropy import EntropyGate
+from kvlab.refresh.policies.periodic import Periodic
+from kvlab.refresh.policies.probe_kl import ProbeKL
+from kvlab.refresh.policies.speculative import Speculative
 
 __all__ = ["REFRESH_POLICIES", "EntropyGate", "MCGate", "Periodic", "ProbeKL", "Speculative", "register_refresh",
            "unregister_refresh"]

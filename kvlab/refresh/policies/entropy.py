@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._check import nonneg_float, positive_int
+from kvlab.refresh.policies._check import nonneg_float, positive_int
 
 
 @dataclass(frozen=True)
