@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvlab.studies.args import check_model_args as _check_model_args
+from kvlab.harness.args import check_model_args as _check_model_args
 from kvlab.core.args import positive_int
-from kvlab.studies.args import run_spec as _spec
+from kvlab.harness.args import run_spec as _spec
 
 
 # Prompts per table by default: 32, the smallest n at which a paired interval can resolve about 0.1-0.2 nats
@@ -99,7 +99,7 @@ def _alone_student(args, student):
 
 
 def cmd_baselines(args) -> list[Path]:
-    from kvlab.studies.baselines import baselines, write_baselines
+    from kvlab.studies.baselines.table import baselines, write_baselines
     from kvlab.viz.figures import render
     from kvlab.store import RunStore
 
@@ -128,10 +128,10 @@ def _write_regimes(out: Path) -> list[Path]:
     ``baselines`` and ``baselines_long`` are in ``out``)."""
     import pandas as pd
 
-    from kvlab.studies.baselines import regimes_table
-    from kvlab.studies.experiment import write_table
+    from kvlab.studies.baselines.table import regimes_table
+    from kvlab.harness.experiment import write_table
     from kvlab.core.metrics import MDE_NOTE
-    from kvlab.refresh.forced import FORCED_SCORE_NOTE
+    from kvlab.harness.forced import FORCED_SCORE_NOTE
 
     files = {"short prompts, long answers (default)": out / "baselines.csv", "long prompts, short answers (long)": out / "baselines_long.csv"}
     if not all(f.is_file() for f in files.values()):
@@ -147,7 +147,7 @@ def _write_regimes(out: Path) -> list[Path]:
 
 def cmd_mc_sim(args) -> list[Path]:
     from kvlab.viz.figures import render
-    from kvlab.uncertainty.mcsim import simulate, write_outputs
+    from kvlab.studies.mc.sim import simulate, write_outputs
 
     result = simulate()
     info = write_outputs(result, args.out)
@@ -158,8 +158,9 @@ def cmd_mc_sim(args) -> list[Path]:
 
 def cmd_mc_real(args) -> list[Path]:
     """Real MC dropout on the student: per-step U / MI / flip vs entropy; correlations as JSON."""
-    from kvlab.studies.experiment import write_table
-    from kvlab.uncertainty.mc import check_n_passes, check_p, correlation_study
+    from kvlab.harness.experiment import write_table
+    from kvlab.studies.mc.real import correlation_study
+    from kvlab.uncertainty.mc import check_n_passes, check_p
 
     check_n_passes(args.passes)
     ps = [check_p(p) for p in args.dropout]
@@ -193,13 +194,13 @@ def _calib_prompts(args, spec) -> tuple[str, ...]:
 
 
 def cmd_refresh(args) -> list[Path]:
-    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.refresh.choice)."""
+    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.studies.refresh.choice)."""
     from dataclasses import replace as _replace
 
     from kvlab.viz.figures import render
-    from kvlab.refresh.forced import forced_table
-    from kvlab.refresh.choice import policy_choice, single_policy_tables
-    from kvlab.refresh.tables import provenance_table, refresh_tables, write_refresh
+    from kvlab.studies.refresh.forced import forced_table
+    from kvlab.studies.refresh.choice import policy_choice, single_policy_tables
+    from kvlab.studies.refresh.tables import provenance_table, refresh_tables, write_refresh
     from kvlab.store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
@@ -278,7 +279,7 @@ def _mc_real_small(args):
 
 
 def _evict_args(p: argparse.ArgumentParser) -> None:
-    """Options of the eviction job, shared by `evict` and `all` (grid defaults = kvlab.eviction.needle's)."""
+    """Options of the eviction job, shared by `evict` and `all` (grid defaults = kvlab.studies.eviction.needle's)."""
     p.add_argument("--gamma", type=float, default=0.9, help="evict: Conf-KV confidence threshold γ in [0, 1]")
     p.add_argument("--needle-lengths", type=positive_int("--needle-lengths"), nargs="+", default=[256, 512, 1024],
                    help="evict: passkey prompt lengths in tokens (the full cache succeeds up to ~1k here)")
@@ -295,8 +296,8 @@ def cmd_evict(args) -> list[Path]:
     """Eviction experiments: sawtooth figure, matched-memory table, needle-retrieval table."""
     from dataclasses import replace as _replace
 
-    from kvlab.eviction.plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
-    from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from kvlab.studies.eviction.plots import evict_sawtooth_figure  # noqa: F401  (registers the figures)
+    from kvlab.studies.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
     from kvlab.viz.figures import render
     from kvlab.refresh.policies import Periodic
     from kvlab.store import RunStore
@@ -338,7 +339,7 @@ def cmd_train_missing(args) -> list[Path]:
 
 def cmd_train_study(args) -> list[Path]:
     from kvlab.train.config import TRAINED_VARIANTS
-    from kvlab.train.report import train_study
+    from kvlab.studies.training.report import train_study
 
     _check_model_args(args)
     _announce(args, list(TRAINED_VARIANTS))
@@ -425,13 +426,13 @@ def _batch_list(s: str) -> list[int]:
 
 
 def cmd_bench(args) -> None:
-    from kvlab.studies.bench import bench_decode, bench_mc
+    from kvlab.studies.bench.bench import bench_decode, bench_mc
     from kvlab.core.data import load_prompts
     from kvlab.core.models import load_model, load_teacher
     from kvlab.train.pair import load_student
 
     if args.what == "decode" and args.batch is not None:
-        from kvlab.studies.bench import bench_decode_batch
+        from kvlab.studies.bench.bench import bench_decode_batch
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         student = None
@@ -449,7 +450,7 @@ def cmd_bench(args) -> None:
         bench_decode_batch(lm, prompts, args.batch, tokens=args.tokens or 64, repeats=args.repeats, student=student,
                            on_row=emit)
     elif args.what == "evict" and args.batch is not None:
-        from kvlab.studies.bench import bench_evict_batch
+        from kvlab.studies.bench.bench import bench_evict_batch
 
         if args.cache_len < 64:
             raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
@@ -474,7 +475,7 @@ def cmd_bench(args) -> None:
                           f"python -m kvlab bench decode --tokens {args.tokens or 64} --repeats {args.repeats} "
                           f"--out {args.out}")
     elif args.what == "surgery":
-        from kvlab.studies.bench import bench_surgery
+        from kvlab.studies.bench.bench import bench_surgery
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
@@ -490,7 +491,7 @@ def cmd_bench(args) -> None:
 
         print(bench_sweep(tokens=args.tokens or 16, prompts=args.prompts, device=args.device, dtype=args.dtype))
     elif args.what == "refresh":
-        from kvlab.studies.bench import bench_refresh
+        from kvlab.studies.bench.bench import bench_refresh
         from kvlab.train.pair import load_pair
 
         teacher, student = load_pair(device=args.device, dtype=args.dtype)
@@ -498,20 +499,20 @@ def cmd_bench(args) -> None:
         res = bench_refresh(teacher, student, prompts, tokens=args.tokens or 256, repeats=args.repeats)
         print(res.to_string(index=False))
     elif args.what == "students":   # the student's speed-up over the teacher beside its held-out KL, per shape
-        from kvlab.train.speed import speed_quality
+        from kvlab.studies.training.speed import speed_quality
 
         df = speed_quality(args.shapes or [None], device=args.device, dtype=args.dtype, steps=args.tokens or 32,
                            repeats=args.repeats)
         print(df.to_string(index=False))
         if args.out is not None:
-            from kvlab.studies.experiment import write_table
+            from kvlab.harness.experiment import write_table
 
             write_table(df, args.out, "students_speed_timing", notes=[
                 "Decode ms per cached step (batch 1), teacher and student timed alternately in one process; "
                 "held-out KL: the training log's teacher-forced KL on the held-out prompts (untrained: measured "
                 f"here). `python -m kvlab bench students --shapes {' '.join(args.shapes or [])}`. Machine-dependent."])
     elif args.what == "evict":
-        from kvlab.studies.bench import bench_evict
+        from kvlab.studies.bench.bench import bench_evict
 
         if args.cache_len < 64:   # before any model loads
             raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
@@ -536,7 +537,7 @@ POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kap
 
 
 def _refresh_options(p: argparse.ArgumentParser) -> None:
-    """``refresh``: one policy and its parameters (checked in kvlab.refresh.choice), and the timing."""
+    """``refresh``: one policy and its parameters (checked in kvlab.studies.refresh.choice), and the timing."""
     g = p.add_argument_group("one policy (default: the full table of every policy)")
     g.add_argument("--policy", default=None, help="periodic | entropy | probe-kl | speculative | mc")
     g.add_argument("--T", type=int, default=None, help="periodic: refresh every T steps")
@@ -674,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train_student)
     p = sub.add_parser("train-pareto", help="held-out KL vs decode speed-up per prune shape and training recipe "
                                             "(trains the missing points only with --train)")
-    from kvlab.train.pareto import add_pareto_arguments, cmd_train_pareto
+    from kvlab.studies.training.pareto import add_pareto_arguments, cmd_train_pareto
 
     add_pareto_arguments(p)
     p.set_defaults(fn=cmd_train_pareto)

@@ -127,10 +127,10 @@ plot_cache_writers(ledger["writer"])
 # Runs are stored by config, so re-running this cell is instant.
 
 # %%
-from kvlab.studies.baselines import baselines
-from kvlab.studies.experiment import RunSpec
+from kvlab.studies.baselines.table import baselines
+from kvlab.harness.experiment import RunSpec
 from kvlab.store import RunStore
-from kvlab.viz.tableview import show
+from kvlab.harness.tableview import show
 
 spec = RunSpec(prompts=tuple(r["prompt"] for r in load_prompts(n=N_PROMPTS)), tokens=TABLE_TOKENS)
 table, per_run = baselines(teacher, student, spec, RunStore(), progress=True)

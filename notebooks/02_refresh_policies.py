@@ -27,7 +27,7 @@
 #
 # This notebook shows one entropy-gated generation, which cache entries come from which model over time,
 # and the blog's refresh tables over a prompt set, each with a computed **How to read this**. All logic is
-# in `kvlab.refresh.base`, `kvlab.refresh.policies`, `kvlab.refresh.tables`, `kvlab.viz.readings`.
+# in `kvlab.refresh.base`, `kvlab.refresh.policies`, `kvlab.studies.refresh.tables`, `kvlab.viz.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -52,14 +52,14 @@ from IPython.display import Markdown, display
 from kvlab.viz import readings
 from kvlab.core.data import calibration_file, load_prompts, prompt_set_file
 from kvlab.decode import DecodeConfig, Decoding, Sampling
-from kvlab.studies.experiment import RunSpec
+from kvlab.harness.experiment import RunSpec
 from kvlab.train.pair import load_pair
 from kvlab.viz.plots import plot_entropy_trace, plot_provenance, refresh_pareto_figure
 from kvlab.refresh.policies import EntropyGate, Periodic
-from kvlab.refresh.base import provenance, run_costs
-from kvlab.refresh.tables import calibrate, refresh_tables, timing_note
+from kvlab.harness.costs import provenance, run_costs
+from kvlab.studies.refresh.tables import calibrate, refresh_tables, timing_note
 from kvlab.store import RunStore
-from kvlab.viz.tableview import show
+from kvlab.harness.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
@@ -184,11 +184,11 @@ refresh_pareto_figure({"refresh_all": tables["refresh_all"], "refresh_timing": t
 # %% [markdown]
 # ## The mechanism with the tokens held fixed
 # Free-running runs mix two effects: the refresh changes the cache, then the sampled path diverges.
-# `kvlab.refresh.forced` fixes the tokens (the teacher's greedy continuation) and only changes who wrote the
+# `kvlab.harness.forced` fixes the tokens (the teacher's greedy continuation) and only changes who wrote the
 # cache before the student reads the second half teacher-forced.
 
 # %%
-from kvlab.refresh.forced import forced_table
+from kvlab.studies.refresh.forced import forced_table
 
 print(f"forced table: {len(spec.prompts)} prompt(s) × 4 cache conditions", flush=True)
 forced, _ = forced_table(teacher, student, spec.prompts, store, tokens=TOKENS, split=TOKENS // 2,
@@ -279,7 +279,7 @@ class MarginGate:
 # %%
 from dataclasses import replace
 
-from kvlab.studies.experiment import run_policies
+from kvlab.harness.experiment import run_policies
 
 base = DecodeConfig(mode="overfill")
 mine = run_policies(teacher, student, spec, {"none": base, "margin_gate": replace(base, refresh=MarginGate(margin=0.2))},

@@ -62,7 +62,7 @@ display(Markdown(readings.smoke_banner(SMOKE)))
 # blog's settings (`mcsim.SimConfig` defaults) are printed with the result.
 
 # %%
-from kvlab.uncertainty import mcsim
+from kvlab.studies.mc import sim as mcsim
 
 sim = mcsim.simulate()
 cfg = sim.config
@@ -92,7 +92,7 @@ display(Markdown(
     f"the drift, so the {sim.config.mcvar_pct:g}th percentile puts τ among their variances and noise crosses it."))
 
 # %%
-from kvlab.viz.tableview import show
+from kvlab.harness.tableview import show
 
 display(show(sim.phase_summary.reset_index(), {"phase": "phase", "steps": "steps", "mean entropy (bits)": "mean_entropy",
                                                "mean MC variance U(t)": "mean_mcvar", "entropy gate fired (share)": "frac_entropy_fire",
@@ -114,6 +114,7 @@ display(Markdown(readings.read_phase_summary(sim.phase_summary)))
 # * `flip` — the fraction of noisy passes whose argmax differs from the clean pass's.
 
 # %%
+from kvlab.studies.mc import real as mc_real
 from kvlab.uncertainty import mc
 from kvlab.core.data import load_prompts
 from kvlab.train.pair import load_pair
@@ -123,7 +124,7 @@ pruned = 1 - student.config.intermediate_size / teacher.config.intermediate_size
 print(f"student: {pruned:.0%} of the MLP channels pruned "
       f"({teacher.config.intermediate_size} → {student.config.intermediate_size} per layer)")
 prompts = [r["prompt"] for r in load_prompts(n=N_PROMPTS)]
-traces, corr = mc.correlation_study(teacher, student, prompts, ps=(P_DROP,), tokens=N_TOKENS, n_passes=N_PASSES)
+traces, corr = mc_real.correlation_study(teacher, student, prompts, ps=(P_DROP,), tokens=N_TOKENS, n_passes=N_PASSES)
 corr.round(3)
 
 # %% [markdown]
@@ -185,7 +186,7 @@ import pandas as pd
 rows = []
 for i, df in traces.groupby("prompt"):
     for sig, g in gates.items():
-        fired = mc.replay_gate(g, df)
+        fired = mc_real.replay_gate(g, df)
         probes = int((df["step"] % g.probe_every == 0).sum())
         rows.append({"prompt": i, "signal": sig, "fires": fired, "probes": probes,
                      "extra_student_passes": probes * g.n_passes, "decode_passes": len(df)})
@@ -194,8 +195,8 @@ display(firings)
 display(Markdown(readings.read_firings(firings)))
 
 # %%
-fires0 = {sig: mc.replay_gate(g, first) for sig, g in gates.items()}
-mc.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (p={P_DROP}, N={N_PASSES}); "
+fires0 = {sig: mc_real.replay_gate(g, first) for sig, g in gates.items()}
+mc_real.plot_real_trace(first, fires0, title=f"prompt 0: entropy vs U vs MI vs flip (p={P_DROP}, N={N_PASSES}); "
                                        "dashed = gate fires")
 
 # %%

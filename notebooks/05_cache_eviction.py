@@ -32,8 +32,8 @@
 #
 # This notebook: (1) one run step by step with the live map shrinking, (2) the confidence trace
 # with γ and the budget switching, (3) the sawtooth of every policy on one prompt, (4) the
-# matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.eviction.tables`,
-# `kvlab.eviction.needle`, `kvlab.eviction.plots`; the readings in `kvlab.viz.readings`.
+# matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.studies.eviction.tables`,
+# `kvlab.studies.eviction.needle`, `kvlab.studies.eviction.plots`; the readings in `kvlab.viz.readings`.
 
 # %% tags=["parameters"]
 import os
@@ -46,7 +46,7 @@ PROMPTS = 1 if SMOKE else 5            # prompts of the matched-memory table (< 
 TOKENS = 24 if SMOKE else 64           # new tokens per run (the committed tables: 32 prompts x 64 tokens)
 STEP_TOKENS = 24 if SMOKE else 64      # the single run stepped through
 GAMMA = 0.9                            # Conf-KV confidence threshold γ
-# Budgets in cache entries (kvlab.eviction.tables.EvictStudy's defaults): loose - tight = 6, so that uncertain
+# Budgets in cache entries (kvlab.studies.eviction.tables.EvictStudy's defaults): loose - tight = 6, so that uncertain
 # streaks carry the cache to the loose budget (the cache is cut to the chosen budget at every step, so it
 # grows by at most one entry per uncertain step); every ranker keeps SINKS attention sinks.
 TIGHT, LOOSE, PROTECT, SINKS = 32, 38, 8, 4
@@ -67,15 +67,15 @@ from kvlab.viz import readings
 from kvlab.core.data import load_prompts
 from kvlab.decode import DecodeConfig, Decoding, Sampling
 from kvlab.eviction import ConfKV
-from kvlab.eviction.inspector import CacheInspector, survival_figure, tokens_html
-from kvlab.eviction.plots import evict_gamma_figure, evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
-from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables
-from kvlab.studies.experiment import RunSpec
+from kvlab.viz.inspector import CacheInspector, survival_figure, tokens_html
+from kvlab.studies.eviction.plots import evict_gamma_figure, evict_needle_figure, evict_sawtooth_figure, plot_confidence_trace
+from kvlab.studies.eviction.tables import EvictStudy, NeedleGrid, evict_tables
+from kvlab.harness.experiment import RunSpec
 from kvlab.viz.livemap import live_map_figure
 from kvlab.train.pair import load_pair
-from kvlab.eviction.needle import needle_markdown
+from kvlab.studies.eviction.needle import needle_markdown
 from kvlab.store import RunStore
-from kvlab.viz.tableview import show
+from kvlab.harness.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 teacher, student = load_pair(variant=STUDENT)  # CUDA (bf16) when present, else CPU
@@ -301,7 +301,7 @@ class Tova:
 # Conf-KV and H2O runs of sections 3-4 are read back from the run store, only Tova's are new.
 
 # %%
-from kvlab.eviction.tables import matched_runs, matched_table, sawtooth_frame, sawtooth_runs
+from kvlab.studies.eviction.tables import matched_runs, matched_table, sawtooth_frame, sawtooth_runs
 
 mine_study = EvictStudy(gamma=GAMMA, tight=TIGHT, loose=LOOSE, protect=PROTECT, sinks=SINKS, block_size=study.block_size,
                         only=("h2o", "tova"))

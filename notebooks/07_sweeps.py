@@ -48,7 +48,7 @@ from kvlab.viz.plots import place_labels
 from kvlab.store.results import Results
 from kvlab.sweep import parse_spec, run_sweep
 from kvlab.sweep.tables import config_summary, pareto_mask
-from kvlab.viz.tableview import show
+from kvlab.harness.tableview import show
 
 display(Markdown(readings.smoke_banner(SMOKE)))
 

@@ -78,7 +78,7 @@ import pandas as pd
 from kvlab.core.models import DEFAULT_SHAPE
 from kvlab.core.prune import PruneShape
 from kvlab.train.config import DEFAULT_TRAIN, TRAINED_VARIANTS
-from kvlab.train.study import curves_frame
+from kvlab.studies.training.study import curves_frame
 from kvlab.train.weights import train_command, trained_dir
 
 shape = PruneShape.parse(SHAPE or DEFAULT_SHAPE)
@@ -90,13 +90,13 @@ if missing:
         f"--student {missing[0]}", "--student " + " ".join(missing)) + f" --prune {shape.flag}")
 curves = pd.DataFrame() if SMOKE else curves_frame({v: d for v, d in dirs.items() if v not in missing})
 if curves.empty:
-    from kvlab.train.study import tiny_training_curves
+    from kvlab.studies.training.study import tiny_training_curves
 
     # Nothing trained here (or smoke mode): the same trainer, 12 steps on tiny random models (seconds).
     # The embedded pair's curves, from the last `make figures`, are figures/train_curves.png.
     print("showing a 12-step run of the trainer on tiny random models, not the embedded pair")
     curves = tiny_training_curves(steps=12)
-from kvlab.train.plots import train_curves_figure
+from kvlab.studies.training.plots import train_curves_figure
 
 display(train_curves_figure({"train_curves": curves}))  # noqa: F821  (IPython)
 display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "heldout_ce"]])  # noqa: F821
@@ -111,9 +111,9 @@ display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "
 # **Smoke mode / untrained cache:** only the untrained pair is shown (a note says so).
 
 # %%
-from kvlab.studies.baselines import baselines
+from kvlab.studies.baselines.table import baselines
 from kvlab.core.data import load_prompts, prompt_set_file
-from kvlab.studies.experiment import RunSpec
+from kvlab.harness.experiment import RunSpec
 from kvlab.core.models import load_teacher
 from kvlab.train.pair import load_student
 from kvlab.store import RunStore

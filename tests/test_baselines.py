@@ -7,8 +7,8 @@ import pandas as pd
 from kvlab.core.tiny import make_tiny_lm
 from kvlab.decode import Sampling
 from kvlab.store import RunStore
-from kvlab.studies.baselines import COLUMNS, baselines, regimes_table, write_baselines
-from kvlab.studies.experiment import RunSpec
+from kvlab.studies.baselines.table import COLUMNS, baselines, regimes_table, write_baselines
+from kvlab.harness.experiment import RunSpec
 
 PROMPTS = ("abc", "hello there", "x y z", "one two", "the cat sat")
 
@@ -43,7 +43,7 @@ def test_baselines_has_both_baselines_and_forced_scores(tiny_teacher, tiny_stude
 
 
 def test_train_study_table_reads_both_baselines_and_kl_forced(tiny_teacher, tiny_student, tmp_path):
-    from kvlab.train.study import study_runs, study_table
+    from kvlab.studies.training.study import study_runs, study_table
 
     students = {"pruned": tiny_student, "standalone": make_tiny_lm(seed=7, intermediate_size=48),
                 "overfill": make_tiny_lm(seed=8, intermediate_size=48)}

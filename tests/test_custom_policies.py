@@ -189,9 +189,9 @@ def test_a_user_class_keys_its_runs_by_its_code(registered):
 
 
 def test_the_matched_table_and_the_sawtooth_include_it(registered, tiny_teacher, tiny_student, tmp_path):
-    from kvlab.eviction.tables import EvictStudy, matched_runs, matched_table, sawtooth_frame, sawtooth_runs
+    from kvlab.studies.eviction.tables import EvictStudy, matched_runs, matched_table, sawtooth_frame, sawtooth_runs
     from kvlab.store import RunStore
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.harness.experiment import RunSpec
 
     spec = RunSpec(prompts=(PROMPT, "hello world, how are you today? " * 2), tokens=40,
                    sampling=kvlab.Sampling(temperature=0.8, top_p=0.95, seed=1))

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlab.eviction.tables import (capped_mean, invert_capped, matched_table, paired_ci, run_memory, sawtooth_frame,
+from kvlab.studies.eviction.tables import (capped_mean, invert_capped, matched_table, paired_ci, run_memory, sawtooth_frame,
                                 solve_budget)
-from kvlab.eviction.needle import (FILLER, INTRO, NEEDLE, QUESTION, build_case, check_grid, digits_correct, is_correct,
+from kvlab.studies.eviction.needle import (FILLER, INTRO, NEEDLE, QUESTION, build_case, check_grid, digits_correct, is_correct,
                           make_cases, parse_key)
 
 # --------------------------------------------------------------------------- solver
@@ -98,7 +98,7 @@ def test_paired_ci_and_matched_table():
 
 
 def test_intervals_refused_below_five_pairs():
-    from kvlab.studies.experiment import ci_text, paired_bootstrap
+    from kvlab.harness.experiment import ci_text, paired_bootstrap
 
     per_run = _per_run()
     few = per_run[per_run.prompt_idx < 4]
@@ -192,7 +192,7 @@ def test_sawtooth_figure_renders_from_stored_csv(tmp_path):
     assert set(df.policy) == {"full", "confkv"} and df.cache_mb.iloc[0] == pytest.approx(50 * 1000 / mb)
     assert df[df.policy == "confkv"].evicted.sum() > 0
     df.to_csv(tmp_path / "evict_sawtooth.csv", index=False)
-    from kvlab.eviction import plots as evict_plots  # noqa: F401  (registers)
+    from kvlab.studies.eviction import plots as evict_plots  # noqa: F401  (registers)
 
     png = render("evict_sawtooth", tmp_path)
     assert png is not None and png.stat().st_size > 10_000
@@ -202,8 +202,8 @@ def test_sawtooth_figure_renders_from_stored_csv(tmp_path):
 
 
 def test_needle_figure_and_markdown_from_table(tmp_path):
-    from kvlab.eviction import plots as evict_plots
-    from kvlab.eviction.needle import needle_markdown, needle_table
+    from kvlab.studies.eviction import plots as evict_plots
+    from kvlab.studies.eviction.needle import needle_markdown, needle_table
 
     rows = [{"policy": p, "length": n, "depth": d, "rep": 0, "key": "11111", "prompt_tokens": n,
              "answer": "", "correct": float(p == "full" or d == 1.0), "digits": 1.0, "answer_cache_len": 10.0,
@@ -242,9 +242,9 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
     """The whole job end to end: matched budgets really match (within tol or one knob step),
     runs are reused from the store on a rerun, every CSV renders into its figure."""
     from kvlab.decode import Sampling
-    from kvlab.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
-    from kvlab.studies.experiment import RunSpec
-    from kvlab.eviction import plots as evict_plots  # noqa: F401  (registers)
+    from kvlab.studies.eviction.tables import EvictStudy, NeedleGrid, evict_tables, write_evict
+    from kvlab.harness.experiment import RunSpec
+    from kvlab.studies.eviction import plots as evict_plots  # noqa: F401  (registers)
     from kvlab.viz.figures import render
     from kvlab.refresh.policies import Periodic
     from kvlab.store import RunStore
@@ -302,7 +302,7 @@ def test_evict_tables_on_tiny_models(tiny_teacher, tiny_student, tmp_path):
 
 
 def test_eviction_rate_counts_only_over_budget_steps():
-    from kvlab.eviction.tables import eviction_rate
+    from kvlab.studies.eviction.tables import eviction_rate
 
     steps = {"cache_len": [40, 48, 49, 50, 48, 47], "evicted": [0, 3, 0, 0, 2, 0]}
     # pre-evict lengths 40, 51, 49, 50, 50, 47: over 48 at steps 2-5 (4 steps), evictions at 2 and 5
@@ -312,14 +312,14 @@ def test_eviction_rate_counts_only_over_budget_steps():
 
 @pytest.mark.parametrize("budget", [64, 128, 200])
 def test_needle_policies_share_one_peak_budget(budget):
-    from kvlab.eviction.needle import needle_policies
+    from kvlab.studies.eviction.needle import needle_policies
 
     pols = needle_policies(budget)
     assert pols["full"] is None
     assert pols["sliding"].window == budget and pols["h2o"].budget == budget and pols["confkv"].loose == budget
     b = pols["block"]
     assert b.max_after_eviction <= budget                      # OpenVINO's peak: max + block - 1
-    from kvlab.eviction.needle import ANSWER_TOKENS
+    from kvlab.studies.eviction.needle import ANSWER_TOKENS
     assert pols["snapkv"].budget + ANSWER_TOKENS <= budget
     assert pols["pyramidkv"].budget == pols["snapkv"].budget          # same mean entries per layer
 
@@ -340,7 +340,7 @@ def test_committed_study_loose_budget_is_reached_and_control_matched():
     """In the study configuration the loose budget binds (the cache stands at it on some steps), the
     confidence-off control and block eviction match Conf-KV's mean memory within the solver's tolerance,
     and the rows say whether sinks were on."""
-    from kvlab.eviction.tables import EvictStudy
+    from kvlab.studies.eviction.tables import EvictStudy
 
     t = _committed("evict_matched").set_index("policy")
     study = EvictStudy()
@@ -366,7 +366,7 @@ def test_needle_batch_equals_one_at_a_time(tiny_teacher, tmp_path):
     """needle_results decodes missing completions in batches; each equals needle_run alone (greedy, same store key),
     in both settings, with an evicting and a full-cache policy, prompts of different lengths in one batch."""
     from kvlab.eviction import H2O
-    from kvlab.eviction.needle import make_cases, needle_results, needle_run
+    from kvlab.studies.eviction.needle import make_cases, needle_results, needle_run
     from kvlab.store import RunStore
 
     cases = make_cases(tiny_teacher.tokenizer, (64, 96), (0.0, 1.0), 1, 0)

@@ -119,7 +119,7 @@ def test_roundtrip_error_is_small_on_random_data(scheme):
 def test_int8_roundtrip_error_on_real_kv(real_pair):
     """Per-(head, channel) INT8 on the embedded teacher's real prefill K/V: the mean round-trip error is
     reported and bounded (the paper: 0.38 %); the grouped variant is measured beside it."""
-    from kvlab.eviction.tables import int8_error_table
+    from kvlab.studies.eviction.tables import int8_error_table
 
     teacher, _ = real_pair
     t = int8_error_table(teacher, ["Explain how a refrigerator keeps food cold, step by step, in plain words."], 8)
@@ -150,7 +150,7 @@ def test_forced_tokens_run_through_every_phase(tiny_teacher):
 def test_streamed_needle_feeds_the_question_through_the_loop(tiny_teacher, tmp_path):
     """setting="streamed": the haystack is prefilled and every question token is a decode step the
     policy sees (its budget acts on them); "prefill": the question is in the prompt."""
-    from kvlab.eviction import needle
+    from kvlab.studies.eviction import needle
     from kvlab.store import RunStore
 
     case = needle.build_case(tiny_teacher.tokenizer, 200, 0.5, "12345")
@@ -170,7 +170,7 @@ def test_streamed_needle_feeds_the_question_through_the_loop(tiny_teacher, tmp_p
 
 
 def test_matched_needle_policies_hit_the_mean():
-    from kvlab.eviction import needle
+    from kvlab.studies.eviction import needle
 
     pols = needle.matched_needle_policies(100.0, 23, 128)
     assert pols["sliding"].window == 100 and pols["h2o"].budget == 100 and pols["h2o"].sinks == 4
@@ -182,7 +182,7 @@ def test_matched_needle_policies_hit_the_mean():
 def test_inspector_data_matches_the_live_maps(tiny_teacher):
     """The inspector's survival map and token frame say exactly what the cache's per-layer live maps
     say after every step; eviction steps match the records; nothing is drawn or edited."""
-    from kvlab.eviction.inspector import CacheInspector, tokens_html
+    from kvlab.viz.inspector import CacheInspector, tokens_html
 
     pol = ConfKV(gamma=0.5, tight=16, loose=20, protect=4, sinks=2, pyramidal=True)
     d = Decoding(tiny_teacher, None, PROMPT, cfg(evict=pol, max_new_tokens=16))

@@ -38,7 +38,7 @@ def test_real_overfill_confkv_with_refresh(real_pair):
 
 
 def test_real_int8_effect_is_small(real_pair):
-    from kvlab.studies.bench import int8_effect
+    from kvlab.studies.bench.bench import int8_effect
 
     teacher, _ = real_pair
     out = int8_effect(teacher, PROMPT, window=8, group=16, tokens=12)

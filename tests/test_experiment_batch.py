@@ -7,7 +7,7 @@ from kvlab.decode import DecodeConfig, Sampling
 from kvlab.eviction import H2O
 from kvlab.refresh.policies import Periodic
 from kvlab.store import RunStore
-from kvlab.studies.experiment import RunSpec, check_batch, run_policies, scored_runs
+from kvlab.harness.experiment import RunSpec, check_batch, run_policies, scored_runs
 
 PROMPTS = ("the quick brown fox", "sky", "jumps over the lazy dog and more", "a b c d")
 POLICIES = {"teacher": DecodeConfig(mode="teacher", chat=False), "overfill": DecodeConfig(mode="overfill", chat=False),
@@ -49,7 +49,7 @@ def test_bad_batch_refused(bad):
 
 def test_bench_decode_batch_rows(tiny_teacher, tiny_student):
     """The benchmark's rows (fields only: timings are never asserted)."""
-    from kvlab.studies.bench import bench_decode_batch
+    from kvlab.studies.bench.bench import bench_decode_batch
 
     rows = bench_decode_batch(tiny_teacher, list(PROMPTS), [1, 2], tokens=3, repeats=1, student=tiny_student,
                               variants=2)
@@ -64,7 +64,7 @@ def test_bench_decode_batch_rows(tiny_teacher, tiny_student):
 
 
 def test_bench_evict_batch_rows(tiny_teacher):
-    from kvlab.studies.bench import bench_evict_batch
+    from kvlab.studies.bench.bench import bench_evict_batch
 
     rows = bench_evict_batch(tiny_teacher, [1, 2], cache_len=64, steps=3, repeats=1)
     assert {(r["batch"], r["policy"]) for r in rows} == {(b, p) for b in (1, 2) for p in ("full", "sliding", "h2o",

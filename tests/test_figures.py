@@ -13,7 +13,7 @@ import pytest
 def test_kvlab_figures_display_as_png_without_pyplot():
     from IPython.core.formatters import PNGFormatter
 
-    from kvlab.viz.base import new_figure
+    from kvlab.harness.figures import new_figure
 
     fig = new_figure(figsize=(2, 1))
     fig.subplots().plot([0, 1], [1, 0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.refresh.forced import condition_caches, forced_kl, forced_table
+from kvlab.studies.refresh.forced import condition_caches, forced_kl, forced_table
 from kvlab.store import RunStore
 
 
@@ -49,8 +49,8 @@ def test_bad_parameters(tiny_teacher, kw, name):
 # --------------------------------------------------------------------------- teacher-forced scores
 
 from kvlab.decode import DecodeConfig, Sampling, run  # noqa: E402
-from kvlab.refresh.forced import (ForcedDecoding, distinct_n, forced_columns, forced_dists, forced_scores,  # noqa: E402
-                                  reference_tokens)
+from kvlab.harness.forced import (ForcedDecoding, distinct_n, forced_columns, forced_dists, forced_scores,  # noqa: E402
+                                   reference_tokens)
 from kvlab.refresh.policies import EntropyGate, Periodic  # noqa: E402
 
 FORCED_CONFIGS = {
@@ -125,7 +125,7 @@ def test_distinct_n_sees_loops():
 
 
 def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_path):
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.harness.experiment import RunSpec
 
     store = RunStore(tmp_path)
     spec = RunSpec(prompts=("abc", "xyz q"), tokens=8, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0))
@@ -144,7 +144,7 @@ def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_pat
 
 # --------------------------------------------------------------------------- batched forced scores and references
 
-from kvlab.refresh.forced import forced_scores_many, reference_tokens_many  # noqa: E402
+from kvlab.harness.forced import forced_scores_many, reference_tokens_many  # noqa: E402
 
 SLOW_CONFIGS = {   # off the fast path: the forced loop runs them step by step (batched in forced_scores_many)
     "entropy": DecodeConfig(mode="overfill", max_new_tokens=14, refresh=EntropyGate(0.5)),

@@ -1,4 +1,4 @@
-"""The cache inspector (kvlab.eviction.inspector) and its playground tab (kvlab.playground.inspection),
+"""The cache inspector (kvlab.viz.inspector) and its playground tab (kvlab.playground.inspection),
 on tiny random models: its data equal the cache's per-layer live maps and attention statistics at every
 step; the state rebuilt for any step t of a finished run equals what a live observation after step t
 saw; the hover titles carry position, writer, score and eviction step; the playground shows the
@@ -15,7 +15,7 @@ import pytest
 
 from kvlab.decode import DecodeConfig, Decoding
 from kvlab.eviction import H2O, ConfKV, Scissorhands, SlidingWindow
-from kvlab.eviction.inspector import CacheInspector, score_stat, tokens_html
+from kvlab.viz.inspector import CacheInspector, score_stat, tokens_html
 from kvlab.playground import Playground, Settings, decode_config
 from kvlab.playground.inspection import NOTHING, Inspection
 from kvlab.playground.render import inspect_html, png_html

@@ -56,7 +56,7 @@ def test_prompt_set_names_and_errors():
 
 def test_cli_prompt_set_long_picks_the_file_and_the_answer_length():
     from kvlab.cli import build_parser
-    from kvlab.studies.args import run_spec
+    from kvlab.harness.args import run_spec
 
     args = build_parser().parse_args(["baselines", "--prompt-set", "long", "--prompts", "3", "--student", "pruned"])
     spec = run_spec(args)

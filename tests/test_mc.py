@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvlab.studies.mc import real as mc_real
 from kvlab.uncertainty import mc
 from kvlab.cache import KVCache
 from kvlab.decode import DecodeConfig, Sampling
@@ -259,14 +260,14 @@ def test_replay_gate_matches_seed_count_triggers():
     """On a plain series, replaying MCGate equals the seed's count_triggers (M=probe_every)."""
     import pandas as pd
 
-    from kvlab.uncertainty.mcsim import count_triggers
+    from kvlab.studies.mc.sim import count_triggers
 
     rng = np.random.default_rng(3)
     series = rng.random(200)
     df = pd.DataFrame({"step": np.arange(200), "mi": series})
     gate = MCGate(threshold=0.6, signal="mi", probe_every=8, refractory=16)
-    assert mc.replay_gate(gate, df, count_from_prefill=False) == count_triggers(series, 0.6, M=8, refractory=16)
-    loop = mc.replay_gate(gate, df)        # the refresh loop's convention: no fire before step 16
+    assert mc_real.replay_gate(gate, df, count_from_prefill=False) == count_triggers(series, 0.6, M=8, refractory=16)
+    loop = mc_real.replay_gate(gate, df)        # the refresh loop's convention: no fire before step 16
     assert loop and min(loop) >= 16
     assert all(b - a >= 16 for a, b in zip(loop, loop[1:]))
 
@@ -358,7 +359,8 @@ def test_cli_bad_mc_input_fails_before_loading_models(argv, needle, capsys, monk
 def test_mcgate_runs_in_the_refresh_loop(tiny_teacher, tiny_student):
     """The "mc" probe is registered and the decode loop drives MCGate through the generic protocol."""
     from kvlab import run
-    from kvlab.refresh.base import PROBES, run_costs
+    from kvlab.refresh.base import PROBES
+    from kvlab.harness.costs import run_costs
 
     assert "mc" in PROBES
     gate = MCGate(threshold=-1.0, signal="mi", probe_every=3, refractory=0, n_passes=2, dropout_p=0.2)

@@ -1,4 +1,4 @@
-"""Tests for kvlab.uncertainty.mcsim: the blog's MC-dropout simulation, reproduced exactly."""
+"""Tests for kvlab.studies.mc.sim: the blog's MC-dropout simulation, reproduced exactly."""
 import io
 import json
 import sys
@@ -12,8 +12,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # allow running from any cwd
     sys.path.insert(0, str(_ROOT))
 
-from kvlab.uncertainty import mcsim  # noqa: E402
-from kvlab.uncertainty.mcsim import SimConfig, count_triggers, contiguous_spans, phase, simulate  # noqa: E402
+from kvlab.studies.mc import sim as mcsim  # noqa: E402
+from kvlab.studies.mc.sim import SimConfig, count_triggers, contiguous_spans, phase, simulate  # noqa: E402
 
 
 @pytest.fixture(scope="module")

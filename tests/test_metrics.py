@@ -148,9 +148,9 @@ def test_every_written_table_states_its_kl(tmp_path):
     import pandas as pd
 
     from kvlab.store import provenance
-    from kvlab.refresh.forced import FORCED_NOTE
+    from kvlab.studies.refresh.forced import FORCED_NOTE
     from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE
-    from kvlab.refresh.tables import write_refresh
+    from kvlab.studies.refresh.tables import write_refresh
 
     tables = {"refresh_methods": pd.DataFrame({"policy": ["none"], "kl": [0.5], "kl_all": [0.49]}),
               "refresh_forced": pd.DataFrame({"condition": ["overfill"], "kl": [0.4]}),

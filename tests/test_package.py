@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles (lazy imports inside functions included), few top-level modules,
-and the public API importable from ``kvlab`` as listed in one place (``kvlab._EXPORTS``)."""
+"""The package's shape: layers that import only downward, no import cycles (lazy imports inside functions
+included), no module over 500 lines, few top-level modules, and the public API importable from ``kvlab`` as
+listed in one place (``kvlab._EXPORTS``). docs/design.md shows the same layer table."""
 from __future__ import annotations
 
 import ast
@@ -89,9 +90,9 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     g = import_graph()
-    assert "kvlab.decode" in g["kvlab.studies.experiment"]          # a real edge is seen
+    assert "kvlab.decode" in g["kvlab.harness.experiment"]          # a real edge is seen
     g = {k: set(v) for k, v in g.items()}
-    g["kvlab.cache.kvcache"].add("kvlab.studies.experiment")        # experiment -> decode -> cache -> experiment
+    g["kvlab.cache.kvcache"].add("kvlab.harness.experiment")        # experiment -> decode -> cache -> experiment
     cycle = find_cycle(g)
     assert cycle is not None and cycle[0] == cycle[-1]
 
@@ -113,3 +114,79 @@ def test_results_load_is_public():
     from kvlab import results
 
     assert callable(results.load)
+
+
+# The layers, lowest first: a module may import from its own layer and the layers below it, never above.
+# (docs/design.md, "The package", shows this table.)
+LAYERS = (
+    ("core", ("kvlab.core",)),                                    # models, pruning, metrics, registries, catalogue
+    ("cache, store", ("kvlab.cache", "kvlab.store")),             # K/V tensors + mirror; the run store
+    ("decode", ("kvlab.decode",)),                                # the loop and the protocols it owns
+    ("policies", ("kvlab.eviction", "kvlab.refresh", "kvlab.uncertainty")),   # decide, never mutate
+    ("train", ("kvlab.train",)),                                  # the students: training, loading, the pair
+    ("harness", ("kvlab.harness",)),                              # RunSpec, scored/forced runs, statistics, tables
+    ("studies", ("kvlab.studies",)),                              # one folder per study
+    ("apps", ("kvlab.viz", "kvlab.sweep", "kvlab.playground", "kvlab.cli", "kvlab.__main__")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, targets in graph.items():
+        lm = layer_of(mod)
+        for t in targets:
+            if t == "kvlab" or lm is None:
+                continue
+            lt = layer_of(t)
+            if lt is not None and lt > lm:
+                out.append(f"{mod} ({LAYERS[lm][0]}) imports {t} ({LAYERS[lt][0]})")
+    return sorted(out)
+
+
+def test_every_module_has_a_layer():
+    loose = [m for m in import_graph() if m != "kvlab" and layer_of(m) is None]
+    assert not loose, f"modules in no layer of LAYERS: {loose}"
+
+
+def test_layers_import_only_downward():
+    up = upward_imports(import_graph())
+    assert not up, "imports that run upward:\n" + "\n".join(up)
+
+
+def test_the_layering_check_finds_a_planted_upward_import():
+    g = {k: set(v) for k, v in import_graph().items()}
+    g["kvlab.cache.kvcache"].add("kvlab.studies.eviction.tables")
+    assert upward_imports(g) == ["kvlab.cache.kvcache (cache, store) imports kvlab.studies.eviction.tables (studies)"]
+
+
+@pytest.mark.parametrize("lower, forbidden", [
+    (("kvlab.core", "kvlab.cache", "kvlab.store"),
+     ("kvlab.studies", "kvlab.sweep", "kvlab.train", "kvlab.playground", "kvlab.viz", "kvlab.cli")),
+    (("kvlab.eviction", "kvlab.refresh"),
+     ("kvlab.studies", "kvlab.sweep", "kvlab.playground", "kvlab.viz", "kvlab.cli")),
+])
+def test_lower_packages_import_nothing_above(lower, forbidden):
+    g = import_graph()
+    bad = [f"{m} -> {t}" for m, ts in g.items() if m.startswith(lower) for t in ts if t.startswith(forbidden)]
+    assert not bad, bad
+
+
+def test_the_loop_is_a_package_owning_its_protocols():
+    from kvlab.decode import protocols
+    from kvlab.eviction.base import EvictView, Keep
+
+    assert (ROOT / "decode" / "__init__.py").is_file()
+    assert EvictView.__module__ == Keep.__module__ == "kvlab.decode.protocols" == protocols.__name__
+
+
+def test_no_module_over_500_lines():
+    big = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 500}
+    assert not big, f"split these modules (over 500 lines): {big}"

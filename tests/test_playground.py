@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.studies.experiment import run_config, scored_run
+from kvlab.harness.experiment import run_config, scored_run
 from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
 from kvlab.playground import Playground, Settings, Stepper, check, decode_config
 from kvlab.playground.controller import fmt

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from kvlab.decode import DecodeConfig, Sampling
-from kvlab.studies.experiment import scored_run
+from kvlab.harness.experiment import scored_run
 from kvlab.playground import Playground, Settings, Stepper, decode_config
 from kvlab.playground.controller import fmt, nice_range, readouts
 from kvlab.playground.settings import refresh_policy

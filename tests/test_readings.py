@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from kvlab.viz import readings as R
-from kvlab.viz.tableview import fmt, plural, show
+from kvlab.harness.tableview import fmt, plural, show
 
 
 def _baselines(ppl, n=8, std=0.3):
@@ -88,8 +88,8 @@ def test_needle_reading_blames_the_model_when_the_full_cache_misses():
 
 def test_baselines_reading_matches_a_real_table(tiny_teacher, tiny_student, tmp_path):
     """Build the baselines table on the tiny pair (seconds); every number the reading quotes is the table's."""
-    from kvlab.studies.baselines import baselines
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.studies.baselines.table import baselines
+    from kvlab.harness.experiment import RunSpec
     from kvlab.store import RunStore
 
     table, _ = baselines(tiny_teacher, tiny_student, RunSpec(prompts=("abc", "hello there"), tokens=4),
@@ -114,7 +114,7 @@ def test_tick_reading_counts_positions_from_the_cache():
 
 
 def test_phase_reading_finds_the_drift_in_the_blogs_simulation():
-    from kvlab.uncertainty import mcsim
+    from kvlab.studies.mc import sim as mcsim
 
     ps = mcsim.simulate().phase_summary
     text = R.read_phase_summary(ps)
@@ -122,7 +122,7 @@ def test_phase_reading_finds_the_drift_in_the_blogs_simulation():
 
 
 def test_markdown_tables_print_no_negative_zero():
-    from kvlab.studies.experiment import to_markdown
+    from kvlab.harness.experiment import to_markdown
 
     md = to_markdown(pd.DataFrame({"d": [-0.0001, -1.5, 10.0]}))
     assert "-0.000" not in md and "| 0.000 |" in md and "| -1.500 |" in md and "| 10.000 |" in md

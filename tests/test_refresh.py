@@ -11,7 +11,8 @@ import torch
 from kvlab.decode import DecodeConfig, Decoding, Sampling, StepRecord, run
 from kvlab.core.metrics import kl_rows, teacher_logprobs
 from kvlab.refresh.policies import EntropyGate, Periodic, ProbeKL, Speculative
-from kvlab.refresh.base import PROBES, ProbeResult, run_costs, tau_for_budget, tau_from_percentile
+from kvlab.refresh.base import PROBES, ProbeResult, tau_for_budget, tau_from_percentile
+from kvlab.harness.costs import run_costs
 
 PROMPT = "the quick brown fox"
 NEXT = ("rerun", "student", "teacher")
@@ -332,9 +333,9 @@ def test_append_from_and_splice_positions_check_tokens(tiny_teacher, tiny_studen
 
 
 def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.harness.experiment import RunSpec
     from kvlab.viz.figures import render
-    from kvlab.refresh.tables import TIME_COLUMNS, periods_for, refresh_tables, write_refresh
+    from kvlab.studies.refresh.tables import TIME_COLUMNS, periods_for, refresh_tables, write_refresh
     from kvlab.store import RunStore
 
     samp = Sampling(0.7, 0.9, 0)
@@ -384,9 +385,9 @@ def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
 
 
 def test_provenance_table_and_figure(tiny_teacher, tiny_student, tmp_path):
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.harness.experiment import RunSpec
     from kvlab.viz.figures import render
-    from kvlab.refresh.tables import provenance_table
+    from kvlab.studies.refresh.tables import provenance_table
 
     spec = RunSpec(prompts=("hello there",), tokens=12, sampling=Sampling(0.7, 0.9, 0))
     df = provenance_table(tiny_teacher, tiny_student, spec, T=4)

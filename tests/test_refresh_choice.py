@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
-from kvlab.refresh.choice import _build, policy_choice
+from kvlab.studies.refresh.choice import _build, policy_choice
 
 
 @pytest.mark.parametrize("policy, kw, expected", [
@@ -73,7 +73,7 @@ def test_incompatible_pair_error_names_the_cli_flag():
 
 def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
     """--rebuild-student-cache turns on DecodeConfig.rebuild_student_cache for the OverFill baseline."""
-    from kvlab.studies import baselines as b
+    from kvlab.studies.baselines import table as b
     from kvlab import cli
 
     seen = {}
@@ -97,9 +97,9 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
                                                      "passes": 2}, None)])
 def test_single_policy_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path, policy, kw, nxt):
     from kvlab.decode import Sampling
-    from kvlab.studies.experiment import RunSpec
-    from kvlab.refresh.choice import single_policy_tables
-    from kvlab.refresh.tables import write_refresh
+    from kvlab.harness.experiment import RunSpec
+    from kvlab.studies.refresh.choice import single_policy_tables
+    from kvlab.studies.refresh.tables import write_refresh
     from kvlab.store import RunStore
 
     samp = Sampling(0.7, 0.9, 0)

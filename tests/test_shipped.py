@@ -222,7 +222,7 @@ def test_speed_beside_quality_per_shape_in_one_run(tmp_path, monkeypatch):
     model cache holding only the teacher, so a student trained earlier in the user's cache (e.g. by
     `train-pareto`, which trains i0.30) cannot turn the row into a trained one."""
     from kvlab.core.models import cache_dir
-    from kvlab.train.speed import speed_quality
+    from kvlab.studies.training.speed import speed_quality
 
     real = cache_dir()
     (tmp_path / "models").mkdir()

@@ -147,7 +147,7 @@ def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tin
     argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
             "--runs", str(tmp_path / "runs"), "--no-progress"]
     assert cli.main(argv) == 0
-    # 6 runs + 2 teacher references + 6 teacher-forced scores (kvlab.refresh.forced)
+    # 6 runs + 2 teacher references + 6 teacher-forced scores (kvlab.harness.forced)
     assert f"run store {tmp_path / 'runs'}: 0 reused, 14 computed" in capsys.readouterr().out
     assert cli.main(argv) == 0
     out = capsys.readouterr().out

@@ -481,7 +481,7 @@ def test_live_map_figure(lm2):
 
 
 def test_bench_surgery_tiny(lm2):
-    from kvlab.studies.bench import bench_surgery
+    from kvlab.studies.bench.bench import bench_surgery
 
     out = bench_surgery(lm2, cache_len=64, pairs=4, repeats=1)
     assert out["identical"] is True

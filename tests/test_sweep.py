@@ -398,7 +398,7 @@ def test_rows_of_another_code_version_are_refused(tmp_path):
 def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
     """A run made by a table, then asked for by a sweep and by the playground: computed once,
     one row, tagged with the sweep."""
-    from kvlab.studies.experiment import RunSpec, run_policies, stored_config
+    from kvlab.harness.experiment import RunSpec, run_policies, stored_config
     from kvlab.playground import Playground, Settings, decode_config
     from kvlab.playground.settings import sampling_of
     from kvlab.sweep.task import tiny_pair
@@ -436,7 +436,7 @@ def test_a_run_of_the_tables_is_the_sweeps_and_the_playgrounds(tmp_path):
 def test_a_cpu_run_is_not_reused_for_a_gpu_request(tmp_path, monkeypatch):
     import torch
 
-    from kvlab.studies.experiment import stored_config
+    from kvlab.harness.experiment import stored_config
     from kvlab.core.models import LM
     from kvlab.sweep.runner import key_tasks, pending
 
@@ -487,8 +487,8 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_tables_from_store_rows_match_the_tables(tmp_path):
-    from kvlab.studies.baselines import baselines
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.studies.baselines.table import baselines
+    from kvlab.harness.experiment import RunSpec
     from kvlab.sweep.tables import write_from_results
     from kvlab.sweep.task import tiny_pair
 

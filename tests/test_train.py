@@ -10,7 +10,8 @@ import torch
 
 from kvlab.core.compat import cache_kwarg
 
-from kvlab.core.tiny import make_tiny_lm, tiny_examples
+from kvlab.core.tiny import make_tiny_lm
+from kvlab.train.tiny import tiny_examples
 from kvlab.train.config import TrainConfig
 from kvlab.train.data import Example
 from kvlab.train.forward import spliced_cache, student_forward, teacher_cache, token_losses
@@ -364,7 +365,7 @@ def test_lora_trains_only_adapters_and_merges_into_a_plain_model(pair, examples,
 def test_tiny_training_curves_are_a_real_short_run():
     """The notebooks' fallback curves: the trainer on tiny models; loss falls, refresh-aware refreshes,
     the caller's generator is untouched, and a variant without training is refused by name."""
-    from kvlab.train.study import tiny_training_curves
+    from kvlab.studies.training.study import tiny_training_curves
 
     torch.manual_seed(123)
     before = torch.get_rng_state()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvlab.core.models import LM
-from kvlab.core.tiny import make_tiny_lm, tiny_examples
+from kvlab.core.tiny import make_tiny_lm
+from kvlab.train.tiny import tiny_examples
 from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_TRAIN, TrainConfig
 from kvlab.train.data import Example
 

@@ -1,4 +1,4 @@
-"""The training Pareto (kvlab.train.pareto, issue 27): points = prune shape + recipe overrides, the front, a
+"""The training Pareto (kvlab.studies.training.pareto, issue 27): points = prune shape + recipe overrides, the front, a
 present point's row (short KL from the log, long KL from the log or measured, speed timed alternately), missing
 points reported without loading or training anything, and the written csv / md / png. Tiny models only."""
 from __future__ import annotations
@@ -8,9 +8,10 @@ import math
 import pandas as pd
 import pytest
 
-from kvlab.core.tiny import make_tiny_lm, tiny_examples
+from kvlab.core.tiny import make_tiny_lm
+from kvlab.train.tiny import tiny_examples
 from kvlab.train.config import BASE_TRAIN, DEFAULT_TRAIN, PARETO_TRAIN
-from kvlab.train.pareto import parse_point, pareto_front, point_row, with_fronts
+from kvlab.studies.training.pareto import parse_point, pareto_front, point_row, with_fronts
 
 
 def test_points_are_a_shape_and_recipe_overrides():
@@ -77,7 +78,7 @@ def test_a_present_points_row_reads_the_log_and_measures_what_it_lacks(tiny):
 
 def test_missing_points_are_reported_with_their_command_and_nothing_loads(tmp_path, monkeypatch):
     import kvlab.core.models as models
-    from kvlab.train.pareto import pareto_table
+    from kvlab.studies.training.pareto import pareto_table
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
 
@@ -118,7 +119,7 @@ def test_cli_checks_points_and_student_before_anything_loads(capsys, monkeypatch
 
 
 def test_the_written_table_says_what_each_column_is_and_draws_the_front(tiny, tmp_path):
-    from kvlab.train.pareto import write_pareto
+    from kvlab.studies.training.pareto import write_pareto
 
     teacher, held_long = tiny
     rows = []
@@ -150,7 +151,7 @@ def test_decode_speed_reads_the_forward_cache_without_the_deprecated_name(monkey
     import transformers.utils.generic as generic
 
     from kvlab.core.compat import output_cache
-    from kvlab.train.study import decode_speed
+    from kvlab.studies.training.study import decode_speed
 
     said = []
     monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: said.append(msg))

@@ -22,7 +22,7 @@ import torch
 
 TAIL = 50  # tail log-prob: last 50 tokens under the teacher
 
-# One line per KL column, for table captions (kvlab.studies.experiment.write_table notes).
+# One line per KL column, for table captions (kvlab.harness.experiment.write_table notes).
 KL_NOTE = ("`kl`: mean KL(p_T‖q) in nats over the steps whose token the student chose (teacher-chosen steps — "
            "OverFill's first token, tokens drawn from teacher logits after a refresh — excluded; "
            "teacher mode: all steps, ≈ 0 since q = p_T).")

@@ -370,8 +370,8 @@ def load_teacher(device=None, dtype=None) -> LM:
 
 DEFAULT_PRUNE = 0.30  # the untrained student's old MLP ratio (kept for the sweep's `student_ratio`)
 
-# the student variants and the default pair (defined in the torch-free kvlab.train.config)
-from kvlab.train.config import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS  # noqa: E402
+# the student variants and the default pair (the torch-free catalogue kvlab.core.students)
+from kvlab.core.students import DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS  # noqa: E402
 
 
 def pruned_student_path(shape=DEFAULT_SHAPE) -> Path:

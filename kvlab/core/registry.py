@@ -11,6 +11,7 @@ from kvlab, touches no tensors.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import re
 from collections.abc import Mapping
@@ -113,7 +114,11 @@ class Registry(Mapping):
         cls = self._loaded.get(name)
         if cls is None:
             obj = self._builtins[name]
-            cls = obj if isinstance(obj, type) else obj()
+            if isinstance(obj, str):                # "package.module:Class", imported on first use
+                mod, _, attr = obj.partition(":")
+                cls = getattr(importlib.import_module(mod), attr)
+            else:
+                cls = obj if isinstance(obj, type) else obj()
             self._loaded[name] = cls
         return Entry(name, cls, True, label=name)
 
@@ -176,3 +181,57 @@ class Registry(Mapping):
     def _cls_name(self, name: str) -> str:
         obj = self._user[name].cls if name in self._user else self._loaded.get(name, self._builtins[name])
         return obj.__name__ if isinstance(obj, type) else self.entry(name).cls.__name__
+
+
+# --------------------------------------------------------------------------- the two registries
+
+# The built-ins are named by "module:Class" and imported on first use, so this module (and the run store, which
+# labels stored runs by family) needs nothing above the core.
+EVICTION_POLICIES = Registry("eviction", {
+    "full": "kvlab.eviction.full:FullCache",
+    "sliding": "kvlab.eviction.sliding:SlidingWindow",
+    "h2o": "kvlab.eviction.h2o:H2O",
+    "random": "kvlab.eviction.random_evict:RandomEvict",
+    "confkv": "kvlab.eviction.confkv:ConfKV",
+    "block": "kvlab.eviction.block:BlockEvict",
+    "snapkv": "kvlab.eviction.snapkv:SnapKV",
+    "scissorhands": "kvlab.eviction.scissorhands:Scissorhands",
+    "pyramidkv": "kvlab.eviction.pyramidkv:PyramidKV",
+    "knorm": "kvlab.eviction.scorers:Knorm",
+    "snapkv_scorer": "kvlab.eviction.scorers:SnapKVScorer",
+}, method="keep", reserved=("none",), register_fn="register_eviction")
+
+REFRESH_POLICIES = Registry("refresh", {
+    "periodic": "kvlab.refresh.policies.periodic:Periodic",
+    "entropy": "kvlab.refresh.policies.entropy:EntropyGate",
+    "probe_kl": "kvlab.refresh.policies.probe_kl:ProbeKL",
+    "speculative": "kvlab.refresh.policies.speculative:Speculative",
+    "mc": "kvlab.uncertainty.mc:MCGate",
+}, method="should_refresh", reserved=("none",), register_fn="register_refresh")
+
+
+@dataclass(frozen=True)
+class Section:
+    """A kind of policy a run config holds: the sweep spec's table name (``[refresh.<family>]``), the
+    :class:`~kvlab.decode.DecodeConfig` field its policies go into, its registry and the modes it applies to."""
+
+    name: str                        # the spec's table name, e.g. "refresh"
+    field: str                       # DecodeConfig field the policy goes into
+    registry: Callable[[], dict]     # family name -> policy class
+    modes: tuple[str, ...] | None    # decode modes the policies apply to (None = every mode)
+
+
+def refresh_registry() -> dict[str, type]:
+    """Refresh policies by family name (:data:`REFRESH_POLICIES`: built-ins and the user's ``register_refresh``)."""
+    return dict(REFRESH_POLICIES)
+
+
+def evict_registry() -> dict[str, type]:
+    """Eviction policies by family name (:data:`EVICTION_POLICIES`: built-ins and the user's ``register_eviction``)."""
+    return dict(EVICTION_POLICIES)
+
+
+SECTIONS: dict[str, Section] = {
+    "refresh": Section("refresh", "refresh", refresh_registry, ("overfill",)),
+    "evict": Section("evict", "evict", evict_registry, None),
+}

@@ -9,7 +9,7 @@ through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
 matched-memory table and the run store's rows read it): the built-ins below, plus a user's own class
 registered with :func:`register_eviction` (docs/custom_policies.md).
 """
-from kvlab.core.registry import Registry
+from kvlab.core.registry import EVICTION_POLICIES
 from kvlab.eviction.base import EvictView, Keep, drawn_stats, validate_evict
 from kvlab.eviction.block import BlockEvict
 from kvlab.eviction.confkv import ConfKV, confidence, pyramid_weights
@@ -23,19 +23,6 @@ from kvlab.eviction.scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
 from kvlab.eviction.sliding import SlidingWindow
 from kvlab.eviction.snapkv import SnapKV
 
-EVICTION_POLICIES = Registry("eviction", {
-    "full": FullCache,
-    "sliding": SlidingWindow,
-    "h2o": H2O,
-    "random": RandomEvict,
-    "confkv": ConfKV,
-    "block": BlockEvict,
-    "snapkv": SnapKV,
-    "scissorhands": Scissorhands,
-    "pyramidkv": PyramidKV,
-    "knorm": Knorm,
-    "snapkv_scorer": SnapKVScorer,
-}, method="keep", reserved=("none",), register_fn="register_eviction")
 register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine") on your class
 unregister_eviction = EVICTION_POLICIES.unregister
 

@@ -1,5 +1,6 @@
-"""The eviction-policy protocol shared by the decode loop and the policies.
-Decisions and checks only: nothing here edits a cache.
+"""What the eviction policies share: argument checks, the drawn distribution and the ranking helpers. The
+protocol itself (``EvictView``, ``Keep``, the optional attributes) is the loop's, in :mod:`kvlab.decode.protocols`,
+re-exported here. Decisions and checks only: nothing here edits a cache.
 
 An eviction policy is a frozen dataclass that decides only, with one method::
 
@@ -23,7 +24,7 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
   cached keys and values) and ``modules`` (the decoder's attention modules, in layer order): score
   functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`);
 * ``score_stat: str | None`` — the statistic the policy ranks by, shown as the score by the cache
-  inspector (:func:`kvlab.eviction.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
+  inspector (:func:`kvlab.viz.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
   else None).
 
 Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
@@ -50,100 +51,12 @@ matrix with :func:`layer_stat`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Sequence
 
 import torch
 
-
-@dataclass(frozen=True, eq=False)
-class EvictView:
-    """What a policy sees at step ``step``: the decoding cache after this step's forward (it holds
-    ``x, y_<step``), the step's record (entropy, top-1, margin of the distribution ``y_step`` was
-    drawn from), and the cache's attention statistics (read only; ``None`` unless the policy
-    ``needs_attention``), per layer: ``attn["acc"][l]`` (T_l,) accumulated mass over layer ``l``'s
-    slots, ``attn["ema"][l]`` (T_l,) its EMA, ``attn["count"][l]`` (T_l,) each entry's lifetime in
-    measured queries (NORM_SUM's denominator); :func:`layer_stat` stacks one to ``(L, T)``.
-    ``logits``, ``temperature`` and ``top_p`` give the distribution ``y_step`` was drawn from
-    (:func:`drawn_stats`); ``first`` marks the run's first step (prompt-compression policies).
-    ``kv`` / ``modules`` (``None`` unless the policy ``needs_kv``): ``kv(l)`` returns copies of layer
-    ``l``'s ``(keys, values)``, each ``(1, H_kv, T_l, D)``, keys post-RoPE, in slot order (INT8
-    entries dequantized); ``modules[l]`` is layer ``l``'s attention module (read its config only).
-
-    ``positions`` / ``length`` are layer 0's live set; ``layer_positions[l]`` is layer ``l``'s
-    (default: ``positions`` on every layer)."""
-
-    step: int
-    length: int
-    positions: tuple[int, ...]     # absolute position of each slot of layer 0
-    record: Any                    # kvlab.decode.StepRecord of this step
-    vocab_size: int
-    num_layers: int
-    attn: Mapping[str, Sequence[torch.Tensor]] | None = None   # per layer (T_l,); see layer_stat
-    logits: torch.Tensor | None = None     # (V,) raw logits y_step was chosen from
-    temperature: float = 0.0               # the run's sampling: 0 = greedy
-    top_p: float = 1.0
-    first: bool = False                    # the run's first step: the cache holds the prefill only
-    layer_positions: tuple[tuple[int, ...], ...] = None   # per layer: absolute position of each live slot
-    kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None   # layer -> copies (1, H_kv, T_l, D) x2
-    modules: tuple | None = None           # per layer: the decoder's attention module (needs_kv)
-
-    def __post_init__(self):
-        if self.layer_positions is None:
-            object.__setattr__(self, "layer_positions", (tuple(self.positions),) * self.num_layers)
-        elif len(self.layer_positions) != self.num_layers:
-            raise ValueError(f"layer_positions has {len(self.layer_positions)} layers, num_layers={self.num_layers}")
-
-    @property
-    def uniform(self) -> bool:
-        """Every layer holds the same live positions (one live set)."""
-        first = self.layer_positions[0] if self.layer_positions else ()
-        return all(p == first for p in self.layer_positions)
-
-
-@dataclass(frozen=True)
-class Keep:
-    """A decision: the slots to keep (sorted), plus what the policy computed on the way.
-
-    ``layers`` (optional): per layer, the kept slots of that layer (indices into its own live
-    list); ``None`` keeps ``slots`` on every layer."""
-
-    slots: tuple[int, ...]
-    budget: int | None = None          # the budget in force at this step (entries per layer)
-    confidence: float | None = None    # Conf-KV's confidence score
-    rerotate: bool = False
-    int8_window: int | None = None     # store entries older than the newest int8_window in INT8
-    int8_group: int | None = 64        # entries per INT8 scale group; None: one scale per (head, channel)
-    layers: tuple[tuple[int, ...], ...] | None = None   # per-layer kept slots; None: slots on every layer
-
-    def dropped(self, length: int) -> list[int]:
-        keep = set(self.slots)
-        return [s for s in range(length) if s not in keep]
-
-    def dropped_layers(self, lengths: Sequence[int]) -> list[list[int]] | None:
-        """Per layer, the slots to drop (``lengths[l]`` = layer ``l``'s live length); ``None`` when
-        ``layers`` is ``None`` (then :meth:`dropped` applies to every layer)."""
-        if self.layers is None:
-            return None
-        if len(self.layers) != len(lengths):
-            raise ValueError(f"Keep.layers has {len(self.layers)} entries for a cache of {len(lengths)} layers")
-        out = []
-        for kept, n in zip(self.layers, lengths):
-            keep = set(kept)
-            out.append([s for s in range(n) if s not in keep])
-        return out
-
-    def signals(self) -> dict[str, float]:
-        out = {}
-        if self.budget is not None:
-            out["budget"] = float(self.budget)
-        if self.confidence is not None:
-            out["confidence"] = float(self.confidence)
-        return out
-
-
-def keep_all(view: EvictView, **kw) -> Keep:
-    return Keep(tuple(range(view.length)), **kw)
+from kvlab.decode.protocols import (EVICT_ATTRS, EvictionPolicy, EvictView, Keep, evict_attr,  # noqa: F401
+                                    keep_all, validate_evict)
 
 
 # --------------------------------------------------------------------------- validation
@@ -188,15 +101,6 @@ def check_observation_window(budget: int, window: int, kernel: int) -> None:
     positive_int("kernel", kernel)
     if kernel % 2 == 0:
         raise ValueError(f"kernel={kernel} must be odd (a centred pool keeps the length)")
-
-
-def validate_evict(policy) -> None:
-    """The protocol checks the loop relies on (ValueError naming the attribute)."""
-    if not callable(getattr(policy, "keep", None)):
-        raise ValueError(f"evict={policy!r} needs a keep(view) -> Keep method (see kvlab.eviction)")
-    decay = getattr(policy, "ema_decay", 0.9)
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-        raise ValueError(f"evict.ema_decay={decay!r} must be in [0, 1)")
 
 
 # --------------------------------------------------------------------------- the drawn distribution

@@ -2,7 +2,7 @@
 Reads and writes only the run store (calibration runs are stored runs).
 
 τ (student entropy, bits) and κ (KL, nats) are read against no-refresh OverFill runs on the calibration
-prompts (:func:`kvlab.refresh.tables.calibrate`); the MC gate's threshold against every MC signal of
+prompts (:func:`kvlab.studies.refresh.tables.calibrate`); the MC gate's threshold against every MC signal of
 no-refresh runs probed at every step. All of them are stored runs, so a calibration is computed once per
 student (and MC pass count / dropout p) and read from the run store afterwards.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from kvlab.studies.experiment import run_config, scored_run
+from kvlab.harness.experiment import run_config, scored_run
 from kvlab.playground.settings import Range, Settings, check, percentile_of
 from kvlab.playground.students import StudentPool
 
@@ -43,11 +43,11 @@ class Calibrator:
         return student.fingerprint in self._cal
 
     def calibration(self, student, compute: bool = True):
-        """τ/κ calibration (kvlab.refresh.tables.calibrate) for ``student``: student entropy and KL over
+        """τ/κ calibration (kvlab.studies.refresh.tables.calibrate) for ``student``: student entropy and KL over
         no-refresh OverFill runs on the calibration prompts. Without ``compute``, only if it is in memory
         or every run is already stored (else None)."""
-        from kvlab.studies.experiment import RunSpec
-        from kvlab.refresh.tables import calibrate
+        from kvlab.harness.experiment import RunSpec
+        from kvlab.studies.refresh.tables import calibrate
 
         fp = student.fingerprint
         if fp not in self._cal:

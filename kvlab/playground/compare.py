@@ -39,11 +39,11 @@ def check_repeats(repeats) -> None:
 
 
 def time_vs_baseline(teacher, student, s: Settings, repeats: int) -> dict:
-    """Time ``s`` against its baseline back to back (:func:`kvlab.refresh.tables.paired_timing`: same
+    """Time ``s`` against its baseline back to back (:func:`kvlab.studies.refresh.tables.paired_timing`: same
     prompt and seed, order alternating, one warm-up; the baseline is also timed against itself, the noise
     floor): ``{"settings", "overhead_pct", "q25", "q75", "pairs", "noise_pct", "tps"}``."""
-    from kvlab.studies.experiment import RunSpec
-    from kvlab.refresh.tables import overhead_table, paired_timing
+    from kvlab.harness.experiment import RunSpec
+    from kvlab.studies.refresh.tables import overhead_table, paired_timing
 
     spec = RunSpec(prompts=(s.prompt,), tokens=s.N, sampling=sampling_of(s))
     t = paired_timing(teacher, student, spec, {"baseline": decode_config(s.baseline()), "run": decode_config(s)},

@@ -3,7 +3,7 @@
 :class:`Playground` holds the current :class:`~kvlab.playground.settings.Settings`. :meth:`Playground.set`
 changes controls: bad values are reported per control (``errors``) and the last good result stays;
 good ones are looked up in the :class:`~kvlab.store.RunStore` by their full config (the same key
-:func:`kvlab.studies.experiment.scored_run` stores under) and answered from disk, or started as a live run
+:func:`kvlab.harness.experiment.scored_run` stores under) and answered from disk, or started as a live run
 on a background thread that streams :class:`LivePoint` events while it decodes. A newer change
 cancels the run in flight; a cancelled run stores nothing, and only the newest request is ever
 shown. Views subscribe with :meth:`Playground.subscribe`.
@@ -53,7 +53,7 @@ class Playground(Lookups):
     ``calib_prompts`` / ``calib_tokens``: the no-refresh OverFill runs whose student entropy and KL
     give the calibrated percentile of τ and κ (default: 2 prompts of ``data/calibration.jsonl``).
     ``background=False`` runs everything inline (scripts, tests). ``batch``: runs of the prompts × seeds
-    spread decoded together (default :data:`kvlab.studies.experiment.DEFAULT_BATCH`; 1 = one at a time).
+    spread decoded together (default :data:`kvlab.harness.experiment.DEFAULT_BATCH`; 1 = one at a time).
     """
 
     def __init__(self, teacher, student=None, *, students=None, store: RunStore | None = None, prompts=None,
@@ -63,7 +63,7 @@ class Playground(Lookups):
                  gate: ModelGate | None = None, batch: int | None = None):
         from kvlab.core.data import load_prompts
         from kvlab.decode import Sampling
-        from kvlab.studies.experiment import check_batch
+        from kvlab.harness.experiment import check_batch
 
         self.batch = check_batch(batch)
         self.teacher = teacher
@@ -223,7 +223,7 @@ class Playground(Lookups):
 
     def time_vs_baseline(self, repeats: int = 3):
         """Time the current configuration against its baseline back to back
-        (:func:`kvlab.refresh.tables.paired_timing`: same prompt and seed, order alternating, one
+        (:func:`kvlab.studies.refresh.tables.paired_timing`: same prompt and seed, order alternating, one
         warm-up; the baseline is also timed against itself, the noise floor) in the background; a
         "timing" event carries ``{"settings", "overhead_pct", "q25", "q75", "pairs", "noise_pct", "tps"}``.
         Not read from the store: times belong to this machine, now. Returns the job."""

@@ -1,7 +1,7 @@
 """The playground's cache inspector, in plain Python (no widgets): for the shown run, which prompt and
 generated tokens each layer of the decoding cache still holds after step t — the text shaded by the
 number of layers that keep each token, a layers × positions survival map, and the attention score that
-decided it (:mod:`kvlab.eviction.inspector` holds the data and the drawing; this module picks what to
+decided it (:mod:`kvlab.viz.inspector` holds the data and the drawing; this module picks what to
 show). Touches no model and no file: the inspector is fed by the run's own decode.
 
 An :class:`Inspection` belongs to one shown configuration and is in one of three states:
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlab.eviction.inspector import STAT_LABELS, CacheInspector, score_stat, survival_figure, tokens_html
+from kvlab.viz.inspector import STAT_LABELS, CacheInspector, score_stat, survival_figure, tokens_html
 from kvlab.playground.settings import NO_EVICTION, Settings, eviction_policy
 
 NOTHING = ("nothing to inspect: the full cache keeps every prompt and generated token on every layer "

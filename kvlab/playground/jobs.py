@@ -84,7 +84,7 @@ class Jobs:
 
     def streamer(self, job, stage: str, total: int, points: bool, inspector=None):
         """An ``on_step`` that checks for cancellation and emits a "point" (``points``) or "progress"
-        event per step, feeding ``inspector`` (a :class:`~kvlab.eviction.inspector.CacheInspector`) the
+        event per step, feeding ``inspector`` (a :class:`~kvlab.viz.inspector.CacheInspector`) the
         cache after each step; its ``state`` holds the step count, times (first step, last step) and the
         decoder's tokenizer."""
         pg = self.pg

@@ -2,7 +2,7 @@
 setting, a run answered from the store or decoded now (and stored), and the :class:`~kvlab.playground.shown.Shown`
 built from a run and its baseline.
 
-Runs are keyed by their full config, the key :func:`kvlab.studies.experiment.scored_run` stores under, so a run
+Runs are keyed by their full config, the key :func:`kvlab.harness.experiment.scored_run` stores under, so a run
 made by a table, a sweep or the playground is the same row.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kvlab.studies.experiment import run_config, scored_run, scored_runs
+from kvlab.harness.experiment import run_config, scored_run, scored_runs
 from kvlab.store import run_key
 from kvlab.playground.settings import Settings, decode_config, refresh_policy
 from kvlab.playground.shown import Shown, readouts
@@ -55,7 +55,7 @@ class RunReader:
 
     def scored_many(self, settings: list[Settings], student, batch: int | None = None, on_step=None) -> list[dict]:
         """The results of ``settings`` (in order): from the store, or decoded now ``batch`` at a time
-        (:func:`kvlab.studies.experiment.scored_runs`; ``on_step(rec, decoding)`` per decoded step, e.g.
+        (:func:`kvlab.harness.experiment.scored_runs`; ``on_step(rec, decoding)`` per decoded step, e.g.
         to cancel) and stored. Settings of one run (the same key) are decoded once."""
         first: dict = {}
         jobs, students = [], {}

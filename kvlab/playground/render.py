@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 
-from kvlab.studies.experiment import MIN_PAIRS
+from kvlab.harness.experiment import MIN_PAIRS
 from kvlab.playground.shown import READOUTS, Shown, fmt
 from kvlab.playground.spread import Spread
 from kvlab.playground.why import PPL_NOTE

@@ -28,7 +28,7 @@ def readouts(result: dict, base: dict, mode: str) -> dict:
 
     ``teacher_tokens_pct``: tokens the teacher processed while decoding (refresh prefills + probes; every
     token in teacher mode) per generated token. ``teacher_time_pct``: the teacher's compute time in this
-    run as a % of the rest of this run's time (:func:`kvlab.refresh.base.run_costs` ``teacher_pct``; measured
+    run as a % of the rest of this run's time (:func:`kvlab.harness.costs.run_costs` ``teacher_pct``; measured
     inside one run, so no cross-run timing noise; undefined in teacher mode). ``tps``: this run's decode
     speed (shown, never compared with the baseline's separately timed run).
     """
@@ -75,7 +75,7 @@ class Shown:
     settings: Settings
     key: str                  # run-store key of the run (runs/<key>.json)
     base_key: str
-    result: dict              # the stored result (kvlab.studies.experiment.scored_run)
+    result: dict              # the stored result (kvlab.harness.experiment.scored_run)
     base: dict
     readouts: dict
     base_readouts: dict

@@ -1,6 +1,6 @@
 """Readouts over N prompts × seeds: mean of the chosen configuration, mean of its baseline, and the
 mean paired difference with a bootstrap 95 % interval over the (prompt, seed) pairs — the same
-statistic as the tables (:func:`kvlab.studies.experiment.paired_bootstrap`), computed from stored runs and
+statistic as the tables (:func:`kvlab.harness.experiment.paired_bootstrap`), computed from stored runs and
 refreshed as each pair finishes.
 """
 from __future__ import annotations
@@ -43,11 +43,11 @@ class Spread:
 def spread_stats(rows: list[tuple[dict, dict]], n_boot: int = 2000, seed: int = 0) -> dict:
     """``rows``: per finished pair, (readouts of the run, readouts of its baseline). Per readout:
     means, the mean paired difference and its bootstrap 95 % interval (NaN with fewer than
-    :data:`kvlab.studies.experiment.MIN_PAIRS` pairs: the tables refuse such intervals too)."""
+    :data:`kvlab.harness.experiment.MIN_PAIRS` pairs: the tables refuse such intervals too)."""
     import numpy as np
     import pandas as pd
 
-    from kvlab.studies.experiment import MIN_PAIRS, paired_bootstrap
+    from kvlab.harness.experiment import MIN_PAIRS, paired_bootstrap
 
     out = {}
     for m in SPREAD_READOUTS:

@@ -1,10 +1,10 @@
 """The run store: every finished run of kvlab, one key each, queryable as one table.
 
-Every consumer goes through it: :func:`kvlab.studies.experiment.scored_run` (the tables, the training
+Every consumer goes through it: :func:`kvlab.harness.experiment.scored_run` (the tables, the training
 helper, the playground), ``make figures``, sweeps (their driver writes what workers return) and the
 notebooks (:func:`load`). One run = one key = one row.
 
-**Key.** :func:`run_key` of the run's config (:func:`kvlab.studies.experiment.run_config`: the models'
+**Key.** :func:`run_key` of the run's config (:func:`kvlab.harness.experiment.run_config`: the models'
 fingerprints — name, architecture, dtype *and device type*, so a CPU fp32 run is never reused for a
 CUDA bf16 request —, the prompt, the decode settings with seed and policies) and
 :data:`kvlab.store.provenance.CODE_VERSION`: ``<config digest>-<code digest>``. A ``CODE_VERSION`` bump

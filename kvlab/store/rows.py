@@ -1,8 +1,8 @@
 """A stored run as one flat row and one per-step trace frame (what :mod:`kvlab.store.results` writes).
 
-A run is ``(config, result, meta)``: ``config`` is what keys it (:func:`kvlab.studies.experiment.run_config`:
+A run is ``(config, result, meta)``: ``config`` is what keys it (:func:`kvlab.harness.experiment.run_config`:
 models' fingerprints, prompt, decode settings; other kinds — forced KL, needle — have their own
-``kind``), ``result`` is what :func:`kvlab.studies.experiment.scored_run` returns, ``meta`` is the provenance
+``kind``), ``result`` is what :func:`kvlab.harness.experiment.scored_run` returns, ``meta`` is the provenance
 of the process that computed it (:func:`kvlab.store.provenance.stamp`). Everything here is a pure function
 of those three, so a run made by a table, a sweep worker or the playground gives the same row.
 """
@@ -106,7 +106,7 @@ def config_columns(config: dict) -> dict:
         if "prompt" in config:
             out["prompt_id"] = prompt_id(config["prompt"])
         return out
-    from kvlab.sweep.families import SECTIONS
+    from kvlab.core.registry import SECTIONS
 
     samp = dec.get("sampling") or {}
     row = {"kind": "decode", "mode": dec.get("mode"), "max_new_tokens": dec.get("max_new_tokens"),
@@ -115,7 +115,7 @@ def config_columns(config: dict) -> dict:
            "teacher_fp": config.get("teacher"), "student_fp": config.get("student")}
     m = re.search(r"-i(\d\.\d+)-", str(config.get("student") or ""))
     row["student_ratio"] = float(m.group(1)) if m else math.nan
-    from kvlab.train.config import student_of_name
+    from kvlab.core.students import student_of_name
 
     row["student"], row["prune"] = student_of_name(config.get("student")) or (None, None)   # which student made it
     labels = []

@@ -46,7 +46,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--address", default=None, help="Ray cluster address (default: start a local Ray instance)")
     e.add_argument("--batch", type=int, default=None, metavar="N",
                    help="tasks of one model pair and mode a worker decodes together (default "
-                        "kvlab.studies.experiment.DEFAULT_BATCH; 1 = one run at a time); not part of a run's key")
+                        "kvlab.harness.experiment.DEFAULT_BATCH; 1 = one run at a time); not part of a run's key")
     e.add_argument("--runs", "--results", dest="runs", type=Path, default=None,
                    help="run store (default $KVLAB_RUNS, else the project's runs/)")
     e.add_argument("--worker-memory", type=float, default=None, metavar="GiB",
@@ -117,7 +117,7 @@ def cmd_sweep(args):
 
     from kvlab.sweep.students import check_trained
 
-    from kvlab.studies.experiment import check_batch
+    from kvlab.harness.experiment import check_batch
 
     check_batch(args.batch)                   # every check before any model loads
     spec = spec_from_args(args)

@@ -7,38 +7,9 @@ policy to a registry (``kvlab.register_refresh`` / ``kvlab.register_eviction``) 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable
 
 
-def refresh_registry() -> dict[str, type]:
-    """Refresh policies by family name (``kvlab.refresh.policies.REFRESH_POLICIES``: built-ins and
-    the user's ``register_refresh``)."""
-    from kvlab.refresh.policies import REFRESH_POLICIES
-
-    return dict(REFRESH_POLICIES)
-
-
-def evict_registry() -> dict[str, type]:
-    """Eviction policies by family name (``kvlab.eviction.EVICTION_POLICIES``: built-ins and the user's
-    ``register_eviction``)."""
-    from kvlab.eviction import EVICTION_POLICIES
-
-    return dict(EVICTION_POLICIES)
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str                        # the spec's table name, e.g. "refresh"
-    field: str                       # DecodeConfig field the policy goes into
-    registry: Callable[[], dict]     # family name -> policy class
-    modes: tuple[str, ...] | None    # decode modes the policies apply to (None = every mode)
-
-
-SECTIONS: dict[str, Section] = {
-    "refresh": Section("refresh", "refresh", refresh_registry, ("overfill",)),
-    "evict": Section("evict", "evict", evict_registry, None),
-}
+from kvlab.core.registry import SECTIONS, Section, evict_registry, refresh_registry  # noqa: F401,E402
 
 
 def parameters(cls) -> dict[str, dataclasses.Field]:

@@ -60,7 +60,7 @@ def key_tasks(spec: GridSpec, engine) -> tuple[list[Task], dict]:
     ``{"error": ...}`` as its probe and its tasks :func:`load_error_key`. Returns (tasks, probes)."""
     import traceback
 
-    from kvlab.studies.experiment import stored_config
+    from kvlab.harness.experiment import stored_config
     from kvlab.store.provenance import CODE_VERSION
     from kvlab.store.results import run_key
 
@@ -126,18 +126,18 @@ def run_sweep(spec: GridSpec, *, engine: str = "local", workers: int | None = No
     model cache raises (naming ``python -m kvlab train-student``) before any engine starts: a sweep
     never trains. A pair that fails to load fails its own tasks only (error rows).
 
-    ``batch`` (default :data:`kvlab.studies.experiment.DEFAULT_BATCH`): tasks of one pair and mode
+    ``batch`` (default :data:`kvlab.harness.experiment.DEFAULT_BATCH`): tasks of one pair and mode
     decoded together by a worker (``chunk_fn``, :func:`kvlab.sweep.task.execute_chunk`); a row that
     fails is an error row, the others of its batch are stored. ``batch=1``: one task at a time
     (``execute_fn``, the unbatched loop). A killed sweep loses the chunks in flight."""
     from tqdm.auto import tqdm
 
-    from kvlab.studies.experiment import stored_config
+    from kvlab.harness.experiment import stored_config
     from kvlab.store.rows import config_columns
     from kvlab.sweep.students import check_trained
     from kvlab.sweep.task import student_columns
 
-    from kvlab.studies.experiment import check_batch
+    from kvlab.harness.experiment import check_batch
 
     batch = check_batch(batch)
     if batch > 1 and execute_fn is not execute and chunk_fn is execute_chunk:

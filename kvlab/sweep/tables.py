@@ -3,7 +3,7 @@ Reads result rows; writes tables and figures under ``--out``.
 
 One big sweep (on a cluster, say) regenerates ``baselines``, ``refresh_periodic/entropy/methods``
 and the Pareto figure: rows are turned into the per-run frames the table functions of
-:mod:`kvlab.studies.baselines` and :mod:`kvlab.refresh.tables` already take.
+:mod:`kvlab.studies.baselines.table` and :mod:`kvlab.studies.refresh.tables` already take.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvlab.studies.experiment import COSTS, METRICS
+from kvlab.harness.experiment import COSTS, METRICS
 
 # A table compares runs of one setting; rows of other settings go to other tables.
 SETTING = ["max_new_tokens", "temperature", "top_p", "teacher_fp", "student_fp"]
@@ -93,7 +93,7 @@ def _complete(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    from kvlab.studies.baselines import baselines_table
+    from kvlab.studies.baselines.table import baselines_table
 
     df = no_evict(df)
     base = df[df["refresh"].fillna("none") == "none"] if "refresh" in df else df
@@ -105,7 +105,7 @@ def baselines_from_rows(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame] |
 
 
 def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
-    from kvlab.refresh.tables import tables_from_runs
+    from kvlab.studies.refresh.tables import tables_from_runs
 
     df = no_evict(df)
     of = df[df["mode"] == "overfill"]
@@ -127,7 +127,7 @@ def refresh_from_rows(df: pd.DataFrame) -> dict[str, pd.DataFrame] | None:
 
 
 def kl_notes_for(df: pd.DataFrame) -> list[str]:
-    from kvlab.studies.experiment import kl_notes
+    from kvlab.harness.experiment import kl_notes
 
     return kl_notes(df)
 
@@ -136,10 +136,10 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     """Write ``baselines`` and ``refresh_*`` tables + their figures from results rows into ``out``,
     and ``sweep_configs`` (:func:`config_summary`: every config of every family, eviction included).
     Returns (paths, a note saying which rows were used)."""
-    from kvlab.studies.baselines import write_baselines
+    from kvlab.studies.baselines.table import write_baselines
     from kvlab.viz.figures import render
     from kvlab.viz.plots import baselines_figure  # noqa: F401  (registers the figures)
-    from kvlab.refresh.tables import write_refresh
+    from kvlab.studies.refresh.tables import write_refresh
 
     df = usable(rows, where)
     if not len(df):
@@ -155,7 +155,7 @@ def write_from_results(rows: pd.DataFrame, out, where: str | None = None) -> tup
     if r is not None:
         paths += write_refresh(r, out)
         paths.append(render("refresh_pareto", out))
-    from kvlab.studies.experiment import write_table
+    from kvlab.harness.experiment import write_table
 
     summary = config_summary(df)
     paths += write_table(summary.round(6), out, "sweep_configs", notes=[
@@ -183,7 +183,7 @@ def config_summary(rows: pd.DataFrame) -> pd.DataFrame:
 
     No latency overhead *between* configs is computed here: rows of a sweep are timed on different
     workers, machines and moments, and a ratio of such times measures the machine, not the policy
-    (so no such ratio is shown). Wall-clock overhead comes from :func:`kvlab.refresh.tables.paired_timing`, which
+    (so no such ratio is shown). Wall-clock overhead comes from :func:`kvlab.studies.refresh.tables.paired_timing`, which
     times each policy and its reference interleaved in one process."""
     df = usable(rows)
     if not len(df):

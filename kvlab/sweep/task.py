@@ -1,6 +1,6 @@
 """Running sweep tasks in a worker: load (once per process) the pair, run + score one task with
-:func:`kvlab.studies.experiment.scored_run` (:func:`execute`) or a chunk of tasks of one pair and mode
-as one batched decode with :func:`kvlab.studies.experiment.scored_runs` (:func:`execute_chunk`; the
+:func:`kvlab.harness.experiment.scored_run` (:func:`execute`) or a chunk of tasks of one pair and mode
+as one batched decode with :func:`kvlab.harness.experiment.scored_runs` (:func:`execute_chunk`; the
 same code the tables use), hand one outcome per task back. Loads models and decodes; it writes
 nothing (the driver stores the outcomes).
 
@@ -116,7 +116,7 @@ def execute(task: Task, pairs: PairCache, engine: str = "local", worker: str = "
     for the task's own failure (``status == "error"`` instead). Returns the *outcome*: ``task_id``,
     ``status``, ``config`` / ``result`` / ``meta`` (for :meth:`kvlab.store.results.Store.put`), ``extra``
     (how it ran: engine, worker, load_s, wall_s, started_at, device) and ``error``."""
-    from kvlab.studies.experiment import scored_run, stored_config
+    from kvlab.harness.experiment import scored_run, stored_config
 
     started = time.time()
     t0 = time.perf_counter()
@@ -146,7 +146,7 @@ def execute_chunk(tasks: list[Task], pairs: PairCache, engine: str = "local", wo
     (e.g. it cannot start) runs its tasks one at a time with :func:`execute`, so each fails or not on
     its own. ``extra["wall_s"]`` is the chunk's wall time (shared by its rows), ``extra["batch"]`` its size."""
     from kvlab.decode import BatchError
-    from kvlab.studies.experiment import scored_runs, stored_config
+    from kvlab.harness.experiment import scored_runs, stored_config
 
     started = time.time()
     t0 = time.perf_counter()

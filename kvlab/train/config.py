@@ -11,35 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, replace
 
 TRAIN_VERSION = "1"
 # versions how kvlab.train.history builds multi-turn examples; in the key of students trained with history > 0 only
 HISTORY_VERSION = "1"
-STUDENT_VARIANTS = ("pruned", "standalone", "overfill", "refresh-aware")
-TRAINED_VARIANTS = STUDENT_VARIANTS[1:]
-DEFAULT_VARIANT = "overfill"
-# measured (docs/pair_and_training.md, the training Pareto): held-out KL 1.025 at about 1.5x the teacher's decode speed
-DEFAULT_SHAPE = "h0.20,i0.50"
-
-
-_NAME = re.compile(r"-(" + "|".join(map(re.escape, STUDENT_VARIANTS)) + r")-((?:h\d\.\d+-)?i\d\.\d+)-[ct][0-9a-f]+(?:@|$)")
-
-
-def student_of_name(name) -> tuple[str, str] | None:
-    """``(variant, prune flag)`` of an embedded student from its model-cache folder name (or a fingerprint
-    ``name@hash``), as :func:`kvlab.core.models.pruned_student_path` / :func:`kvlab.train.weights.trained_name`
-    write it (``…-overfill-h0.20-i0.50-t<key>``, ``…-pruned-i0.30-c<digest>``); None for any other model."""
-    m = _NAME.search(str(name or ""))
-    return None if m is None else (m.group(1), m.group(2).replace("-", ","))
-
-
-def check_variant(variant) -> str:
-    if variant not in STUDENT_VARIANTS:
-        raise ValueError(f"--student={variant!r} must be one of {', '.join(STUDENT_VARIANTS)} "
-                         "(pruned = untrained; the others are trained by `python -m kvlab train-student`)")
-    return variant
+from kvlab.core.students import (DEFAULT_SHAPE, DEFAULT_VARIANT, STUDENT_VARIANTS, TRAINED_VARIANTS,  # noqa: F401
+                                 _NAME, check_variant, student_of_name)
 
 
 @dataclass(frozen=True)
@@ -134,7 +112,7 @@ class TrainConfig:
 DEFAULT_TRAIN = TrainConfig()
 
 # The recipe before the training Pareto (80 steps, short prompts only): the base every Pareto point's overrides
-# apply to (kvlab.train.pareto), fixed so a point names the same student whatever the default is. Its three
+# apply to (kvlab.studies.training.pareto), fixed so a point names the same student whatever the default is. Its three
 # students stay shipped beside the default's (kvlab/train/shipped): --train-recipe base.
 BASE_TRAIN = DEFAULT_TRAIN.replace(steps=80, history=0.0)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -340,11 +340,6 @@ def mc_traces(teacher, student, prompts: Sequence[str], **kw):
     return pd.concat(frames, ignore_index=True)
 
 
-def correlations(df, against: str = "entropy", signals: Sequence[str] = SIGNALS) -> dict[str, float]:
-    """Pearson r of each MC signal with the student's entropy over the pooled trace rows."""
-    return {s: float(df[s].corr(df[against])) for s in signals}
-
-
 def calibrate(teacher, student, *, percentile: float, signal: str = "mi", prompts: Iterable[str] | None = None,
               tokens: int = 32, n_passes: int = DEFAULT_PASSES, p: float = DEFAULT_P, probe_every: int = 1) -> float:
     """The ``percentile``-th percentile of ``signal`` over MC traces of the calibration prompts."""
@@ -373,87 +368,3 @@ def calibration_thresholds(teacher, student, *, percentile: float, signals: Sequ
     if df.empty:
         raise ValueError(f"tokens={tokens} produced no probed student steps; raise tokens")
     return {s: float(np.percentile(df[s].to_numpy(), percentile)) for s in signals}
-
-
-@dataclass(frozen=True)
-class ReplayRecord:
-    """What the refresh loop's record carries for a gate: step, signals, steps since refresh."""
-
-    step: int
-    signals: Mapping[str, float]
-    since_refresh: int | None
-
-
-def replay_gate(gate: MCGate, df, *, count_from_prefill: bool = True) -> list[int]:
-    """Steps at which ``gate`` fires over a stored trace (rows: step + signal columns), probing
-    every ``gate.probe_every`` steps — the counterfactual "the trace does not change after a fire"
-    (the loop itself would refresh and continue from the new cache).
-
-    ``count_from_prefill``: before the first fire, ``since_refresh = step`` as in the refresh loop
-    (the teacher-built prefix counts as a refresh at step 0); ``False``: ``None`` as in the seed's
-    ``count_triggers`` (the first probe above threshold fires whatever the refractory gap).
-    """
-    fires: list[int] = []
-    for row in df.itertuples(index=False):
-        if row.step % gate.probe_every:
-            continue
-        if fires:
-            since = row.step - fires[-1]
-        else:
-            since = row.step if count_from_prefill else None
-        rec = ReplayRecord(row.step, {gate.key: float(getattr(row, gate.signal))}, since)
-        if gate.should_refresh(rec):
-            fires.append(int(row.step))
-    return fires
-
-
-# ----------------------------------------------------------------------------- study + plot
-
-
-def correlation_study(teacher, student, prompts: Sequence[str], *, ps: Sequence[float] = (DEFAULT_P,),
-                      tokens: int = 64, n_passes: int = DEFAULT_PASSES, seed: int = 0, mode: str = "overfill",
-                      sampling=None):
-    """MC traces for each dropout ``p`` over ``prompts`` (every student step probed; greedy unless
-    ``sampling`` is given — the same decode for every ``p``).
-
-    Returns ``(traces, table)``: all trace rows with a ``p`` column, and one row per ``p`` with the
-    Pearson r of u / mi / flip against the student's entropy, and the number of steps pooled.
-    """
-    import pandas as pd
-
-    ps = [check_p(p) for p in ps]
-    check_n_passes(n_passes)
-    frames, rows = [], []
-    for p in ps:
-        df = mc_traces(teacher, student, prompts, tokens=tokens, n_passes=n_passes, p=p, seed=seed, mode=mode,
-                       sampling=sampling)
-        df.insert(0, "p", p)
-        frames.append(df)
-        r = correlations(df)
-        rows.append({"p": p, "n_passes": n_passes, "steps": len(df), "prompts": len(prompts),
-                     **{f"r_{k}": v for k, v in r.items()},
-                     **{f"mean_{k}": float(df[k].mean()) for k in SIGNALS}})
-    return pd.concat(frames, ignore_index=True), pd.DataFrame(rows)
-
-
-def plot_real_trace(df, fires: Mapping[str, Sequence[int]] | None = None, title: str = ""):
-    """Student entropy, U(t), MI and flip rate of one MC trace on stacked axes; gate fires marked."""
-    from kvlab.viz.base import new_figure
-
-    panels = [("entropy", "student entropy (nats)"), ("u", "U(t): mean logit var"), ("mi", "MI (nats)"),
-              ("flip", "argmax-flip rate")]
-    fig = new_figure(figsize=(10, 7))
-    axes = fig.subplots(len(panels), 1, sharex=True)
-    steps = df["step"].to_numpy()
-    for ax, (col, label) in zip(axes, panels):
-        ax.plot(steps, df[col].to_numpy(), lw=1)
-        ax.set_ylabel(label, fontsize=8)
-        ax.grid(True, linestyle=":", linewidth=0.6)
-        for sig, fired in (fires or {}).items():
-            if sig == col:
-                for t in fired:
-                    ax.axvline(t, color="crimson", lw=1, ls="--")
-    axes[-1].set_xlabel("step t")
-    fig.suptitle(title or "MC dropout on the student: entropy vs U(t) vs MI vs flip rate")
-    fig.tight_layout()
-    return fig

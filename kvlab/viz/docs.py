@@ -27,7 +27,7 @@ from typing import Callable, Sequence, Union
 
 import pandas as pd
 
-from kvlab.viz.tableview import fmt
+from kvlab.harness.tableview import fmt
 
 ROOT = Path(__file__).resolve().parents[2]          # the project: README.md, docs/, figures/
 FIGURES = ROOT / "figures"

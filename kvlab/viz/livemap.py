@@ -16,7 +16,7 @@ def live_map_figure(ledger, maps: dict[str, Sequence[int]], labels=None, title: 
     """One panel per live map: x = slot, y = the ledger row it points at (colour = how the row was
     written); the lower panel shows each slot's RoPE position. ``labels``: ``token_id -> str``
     (e.g. the tokenizer's decode) to annotate slots whose row is not original."""
-    from kvlab.viz.base import new_figure
+    from kvlab.harness.figures import new_figure
 
     fig = new_figure(figsize=(12, 2.4 * len(maps) + 1.6))
     axes = fig.subplots(len(maps) + 1, 1, squeeze=False)[:, 0]

@@ -1,10 +1,10 @@
-"""Plot functions of stored tables (registered in :mod:`kvlab.viz.base`, rendered by :mod:`kvlab.viz.figures`)."""
+"""Plot functions of stored tables (registered in :mod:`kvlab.harness.figures`, rendered by :mod:`kvlab.viz.figures`)."""
 from __future__ import annotations
 
 import numpy as np
 
-from kvlab.viz.base import figure, new_figure
-from kvlab.viz.tableview import plural
+from kvlab.harness.figures import figure, new_figure
+from kvlab.harness.tableview import plural
 
 POLICY_COLORS = {"teacher": "#1b9e77", "overfill": "#7570b3", "student": "#d95f02", "standalone": "#e7298a"}
 
@@ -67,21 +67,21 @@ def _mc_result(tables):
 
 @figure("mc_entropy", needs=("mc_time_series", "mc_thresholds"))
 def mc_entropy_figure(tables):
-    from kvlab.uncertainty.mcsim import plot_entropy
+    from kvlab.studies.mc.sim import plot_entropy
 
     return plot_entropy(_mc_result(tables))
 
 
 @figure("mc_variance", needs=("mc_time_series", "mc_thresholds"))
 def mc_variance_figure(tables):
-    from kvlab.uncertainty.mcsim import plot_mcvar
+    from kvlab.studies.mc.sim import plot_mcvar
 
     return plot_mcvar(_mc_result(tables))
 
 
 @figure("mc_triggers", needs=("mc_time_series", "mc_thresholds"))
 def mc_triggers_figure(tables):
-    from kvlab.uncertainty.mcsim import plot_triggers
+    from kvlab.studies.mc.sim import plot_triggers
 
     return plot_triggers(_mc_result(tables))
 
@@ -313,7 +313,7 @@ def plot_entropy_trace(records, tau_bits: float, title: str = ""):
 
 def plot_provenance(matrix, prompt_len: int, every: int = 1, title: str = ""):
     """Which model wrote each cache slot over time: rows = decode steps, columns = slots
-    (green teacher, orange student, white empty); from :func:`kvlab.refresh.base.provenance`."""
+    (green teacher, orange student, white empty); from :func:`kvlab.harness.costs.provenance`."""
     fig = new_figure(figsize=(11, 3.6))
     ax = fig.subplots()
     _draw_provenance(ax, np.asarray(matrix), prompt_len, every)

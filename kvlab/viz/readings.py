@@ -11,7 +11,7 @@ import math
 
 import pandas as pd
 
-from kvlab.viz.tableview import fmt, plural, single_prompt
+from kvlab.harness.tableview import fmt, plural, single_prompt
 
 # --- the sources, named (links where the source has one) --------------------------------------------------------
 OVERFILL = "[OverFill (Kim et al. 2025)](https://arxiv.org/abs/2508.08446)"
@@ -294,7 +294,7 @@ def read_forced(table: pd.DataFrame) -> str:
 
 
 def costs_frame(costs: dict) -> pd.DataFrame:
-    """``kvlab.refresh.base.run_costs``' dict as a two-column table with plain names."""
+    """``kvlab.harness.costs.run_costs``' dict as a two-column table with plain names."""
     names = {"refreshes": "refreshes", "teacher_tokens": "teacher tokens (prefills + probes)",
              "probe_tokens": "probe tokens", "delta_tokens": "teacher prefill tokens (Σ|Δ|)",
              "spliced": "cache entries overwritten", "teacher_s": "teacher compute (s)", "probes": "probe steps",

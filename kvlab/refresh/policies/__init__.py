@@ -8,7 +8,7 @@ loaded from there on first use, so importing the policies does not import the de
 store's rows read it): the built-ins below, plus a user's own class registered with :func:`register_refresh`
 (docs/custom_policies.md).
 """
-from kvlab.core.registry import Registry
+from kvlab.core.registry import REFRESH_POLICIES
 
 from kvlab.refresh.policies.entropy import EntropyGate
 from kvlab.refresh.policies.periodic import Periodic
@@ -25,9 +25,6 @@ def _mc_gate():
     return MCGate
 
 
-REFRESH_POLICIES = Registry("refresh", {"periodic": Periodic, "entropy": EntropyGate, "probe_kl": ProbeKL,
-                                        "speculative": Speculative, "mc": _mc_gate},
-                            method="should_refresh", reserved=("none",), register_fn="register_refresh")
 register_refresh = REFRESH_POLICIES.register          # @register_refresh("mine") on your class
 unregister_refresh = REFRESH_POLICIES.unregister
 

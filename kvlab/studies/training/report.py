@@ -10,14 +10,15 @@ def train_study(args, T: int = 27) -> list[Path]:
     """Tables ``train_study`` / ``train_speed`` / ``train_curves`` and the ``train_curves`` figure in ``args.out``."""
     import pandas as pd
 
-    from kvlab.studies.args import run_spec as _spec
-    from kvlab.studies.experiment import write_table
-    from kvlab.viz.figures import render
+    from kvlab.harness.args import run_spec as _spec
+    from kvlab.harness.experiment import write_table
+    from kvlab.harness.figures import render
+    from kvlab.studies.training import plots  # noqa: F401  (registers its figures)
     from kvlab.core.models import load_teacher
     from kvlab.train.pair import load_student
     from kvlab.store import RunStore
     from kvlab.train.command import student_choice, train_choice
-    from kvlab.train.study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
+    from kvlab.studies.training.study import STUDY_NOTES, VARIANTS, curves_frame, decode_speed, study_runs, study_table
     from kvlab.train.weights import trained_dir
 
     spec = _spec(args)

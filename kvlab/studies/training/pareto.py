@@ -8,7 +8,7 @@ under; fields of :class:`kvlab.train.config.TrainConfig`), e.g. ``h0.20,i0.50``,
 ``h0.20,i0.50:lora_rank=0,lr=0.001``, ``h0.20,i0.50:history=0.5``. Per present point: parameters; the held-out KL
 (short, from the training log); the held-out KL on the long held-out examples (:mod:`kvlab.train.history`), from
 the log when the point was trained with history examples, else measured here (the row says which); decode ms per
-step of teacher and student timed alternately in one process (:func:`kvlab.train.study.decode_speed`) and the
+step of teacher and student timed alternately in one process (:func:`kvlab.studies.training.study.decode_speed`) and the
 speed-up; and whether the point is on the Pareto front (lower KL, higher speed-up).
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def point_row(teacher, student, log: list, held_long, variant: str, prompt: str,
               repeats: int = 3) -> dict:
     """One present point's measures: params, held-out KL (short: last logged; long: logged, else measured on
     ``held_long`` if given), teacher / student ms per decode step timed alternately, speed-up."""
-    from kvlab.train.study import decode_speed
+    from kvlab.studies.training.study import decode_speed
     from kvlab.train.trainer import heldout_kl
 
     evals = [r for r in log if "heldout_kl" in r]
@@ -211,8 +211,9 @@ def write_pareto(df, out, command: str, speed_prompt: str = "long") -> list:
     then the table) and ``train_pareto.png`` (the figure, when a point has a speed-up) under ``out``."""
     from pathlib import Path
 
-    from kvlab.studies.experiment import provenance_note, to_markdown
-    from kvlab.viz.figures import render
+    from kvlab.harness.experiment import provenance_note, to_markdown
+    from kvlab.harness.figures import render
+    from kvlab.studies.training import plots  # noqa: F401  (registers its figures)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

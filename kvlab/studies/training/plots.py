@@ -1,9 +1,9 @@
-"""The training-curves and training-Pareto figures (registered in :mod:`kvlab.viz.base`, rendered by :mod:`kvlab.viz.figures`).
+"""The training-curves and training-Pareto figures (registered in :mod:`kvlab.harness.figures`, rendered by :mod:`kvlab.viz.figures`).
 Draws from a table; writes only through the figure registry's renderer.
 """
 from __future__ import annotations
 
-from kvlab.viz.base import figure, new_figure
+from kvlab.harness.figures import figure, new_figure
 
 COLORS = {"standalone": "#1f77b4", "overfill": "#d62728", "refresh-aware": "#2ca02c"}
 

@@ -158,7 +158,7 @@ def bench_refresh(teacher, student, prompts, tokens: int = 256, repeats: int = 2
 
     from kvlab.decode import DecodeConfig, run
     from kvlab.refresh.policies import EntropyGate, Periodic, ProbeKL, Speculative
-    from kvlab.refresh.base import run_costs
+    from kvlab.harness.costs import run_costs
 
     if policies is None:
         policies = {"periodic_T64": Periodic(64), "speculative_k8": Speculative(8),

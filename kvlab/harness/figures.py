@@ -1,5 +1,5 @@
 """Figure objects and the figure registry, shared by :mod:`kvlab.viz.figures` (rendering) and the
-modules that draw (:mod:`kvlab.viz.plots`, :mod:`kvlab.uncertainty.mcsim`, :mod:`kvlab.uncertainty.mc`, :mod:`kvlab.viz.livemap`).
+modules that draw (:mod:`kvlab.viz.plots`, :mod:`kvlab.studies.mc.sim`, :mod:`kvlab.uncertainty.mc`, :mod:`kvlab.viz.livemap`).
 Figures are matplotlib objects in memory; they write a file only when asked to save.
 
 This module imports none of them, so there is no import circle: drawing modules import this one,
@@ -13,6 +13,7 @@ itself in Jupyter/IPython through ``_repr_png_`` — a notebook shows it whether
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Callable
 
 # name -> (CSV stems the figure needs, fn(tables) -> Figure)
@@ -53,3 +54,23 @@ def figure_class():
 def new_figure(**kwargs):
     """A new :class:`KvFigure` (``figsize=...`` etc. as for ``matplotlib.figure.Figure``)."""
     return figure_class()(**kwargs)
+
+
+def render(name: str, out) -> Path | None:
+    """Render figure ``name`` from the CSVs in ``out`` into ``out/<name>.png`` (None if an input is missing).
+    The module that registers ``name`` must have been imported (a study imports its own ``plots``;
+    :func:`kvlab.viz.figures.render` imports them all first)."""
+    import pandas as pd
+
+    if name not in FIGURES:
+        raise KeyError(f"figure {name!r} is not registered; import the study module that draws it "
+                       "(its plots.py), or render through kvlab.viz.figures, which imports them all")
+    needs, fn = FIGURES[name]
+    out = Path(out)
+    paths = {n: out / f"{n}.csv" for n in needs}
+    if not all(p.is_file() for p in paths.values()):
+        return None
+    fig = fn({n: pd.read_csv(p) for n, p in paths.items()})
+    target = out / f"{name}.png"
+    fig.savefig(target, dpi=120, bbox_inches="tight")
+    return target

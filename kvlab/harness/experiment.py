@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvlab.decode import BatchError, DecodeConfig, Sampling, run, run_batch
 from kvlab.core.metrics import score
-from kvlab.refresh.base import run_costs
+from kvlab.harness.costs import run_costs
 from kvlab.store.results import Store as RunStore
 
 # Per-run numbers averaged into tables; "spread" columns hold their per-prompt std.
@@ -25,7 +25,7 @@ from kvlab.store.results import Store as RunStore
 METRICS = ["ttft_s", "tps", "tokens", "total_s", "e2e_tps", "teacher_ppl", "kl", "kl_all", "repeat3",
            "tail_logprob", "chars"]
 SPREAD = ["teacher_ppl", "kl", "repeat3", "total_s"]
-# Refresh cost per run (kvlab.refresh.base.run_costs); zero for runs without a refresh policy.
+# Refresh cost per run (kvlab.harness.costs.run_costs); zero for runs without a refresh policy.
 COSTS = ["refreshes", "teacher_tokens", "probe_tokens", "delta_tokens", "spliced", "teacher_s", "teacher_pct"]
 
 

@@ -1,7 +1,7 @@
 """The training study: every student variant side by side on the evaluation prompts.
 Its runs go through the run store; the tables are returned, not written.
 
-Runs (all through :func:`kvlab.studies.experiment.run_policies`, so they are stored and reused):
+Runs (all through :func:`kvlab.harness.experiment.run_policies`, so they are stored and reused):
 OverFill with each variant's student (no refresh, and with ``Periodic(T)`` refresh), and the
 student alone for ``pruned`` and ``standalone``. Tables:
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvlab.decode import DecodeConfig
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, write_table
+from kvlab.harness.experiment import RunSpec, paired_bootstrap, run_policies, write_table
 from kvlab.refresh.policies import Periodic
 from kvlab.core.compat import cache_kwarg, output_cache
 
@@ -36,8 +36,8 @@ def study_runs(teacher, students: dict, spec: RunSpec, store, T: int, progress: 
     """Per-run rows, ``policy`` = ``<variant>:overfill`` / ``<variant>:refresh`` / ``<variant>:student`` (every
     variant's decoder alone on its own prefill: the blog's Student baseline; for ``standalone`` it is also the
     paper's equal-budget baseline). With ``forced``, each run also gets ``kl_forced`` / ``nll_forced`` /
-    ``distinct2`` (kvlab.refresh.forced: teacher-forced on the teacher's stored reference continuation)."""
-    from kvlab.refresh.forced import forced_columns
+    ``distinct2`` (kvlab.harness.forced: teacher-forced on the teacher's stored reference continuation)."""
+    from kvlab.harness.forced import forced_columns
 
     frames = []
     for v, lm in students.items():
@@ -146,7 +146,8 @@ def tiny_training_curves(variants=("standalone", "overfill", "refresh-aware"), s
 
     import torch
 
-    from kvlab.core.tiny import make_tiny_lm, tiny_examples
+    from kvlab.core.tiny import make_tiny_lm
+    from kvlab.train.tiny import tiny_examples
     from kvlab.train.config import TRAINED_VARIANTS, TrainConfig
     from kvlab.train.trainer import train
 

@@ -236,7 +236,7 @@ def tokens_html(frame: pd.DataFrame, num_layers: int, max_tokens: int | None = N
 
 def survival_figure(inspector: CacheInspector, title: str = "", at: int | None = None):
     """Layers × positions survival map after step ``at`` (default: the last observed step; dark = held)."""
-    from kvlab.viz.base import new_figure
+    from kvlab.harness.figures import new_figure
 
     pos, m = inspector.survival(at)
     t = inspector.steps[inspector._index(at)]

@@ -1,10 +1,10 @@
-"""Eviction figures, functions of the stored tables (registered in :mod:`kvlab.viz.base`, rendered by
+"""Eviction figures, functions of the stored tables (registered in :mod:`kvlab.harness.figures`, rendered by
 :mod:`kvlab.viz.figures`)."""
 from __future__ import annotations
 
 import numpy as np
 
-from kvlab.viz.base import figure, new_figure
+from kvlab.harness.figures import figure, new_figure
 
 EVICT_COLORS = {"full": "#222222", "sliding": "#1b9e77", "h2o": "#d95f02", "random": "#999999", "block": "#7570b3",
                 "confkv": "#e7298a", "confkv_recency": "#66a61e", "confkv_attention": "#e6ab02",

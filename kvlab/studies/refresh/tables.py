@@ -19,9 +19,10 @@ import numpy as np
 import pandas as pd
 
 from kvlab.decode import DecodeConfig, run
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, scored_run, scored_runs, write_table
+from kvlab.harness.experiment import RunSpec, paired_bootstrap, run_policies, scored_run, scored_runs, write_table
 from kvlab.refresh.policies import EntropyGate, Periodic, ProbeKL, Speculative
-from kvlab.refresh.base import run_costs, tau_for_budget, tau_from_percentile
+from kvlab.refresh.base import tau_for_budget, tau_from_percentile
+from kvlab.harness.costs import run_costs
 from kvlab.store import RunStore
 
 BLOG_N = 1200
@@ -199,7 +200,7 @@ def overhead_table(timing: pd.DataFrame) -> pd.DataFrame:
 
 def timing_note(table: pd.DataFrame, base: str = "none") -> str:
     """How the overhead in a timing table was measured (the Markdown file's first lines)."""
-    from kvlab.viz.tableview import plural
+    from kvlab.harness.tableview import plural
 
     r = table.iloc[0]
     return (f"Overhead % = median over (reference, policy) pairs of 100·(t_policy / t_{base} − 1), each pair timed "
@@ -240,9 +241,9 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
 
 def with_forced(teacher, student, spec: RunSpec, cfgs: dict, store: RunStore, per_run: pd.DataFrame,
                 progress: bool = False) -> pd.DataFrame:
-    """``per_run`` with ``kl_forced`` / ``nll_forced`` / ``distinct2`` per run (kvlab.refresh.forced: every
+    """``per_run`` with ``kl_forced`` / ``nll_forced`` / ``distinct2`` per run (kvlab.harness.forced: every
     policy scored on the teacher's stored reference continuation, refreshing at its own steps on it)."""
-    from kvlab.refresh.forced import forced_columns
+    from kvlab.harness.forced import forced_columns
 
     if progress:
         print(f"forced scores: {len(cfgs)} configurations × {len(spec.prompts)} prompts on the teacher's reference "
@@ -281,7 +282,8 @@ CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
     from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE, MDE_NOTE
-    from kvlab.refresh.forced import DISTINCT_NOTE, FORCED_NOTE, FORCED_SCORE_NOTE
+    from kvlab.harness.forced import DISTINCT_NOTE, FORCED_SCORE_NOTE
+    from kvlab.studies.refresh.forced import FORCED_NOTE
 
     paths = []
     for name, df in tables.items():
@@ -315,7 +317,7 @@ def provenance_table(teacher, student, spec: RunSpec, T: int | None = None, prog
     cache equal to the teacher's over its window): one row per (condition, step) with the writers
     as a string (``T`` teacher, ``S`` student) — the table behind the ``refresh_provenance`` figure."""
     from kvlab.decode import Decoding
-    from kvlab.refresh.base import provenance
+    from kvlab.harness.costs import provenance
 
     T = T or min(periods_for(spec.tokens))
     W = max(1, T // 2)

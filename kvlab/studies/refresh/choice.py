@@ -4,7 +4,7 @@ Builds a policy from flags before any model loads; it touches nothing.
 :func:`policy_choice` validates the name, which parameters belong to it and their values before
 any model loads (``ValueError`` naming the flag and the fix); :func:`single_policy_tables` runs
 the chosen policy and the no-refresh reference on the same prompts (stored, paired seeds) and
-times them side by side (:func:`kvlab.refresh.tables.paired_timing`).
+times them side by side (:func:`kvlab.studies.refresh.tables.paired_timing`).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 import pandas as pd
 
 from kvlab.decode import REFRESH_NEXT, DecodeConfig
-from kvlab.studies.experiment import RunSpec, run_policies
+from kvlab.harness.experiment import RunSpec, run_policies
 from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
-from kvlab.refresh.tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary,
+from kvlab.studies.refresh.tables import (TIMING_PROMPTS, TIMING_REPEATS, calibrate, overhead_table, paired_timing, summary,
                      with_forced)
 from kvlab.store import RunStore
 

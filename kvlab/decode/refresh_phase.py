@@ -12,45 +12,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Mapping
-
 import torch
 
-from kvlab.refresh.base import PROBES, ProbeContext
+from kvlab.decode.probes import PROBES, ProbeContext
+from kvlab.decode.protocols import refresh_attr
+from kvlab.decode.records import Signals, StepRecord
 
 # Probes whose teacher request at a due step is known before they run: probe name -> step -> n of
 # ``ctx.teacher_logits(n)`` (kvlab.refresh.base.teacher_kl_probe asks for y_<step). A batch catches
 # these rows' teacher caches up in one forward; other probes call the teacher on their own.
 PROBE_TEACHER_UPTO = {"teacher_kl": lambda step: step - 1}
-
-
-class Signals(tuple):
-    """Read-only ``(name, value)`` pairs with mapping-style ``get`` (hashable, frozen)."""
-
-    def __new__(cls, items=()):
-        if isinstance(items, Mapping):
-            items = items.items()
-        return super().__new__(cls, tuple(sorted((str(k), float(v)) for k, v in items)))
-
-    def get(self, name: str, default=None):
-        for k, v in self:
-            if k == name:
-                return v
-        return default
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            v = self.get(key, _MISSING)
-            if v is _MISSING:
-                raise KeyError(key)
-            return v
-        return super().__getitem__(key)
-
-    def to_dict(self) -> dict:
-        return dict(self)
-
-
-_MISSING = object()
 
 
 def _sync(device: torch.device) -> None:
@@ -70,12 +41,12 @@ class RefreshPhases:
         pol = self.config.refresh
         if pol is None or self.teacher_cache is None:
             return None
-        probe = getattr(pol, "probe", None)
+        probe = refresh_attr(pol, "probe")
         if probe is None:
             last = rec.step >= self.first_step + self.config.max_new_tokens - 1
             return rec.step if not last and pol.should_refresh(rec) else None
         upto = PROBE_TEACHER_UPTO.get(probe)
-        if upto is not None and rec.step % getattr(pol, "probe_every", 1) == 0:
+        if upto is not None and rec.step % refresh_attr(pol, "probe_every") == 0:
             return upto(rec.step)
         return None
 
@@ -83,8 +54,8 @@ class RefreshPhases:
         """Phase 3: the refresh policy's probe, when one is due (signals go on the record)."""
         cfg = self.config
         policy = cfg.refresh
-        probe = getattr(policy, "probe", None) if policy is not None else None
-        if probe is None or rec.step % getattr(policy, "probe_every", 1) != 0:
+        probe = refresh_attr(policy, "probe") if policy is not None else None
+        if probe is None or rec.step % refresh_attr(policy, "probe_every") != 0:
             return rec
         res = PROBES[probe](ProbeContext(
             teacher=self.teacher, student=self.student, cache=self.cache, teacher_cache=self.teacher_cache,
@@ -125,7 +96,7 @@ class RefreshPhases:
         """Refresh after ``y_t`` (see :mod:`kvlab.decode`'s docstring). Returns (entries rewritten, pending)."""
         cfg, cache, tc = self.config, self.cache, self.teacher_cache
         L = len(self.prompt_ids)
-        window = getattr(cfg.refresh, "window", None)
+        window = refresh_attr(cfg.refresh, "window")
         t_logits = self._teacher_upto(t)                          # Δ = y_{s+1..t}; teacher holds x, y_≤t
         end = t - 1 if cfg.refresh_next == "rerun" else t         # newest entry rewritten now
         first = self._frontier + 1 if window is None else max(self._frontier + 1, end - window + 1)

@@ -44,7 +44,7 @@ from typing import Sequence
 import pandas as pd
 
 from kvlab.decode import DecodeConfig, Sampling, run
-from kvlab.studies.experiment import run_config
+from kvlab.harness.experiment import run_config
 from kvlab.store import RunStore
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -190,7 +190,7 @@ def needle_results(lm, jobs: Sequence[tuple[NeedleCase, object]], store: RunStor
     from tqdm.auto import tqdm
 
     from kvlab.decode import run_batch
-    from kvlab.studies.experiment import check_batch
+    from kvlab.harness.experiment import check_batch
 
     batch = check_batch(batch)
     specs = [_needle_job(lm, case, pol, setting) for case, pol in jobs]
@@ -299,7 +299,7 @@ def needle_table(per_run: pd.DataFrame, order: Sequence[str] | None = None) -> p
 
 def needle_markdown(table: pd.DataFrame) -> str:
     """Two pivots of the long table: accuracy by haystack length (mean over depths) and by depth."""
-    from kvlab.studies.experiment import to_markdown
+    from kvlab.harness.experiment import to_markdown
 
     if "setting" not in table:
         table = table.assign(setting="prefill")
@@ -316,7 +316,7 @@ def needle_markdown(table: pd.DataFrame) -> str:
             parts.append(f"Setting `{setting}`: exact passkey retrieval by {label} (mean over the other axis):\n\n"
                          + to_markdown(pv.reset_index(), floatfmt=".2f"))
     n = int(table.n.sum() / max(1, table.groupby(["setting", "policy"]).ngroups))
-    from kvlab.viz.tableview import plural
+    from kvlab.harness.tableview import plural
 
     return "\n".join(parts) + f"\n{plural(n, 'prompt')} per policy; greedy; accuracy = exact 5-digit match.\n"
 

@@ -1,5 +1,5 @@
 """Command-line argument helpers shared by the CLI and the train report: the model flags checked
-before any model loads, and the :class:`~kvlab.studies.experiment.RunSpec` a command's
+before any model loads, and the :class:`~kvlab.harness.experiment.RunSpec` a command's
 flags describe. Torch-free at import.
 It touches nothing.
 """
@@ -38,7 +38,7 @@ def check_model_args(args) -> None:
 def run_spec(args):
     from kvlab.core.data import load_prompts
     from kvlab.decode import Sampling
-    from kvlab.studies.experiment import RunSpec
+    from kvlab.harness.experiment import RunSpec
 
     from kvlab.core.data import SET_TOKENS, prompt_set_file
 

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.decode import DecodeConfig
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, scored_run, scored_runs, write_table
+from kvlab.harness.experiment import RunSpec, paired_bootstrap, scored_run, scored_runs, write_table
 from kvlab.store import RunStore
 
 MIB = 2 ** 20
@@ -541,7 +541,7 @@ def sawtooth_runs(teacher, student, spec: RunSpec, store: RunStore, policies: di
 
 @dataclass(frozen=True)
 class NeedleGrid:
-    """The passkey grid of the job (see :mod:`kvlab.eviction.needle`)."""
+    """The passkey grid of the job (see :mod:`kvlab.studies.eviction.needle`)."""
 
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -550,7 +550,7 @@ class NeedleGrid:
     seed: int = 0
 
     def __post_init__(self):
-        from kvlab.eviction.needle import check_grid
+        from kvlab.studies.eviction.needle import check_grid
 
         check_grid(self.lengths, self.depths, self.reps, self.budget)
 
@@ -559,7 +559,7 @@ def evict_tables(teacher, student, spec: RunSpec, store: RunStore, study: EvictS
                  grid: NeedleGrid | None = NeedleGrid(), refresh=None,
                  progress: bool = True) -> dict[str, pd.DataFrame]:
     """Every table of ``python -m kvlab evict`` from stored runs (computed where missing)."""
-    from kvlab.eviction import needle
+    from kvlab.studies.eviction import needle
 
     per_run, info, pols = matched_runs(teacher, spec, store, study, progress)
     matched = matched_table(per_run, info)
@@ -632,14 +632,14 @@ def int8_error_table(lm, prompts: Sequence[str], window: int, group: int = INT8_
 
 def write_evict(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown of every table; ``evict_needle.md`` holds the two accuracy pivots."""
-    from kvlab.eviction.needle import needle_markdown
+    from kvlab.studies.eviction.needle import needle_markdown
 
     out = Path(out)
     paths = []
     for name, df in tables.items():
         paths += write_table(df.round(5), out, name, notes=TABLE_NOTES.get(name.replace("_runs", ""), []))
     if "evict_needle" in tables:   # the two accuracy pivots instead of the long table
-        from kvlab.studies.experiment import provenance_note
+        from kvlab.harness.experiment import provenance_note
 
         notes = TABLE_NOTES["evict_needle"] + [provenance_note()]
         (out / "evict_needle.md").write_text(needle_markdown(tables["evict_needle"]) + "\n"

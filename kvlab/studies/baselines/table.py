@@ -10,7 +10,7 @@ Rows, on the same prompts with the same per-prompt seeds:
   equal-budget baseline (absent when no such student is given, e.g. for the untrained ``pruned`` pair).
 
 Columns: the blog's teacher-PPL, on-path KL and repeat@3; the loop-proof teacher-forced ``kl_forced`` /
-``nll_forced`` on a fixed reference continuation (:mod:`kvlab.refresh.forced`) and ``distinct2``; and
+``nll_forced`` on a fixed reference continuation (:mod:`kvlab.harness.forced`) and ``distinct2``; and
 paired differences to ``overfill`` with bootstrap 95 % intervals and the minimum detectable difference.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvlab.decode import DecodeConfig
-from kvlab.studies.experiment import RunSpec, paired_bootstrap, run_policies, summarize, write_table
+from kvlab.harness.experiment import RunSpec, paired_bootstrap, run_policies, summarize, write_table
 from kvlab.store import RunStore
 
 POLICIES = {
@@ -73,7 +73,7 @@ def baselines(teacher, student, spec: RunSpec, store: RunStore, progress: bool =
 
 
 def _forced(teacher, student, spec, policies, store, progress):
-    from kvlab.refresh.forced import forced_columns
+    from kvlab.harness.forced import forced_columns
 
     fast = {k: v for k, v in policies.items() if not v.rebuild_student_cache}
     return forced_columns(teacher, student, spec, fast, store, progress=False)
@@ -100,7 +100,7 @@ def baselines_table(per_run: pd.DataFrame) -> pd.DataFrame:
 
 def baselines_notes() -> list[str]:
     from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE, MDE_NOTE
-    from kvlab.refresh.forced import DISTINCT_NOTE, FORCED_SCORE_NOTE
+    from kvlab.harness.forced import DISTINCT_NOTE, FORCED_SCORE_NOTE
 
     return [ROWS_NOTE, KL_NOTE, KL_ALL_NOTE, FORCED_SCORE_NOTE, DISTINCT_NOTE, MDE_NOTE]
 

@@ -4,7 +4,7 @@ For each shape: the trained ``variant`` (cached, or built from the shipped adapt
 the untrained pruned student (the row says which); its held-out KL(p_T ‖ q) per token on the training run's
 held-out prompts, teacher-forced on the teacher's responses in the variant's own mode (OverFill: the
 teacher's prefill), i.e. the held-out ``kl_forced`` of the training log; and decode ms per cached step of
-teacher and student, timed alternately in one process (:func:`kvlab.train.study.decode_speed`), so the
+teacher and student, timed alternately in one process (:func:`kvlab.studies.training.study.decode_speed`), so the
 ratio holds on a loaded machine where the absolute times do not.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ def speed_quality(shapes, variant: str = "overfill", cfg=None, *, device=None, d
     from kvlab.train.data import _data_dir, data_key, load_train_prompts
     from kvlab.train.names import _shape, trained_dir
     from kvlab.train.shipped import shipped_entry
-    from kvlab.train.study import decode_speed
+    from kvlab.studies.training.study import decode_speed
     from kvlab.train.trainer import heldout_kl
     from kvlab.train.weights import read_log, trained_student_path
 

@@ -241,7 +241,7 @@ def _draw_series(ax, result: SimResult, signal: str) -> None:
 
 
 def _figure(nrows: int, figsize: tuple[float, float]):
-    from kvlab.viz.base import new_figure  # lazy: no pyplot state, works headless, displays in Jupyter
+    from kvlab.harness.figures import new_figure  # lazy: no pyplot state, works headless, displays in Jupyter
     fig = new_figure(figsize=figsize)
     return fig, fig.subplots(nrows, 1, sharex=True, squeeze=False)[:, 0]
 

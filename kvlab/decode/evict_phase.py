@@ -1,0 +1,61 @@
+"""The eviction side of the decode loop: attention tracking for the policy and the evict phase, as
+:class:`EvictPhases`, a mixin that :class:`kvlab.decode.Decoding` inherits (these methods read and set its
+state). The policy decides (:mod:`kvlab.decode.protocols`); the cache acts (``KVCache.evict``)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvlab.cache import KVCache
+from kvlab.cache.attention import attention_modules
+from kvlab.decode.protocols import EvictView, evict_attr
+from kvlab.decode.records import Signals, StepRecord
+
+
+class EvictPhases:
+    """Attention tracking and phase 5 (evict) of :class:`kvlab.decode.Decoding`."""
+
+    @property
+    def _needs_attention(self) -> bool:
+        ev = self.config.evict
+        return ev is not None and bool(evict_attr(ev, "needs_attention"))
+
+    def _track(self, cache: KVCache) -> None:
+        if self._needs_attention:
+            ev = self.config.evict
+            cache.track_attention(evict_attr(ev, "ema_decay"), window=evict_attr(ev, "attention_window"),
+                                  pool=evict_attr(ev, "attention_pool"), below=evict_attr(ev, "attention_below"),
+                                  ema_prefill=evict_attr(ev, "ema_prefill"))
+
+    def _evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
+        """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
+        INT8 storage of older entries if the policy asks (the loop records the cache after it)."""
+        cache, policy = self.cache, self.config.evict
+        if policy is None or not len(cache):
+            return rec
+        evicted = 0
+        signals = rec.signals
+        sp = self.config.sampling
+        lp = cache.layer_positions()
+        view = EvictView(step=rec.step, length=len(cache), positions=lp[0], record=rec,
+                         vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
+                         logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
+                         first=rec.step == self.first_step, layer_positions=lp, **self._kv_access(policy))
+        decision = policy.keep(view)
+        drop = decision.dropped(len(cache))
+        per_layer = decision.dropped_layers(cache.layer_lengths())
+        if drop or (per_layer is not None and any(per_layer)):
+            rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate, layers=per_layer)
+            evicted = rep.evicted
+        if decision.int8_window is not None:
+            cache.quantize_older(decision.int8_window, decision.int8_group)
+        if decision.signals():
+            signals = Signals({**signals.to_dict(), **decision.signals()})
+        return replace(rec, evicted=evicted, signals=signals)
+
+    def _kv_access(self, policy) -> dict:
+        """``EvictView.kv`` / ``modules`` for a policy that ``needs_kv`` (read-only copies, per layer)."""
+        if not evict_attr(policy, "needs_kv"):
+            return {}
+        return {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
