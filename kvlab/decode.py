@@ -82,6 +82,7 @@ import torch
 
 from .cache import KVCache
 from .cache.attention import attention_modules
+from .cache.inputs import capture, capture_rows, inputs_for
 from .decode_refresh import PROBE_TEACHER_UPTO, RefreshPhases, Signals, _sync  # noqa: F401 (kvlab.decode.* too)
 from kvlab.core.compat import IncompatiblePairError, kv_compat
 from kvlab.eviction.base import EvictView, validate_evict
@@ -280,6 +281,7 @@ class Decoding(RefreshPhases):
         self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
         self._bank, self._tbank, self._row = None, None, None   # a BatchDecoding row: its batch buffers, row
+        self._inputs = _prepare_evict(config.evict, self.decoder.model)   # kvpress-style scorers' layer inputs
 
     @classmethod
     def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
@@ -332,6 +334,7 @@ class Decoding(RefreshPhases):
         self._resume = (cache, last_token, logits)
         self._it = None
         self._bank, self._tbank, self._row = None, None, None
+        self._inputs = _prepare_evict(config.evict, lm.model)
         return self
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -429,15 +432,17 @@ class Decoding(RefreshPhases):
         else:
             cache = self._new_cache(decoding=cfg.mode != "overfill")
             self._track(cache)
-            logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
-                                   attention=attn)
+            with capture(self._inputs, self.prefiller.model, prefill=True):
+                logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
+                                       attention=attn)
         if cfg.mode == "overfill":
             self.teacher_cache = cache
             self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
             if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
                 cache = self._new_cache(decoding=True)
                 self._track(cache)
-                cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
+                with capture(self._inputs, self.student.model, prefill=True):
+                    cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
             else:
                 cache = self._copy_cache(cache)   # the student extends a copy; the teacher keeps C_0
         self.cache = cache
@@ -448,7 +453,7 @@ class Decoding(RefreshPhases):
         """The empty cache a batch may prefill this row's prompt into, together with other rows (the
         prefiller's forward over ``prompt_ids``, ledger step -1, as :meth:`_start` runs it), or None
         when the prefill stays this row's own: a resumed run, or attention mass measured during it."""
-        if self._resume is not None or self._needs_attention:
+        if self._resume is not None or self._needs_attention or self._inputs is not None:
             return None
         cache = self._new_cache(decoding=self.config.mode != "overfill")
         self._track(cache)
@@ -475,8 +480,9 @@ class Decoding(RefreshPhases):
             pending, self._pending = self._pending, None
             self._fwd_bytes = self.cache.forward_nbytes()
             return pending
-        logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name, step=step - 1,
-                                    attention=self._needs_attention)
+        with capture(self._inputs, self.decoder.model, prefill=False):
+            logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name,
+                                        step=step - 1, attention=self._needs_attention)
         self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 
@@ -531,7 +537,10 @@ class Decoding(RefreshPhases):
         """``EvictView.kv`` / ``modules`` for a policy that ``needs_kv`` (read-only copies, per layer)."""
         if not getattr(policy, "needs_kv", False):
             return {}
-        return {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
+        out = {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
+        if self._inputs is not None:
+            out["inputs"] = self._inputs.layer
+        return out
 
 
 
@@ -731,8 +740,9 @@ class BatchDecoding:
                 s = slot[b]
                 caches[s], tokens[s], steps[s] = rows[b].cache, rows[b].tokens[-1], step_of[b] - 1
                 attention[s] = rows[b]._needs_attention
-            logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
-                                  attention=attention)                                # (width, V) per slot
+            with capture_rows({slot[b]: rows[b]._inputs for b in need}, dec.model):
+                logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name,
+                                      steps=steps, attention=attention)               # (width, V) per slot
             _sync(dec.device)
         stats = token_stats_rows(logits) if need else None      # every slot's in one pass (rows in `need`)
         shared = time.perf_counter() - t0
@@ -834,6 +844,14 @@ def continue_from(cache: KVCache, lm, last_token: int | None = None, *, logits: 
     return iter(Decoding.resume(lm, cache, last_token=last_token, logits=logits, role=writer,
                                 first_step=first_step, max_new_tokens=max_new_tokens,
                                 sampling=sampling if sampling is not None else Sampling(), ignore_eos=ignore_eos))
+
+
+def _prepare_evict(policy, model):
+    """An eviction policy's ``prepare(model)`` (optional; once, before the run's first forward: kvpress's
+    ``post_init_from_model``) and, when it ``needs_inputs``, the layer inputs the loop captures for it."""
+    if policy is not None and callable(getattr(policy, "prepare", None)):
+        policy.prepare(model)
+    return inputs_for(policy)
 
 
 def _eos_ids(lm) -> set[int]:

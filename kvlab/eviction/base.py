@@ -87,6 +87,7 @@ class EvictView:
     layer_positions: tuple[tuple[int, ...], ...] = None   # per layer: absolute position of each live slot
     kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None   # layer -> copies (1, H_kv, T_l, D) x2
     modules: tuple | None = None           # per layer: the decoder's attention module (needs_kv)
+    inputs: Callable[[int], dict] | None = None   # layer -> captured layer inputs (needs_inputs; kvlab.cache.inputs)
 
     def __post_init__(self):
         if self.layer_positions is None:
