@@ -75,7 +75,7 @@ class ScoredEviction:
     def check(self) -> None:
         if self.needs_inputs:       # a kvpress press: refuse a non-scorer before anything runs
             from .kvpress import check_press
-            check_press(self.scorer, via=getattr(self, "_via", "ScorerPolicy"))
+            check_press(self.scorer, every_step=self.every_step)
         score_fn(self.scorer)
         positive_int("budget", self.budget)
         nonneg_int("protect", self.protect)

@@ -17,10 +17,13 @@ size the cache (it still enters scores that read it, e.g. StreamingLLMPress's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from kvlab.eviction.base import EvictView, Keep, check_bool, keep_all, positive_int
+import torch
+
+from kvlab.eviction.base import (EvictView, Keep, check_bool, keep_all, over_budget, positive_int, sink_counts,
+                                 top_and_recent_layers)
 from kvlab.eviction.scorer import ScoredEviction
 
 from .detect import is_press, press_name
@@ -52,8 +55,24 @@ class PressPolicy(ScoredEviction):
     def keep(self, view: EvictView) -> Keep:
         if self.every_step and not view.first and self.interval > 1 and view.step % self.interval:
             return keep_all(view, budget=self.budget)
-        decision = super().keep(view)
-        return replace(decision, rerotate=True) if self.rerotate else decision
+        if not self.rerotate:
+            return super().keep(view)
+        return self._one_set(view)
+
+    def _one_set(self, view: EvictView) -> Keep:
+        """Re-rotation moves every layer's survivors to the same consecutive positions, so every layer keeps
+        the same slots: ranked by the layer mean of the head-mean scores (kvpress's KeyRerotationPress keeps
+        a top-k per head and layer)."""
+        if (not self.every_step and not view.first) or not over_budget(view, self.budget, by_layer=False):
+            return keep_all(view, budget=self.budget)
+        if not view.uniform:
+            raise ValueError(f"{press_name(self.scorer)} with rerotate=True needs one live set for all layers; "
+                             "this cache's layers hold different positions")
+        n = view.length
+        score = torch.stack([self.layer_scores(view, l) for l in range(view.num_layers)]).mean(0)   # (T,)
+        sinks = sink_counts(view, self.sinks)[0]
+        kept = top_and_recent_layers([score], [n], self.budget, self.protect, [sinks])[0]
+        return Keep(tuple(kept), budget=self.budget, rerotate=True)
 
 
 def from_kvpress(press, budget: int | None = None, *, sinks: int = 0, protect: int = 0,
@@ -64,7 +83,7 @@ def from_kvpress(press, budget: int | None = None, *, sinks: int = 0, protect: i
     if not is_press(press):
         raise ValueError(f"press={press!r} is not a kvpress press (an instance of a kvpress class); a plain score "
                          "function goes to kvlab.ScorerPolicy(scorer, budget=...)")
-    check_press(press, via="from_kvpress")
+    check_press(press, via="from_kvpress", every_step=bool(every_step))
     import kvpress
 
     kw: dict[str, Any] = {}

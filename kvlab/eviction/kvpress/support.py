@@ -77,11 +77,20 @@ def _lack(press) -> tuple[str | None, str | None]:
     return None, None
 
 
-def check_press(press, via: str = "ScorerPolicy") -> None:
+# scorers whose score asserts that it sees the prefill (hidden states as long as the cache)
+PREFILL_ONLY = ("CompactorPress", "LeverageScorePress", "NonCausalAttnPress")
+
+
+def check_press(press, via: str = "ScorerPolicy", every_step: bool = False) -> None:
     """Refuse, before anything runs, a press kvlab cannot run as ``via`` builds it: ValueError naming the
-    press and what kvlab lacks. ``via="from_kvpress"`` also accepts the mapped wrappers."""
+    press and what kvlab lacks. ``via="from_kvpress"`` also accepts the mapped wrappers; ``every_step``
+    (decode-time eviction) refuses the prefill-only scorers."""
     name = press_name(press)
     if is_scorer(press):
+        if every_step and any(c.__name__ in PREFILL_ONLY for c in type(press).__mro__):
+            raise ValueError(f"{name} scores the prefill only (its score asserts hidden states as long as the "
+                             "cache); kvlab's decode-time eviction shows it the last inputs_window tokens: use "
+                             "every_step=False (prompt compression)")
         return
     base, why = _lack(press)
     if why is None and base in MAPPED:
@@ -110,6 +119,8 @@ def installed_presses() -> list[dict]:
             continue
         if issubclass(cls, kvpress.ScorerPress):
             runs, why = "scorer", "its score(), head-mean, at kvlab's budget"
+            if any(c.__name__ in PREFILL_ONLY for c in cls.__mro__):
+                why += " (prompt compression only)"
         else:
             hit = next((c.__name__ for c in cls.__mro__ if c.__name__ in MAPPED or c.__name__ in LACKS), None)
             runs = "from_kvpress" if hit in MAPPED else "refused"
