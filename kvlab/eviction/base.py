@@ -22,6 +22,10 @@ and optional attributes the loop reads generically (no ``isinstance``), with the
 * ``needs_kv: bool = False`` — the view carries ``kv`` (layer -> read-only copies of that layer's
   cached keys and values) and ``modules`` (the decoder's attention modules, in layer order): score
   functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`);
+* ``needs_inputs: bool = False`` — the loop captures the attention layers' inputs (hidden states, RoPE,
+  positions; :mod:`kvlab.cache.inputs`) at the prefill, and at decode steps too with
+  ``needs_decode_inputs`` (the last ``inputs_window`` tokens); the view carries ``inputs`` (kvpress's presses);
+* ``prepare(model)`` — called once per run before the first forward (kvpress's ``post_init_from_model``);
 * ``score_stat: str | None`` — the statistic the policy ranks by, shown as the score by the cache
   inspector (:func:`kvlab.eviction.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
   else None).
