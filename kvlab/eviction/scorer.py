@@ -10,7 +10,8 @@ higher = more important. kvlab calls it once per layer whose live set is over ``
 layer's cache, with:
 
 * ``module`` — the layer's attention module of the decoding model (``module.config``, ``head_dim``);
-* ``hidden_states`` — ``None``: kvlab does not keep the layer inputs of past forwards;
+* ``hidden_states`` — ``None`` (a kvpress press gets the captured layer inputs and the kwargs kvpress's
+  hooks pass instead: :mod:`kvlab.eviction.kvpress.call`);
 * ``keys``, ``values`` — copies of the layer's cached entries, ``(1, H_kv, T, D)``, keys post-RoPE,
   in slot order (``B = 1``: every run, and every row of a batch, is its own batch-1 cache);
 * ``attentions`` — ``None`` (as kvpress gets it under SDPA attention);
