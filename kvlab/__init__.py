@@ -31,6 +31,7 @@ _EXPORTS = {
     "PyramidKV": "eviction", "RandomEvict": "eviction", "Scissorhands": "eviction", "SlidingWindow": "eviction",
     "SnapKV": "eviction", "EVICTION_POLICIES": "eviction",
     "ScorerPolicy": "eviction", "Knorm": "eviction", "SnapKVScorer": "eviction",
+    "from_kvpress": "eviction.press_policy",     # kvpress's presses (optional install; imported only when used)
     # the run store
     "RunStore": "store", "Store": "store",
 }

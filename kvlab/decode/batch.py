@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
+from kvlab.cache.inputs import capture_rows
 from kvlab.core.compat import IncompatiblePairError
 from kvlab.decode.config import DecodeConfig
 from kvlab.decode.protocols import evict_attr, refresh_attr
@@ -210,8 +211,9 @@ class BatchDecoding:
                 s = slot[b]
                 caches[s], tokens[s], steps[s] = rows[b].cache, rows[b].tokens[-1], step_of[b] - 1
                 attention[s] = rows[b]._needs_attention
-            logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name, steps=steps,
-                                  attention=attention)                                # (width, V) per slot
+            with capture_rows({slot[b]: rows[b]._inputs for b in need}, dec.model):
+                logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name,
+                                      steps=steps, attention=attention)               # (width, V) per slot
             _sync(dec.device)
         stats = token_stats_rows(logits) if need else None      # every slot's in one pass (rows in `need`)
         shared = time.perf_counter() - t0

@@ -9,6 +9,7 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.cache.attention import attention_modules
+from kvlab.cache.inputs import LayerInputs
 from kvlab.decode.protocols import EvictView, evict_attr
 from kvlab.decode.records import Signals, StepRecord
 
@@ -58,4 +59,21 @@ class EvictPhases:
         """``EvictView.kv`` / ``modules`` for a policy that ``needs_kv`` (read-only copies, per layer)."""
         if not evict_attr(policy, "needs_kv"):
             return {}
-        return {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
+        out = {"kv": self.cache.kv, "modules": tuple(attention_modules(self.decoder.model))}
+        if self._inputs is not None:
+            out["inputs"] = self._inputs.layer
+        return out
+
+
+def prepare_evict(policy, model) -> LayerInputs | None:
+    """Before a run's first forward: the eviction policy's ``prepare(model)`` (optional; kvpress's
+    ``post_init_from_model``), and, when it ``needs_inputs``, the :class:`~kvlab.cache.inputs.LayerInputs` the
+    loop captures for it (its ``inputs_window``; decode steps too when it ``needs_decode_inputs``)."""
+    if policy is None:
+        return None
+    prepare = evict_attr(policy, "prepare")
+    if callable(prepare):
+        prepare(model)
+    if not evict_attr(policy, "needs_inputs"):
+        return None
+    return LayerInputs(window=evict_attr(policy, "inputs_window"), decode=bool(evict_attr(policy, "needs_decode_inputs")))

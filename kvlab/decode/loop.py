@@ -82,7 +82,8 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.core.compat import IncompatiblePairError, kv_compat
 from kvlab.decode.config import DecodeConfig, Sampling
-from kvlab.decode.evict_phase import EvictPhases
+from kvlab.cache.inputs import capture
+from kvlab.decode.evict_phase import EvictPhases, prepare_evict
 from kvlab.decode.records import StepRecord, Trace
 from kvlab.decode.refresh_phase import RefreshPhases, _sync
 from kvlab.decode.sampling import choose, token_stats
@@ -130,6 +131,7 @@ class Decoding(RefreshPhases, EvictPhases):
         self._resume = None   # (cache, last_token, logits) when continuing from an existing cache
         self._it = None
         self._bank, self._tbank, self._row = None, None, None   # a BatchDecoding row: its batch buffers, row
+        self._inputs = prepare_evict(config.evict, self.decoder.model)   # kvpress-style scorers' layer inputs
 
     @classmethod
     def resume(cls, lm, cache: KVCache, *, last_token: int | None = None, logits: torch.Tensor | None = None,
@@ -182,6 +184,7 @@ class Decoding(RefreshPhases, EvictPhases):
         self._resume = (cache, last_token, logits)
         self._it = None
         self._bank, self._tbank, self._row = None, None, None
+        self._inputs = prepare_evict(config.evict, lm.model)
         return self
 
     def __iter__(self) -> Iterator[StepRecord]:
@@ -267,15 +270,17 @@ class Decoding(RefreshPhases, EvictPhases):
         else:
             cache = self._new_cache(decoding=cfg.mode != "overfill")
             self._track(cache)
-            logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
-                                   attention=attn)
+            with capture(self._inputs, self.prefiller.model, prefill=True):
+                logits = cache.forward(self.prefiller.model, self.prompt_ids, writer=self.prefill_name, step=-1,
+                                       attention=attn)
         if cfg.mode == "overfill":
             self.teacher_cache = cache
             self._teacher_logits = logits    # p_T(y_1 | x): the teacher cache's last logits
             if cfg.rebuild_student_cache:   # geometry differs: the student builds its own C_0 from text
                 cache = self._new_cache(decoding=True)
                 self._track(cache)
-                cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
+                with capture(self._inputs, self.student.model, prefill=True):
+                    cache.forward(self.student.model, self.prompt_ids, writer="student", step=-1, attention=attn)
             else:
                 cache = self._copy_cache(cache)   # the student extends a copy; the teacher keeps C_0
         self.cache = cache
@@ -286,7 +291,7 @@ class Decoding(RefreshPhases, EvictPhases):
         """The empty cache a batch may prefill this row's prompt into, together with other rows (the
         prefiller's forward over ``prompt_ids``, ledger step -1, as :meth:`_start` runs it), or None
         when the prefill stays this row's own: a resumed run, or attention mass measured during it."""
-        if self._resume is not None or self._needs_attention:
+        if self._resume is not None or self._needs_attention or self._inputs is not None:
             return None
         cache = self._new_cache(decoding=self.config.mode != "overfill")
         self._track(cache)
@@ -313,8 +318,9 @@ class Decoding(RefreshPhases, EvictPhases):
             pending, self._pending = self._pending, None
             self._fwd_bytes = self.cache.forward_nbytes()
             return pending
-        logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name, step=step - 1,
-                                    attention=self._needs_attention)
+        with capture(self._inputs, self.decoder.model, prefill=False):
+            logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name,
+                                        step=step - 1, attention=self._needs_attention)
         self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 

@@ -39,6 +39,12 @@ EVICT_ATTRS: dict[str, Attr] = {
                                  "update with the summed mass ('sum')"),
     "needs_kv": Attr(False, "the view carries ``kv`` (read-only copies of each layer's keys and values) and "
                             "``modules`` (the attention modules): scorers that read the cache itself"),
+    "needs_inputs": Attr(False, "the loop captures the attention layers' inputs (hidden states, RoPE, positions; "
+                                "kvlab.cache.inputs) at the prefill and the view carries ``inputs`` (kvpress's presses)"),
+    "needs_decode_inputs": Attr(False, "with needs_inputs: decode steps are captured too (the last inputs_window tokens)"),
+    "inputs_window": Attr(128, "with needs_decode_inputs: the most tokens of layer inputs kept per layer"),
+    "prepare": Attr(None, "prepare(model): called once per run before the first forward (kvpress's "
+                          "post_init_from_model); None: nothing to prepare"),
     "score_stat": Attr(None, "the statistic the policy ranks by, shown by the cache inspector (None: 'acc' when "
                              "it needs_attention)"),
     "batchable": Attr(True, "the policy may run as a row of a batched decode (False: batch 1 only)"),
@@ -66,7 +72,7 @@ class EvictionPolicy:
     """Optional base of an eviction policy: the declared defaults of :data:`EVICT_ATTRS` as class attributes.
     A subclass implements ``keep(view) -> Keep`` (and overrides an attribute as a field or a property)."""
 
-    locals().update({k: a.default for k, a in EVICT_ATTRS.items()})
+    locals().update({k: a.default for k, a in EVICT_ATTRS.items() if k != "prepare"})
 
     def keep(self, view: "EvictView") -> "Keep":
         raise NotImplementedError
@@ -112,6 +118,7 @@ class EvictView:
     layer_positions: tuple[tuple[int, ...], ...] = None   # per layer: absolute position of each live slot
     kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None   # layer -> copies (1, H_kv, T_l, D) x2
     modules: tuple | None = None           # per layer: the decoder's attention module (needs_kv)
+    inputs: Callable[[int], dict] | None = None   # layer -> captured layer inputs (needs_inputs; kvlab.cache.inputs)
 
     def __post_init__(self):
         if self.layer_positions is None:

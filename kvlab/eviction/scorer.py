@@ -10,7 +10,8 @@ higher = more important. kvlab calls it once per layer whose live set is over ``
 layer's cache, with:
 
 * ``module`` — the layer's attention module of the decoding model (``module.config``, ``head_dim``);
-* ``hidden_states`` — ``None``: kvlab does not keep the layer inputs of past forwards;
+* ``hidden_states`` — ``None`` (a kvpress press gets the captured layer inputs and the kwargs kvpress's
+  hooks pass instead: :mod:`kvlab.eviction.kvpress.call`);
 * ``keys``, ``values`` — copies of the layer's cached entries, ``(1, H_kv, T, D)``, keys post-RoPE,
   in slot order (``B = 1``: every run, and every row of a batch, is its own batch-1 cache);
 * ``attentions`` — ``None`` (as kvpress gets it under SDPA attention);
@@ -70,7 +71,12 @@ class ScoredEviction:
 
     needs_kv = True
 
+    inputs_window = 128             # decode-time: the layer inputs a kvpress press sees (kvlab.cache.inputs)
+
     def check(self) -> None:
+        if self.needs_inputs:       # a kvpress press: refuse a non-scorer before anything runs
+            from kvlab.eviction.kvpress import check_press
+            check_press(self.scorer, every_step=self.every_step)
         score_fn(self.scorer)
         positive_int("budget", self.budget)
         nonneg_int("protect", self.protect)
@@ -93,6 +99,22 @@ class ScoredEviction:
     def ema_decay(self) -> float:
         return getattr(self.scorer, "ema_decay", 0.9)
 
+    @property
+    def needs_inputs(self) -> bool:
+        """A kvpress press: the loop captures the attention layers' inputs for it (kvlab.eviction.kvpress)."""
+        from kvlab.eviction.kvpress.detect import is_press
+        return is_press(self.scorer)
+
+    @property
+    def needs_decode_inputs(self) -> bool:
+        return self.needs_inputs and self.every_step
+
+    def prepare(self, model) -> None:
+        """Before the run's first forward: a kvpress press's ``post_init_from_model(model)``."""
+        if self.needs_inputs:
+            from kvlab.eviction.kvpress.call import prepare
+            prepare(self.scorer, model)
+
     def layer_scores(self, view: EvictView, layer: int) -> torch.Tensor:
         """Layer ``layer``'s head-mean scores ``(T_l,)`` from the scorer (shape checked)."""
         if view.kv is None:
@@ -104,7 +126,13 @@ class ScoredEviction:
         if view.attn is not None:
             kwargs["attn"] = {name: layer_rows(view, name)[layer] for name in view.attn}
         module = view.modules[layer] if view.modules is not None else None
-        scores = score_fn(self.scorer)(module, None, keys, values, None, kwargs)
+        hidden = attentions = None
+        press = self.needs_inputs   # a kvpress press: what kvpress's own hooks would give it, inside a forward
+        if press:
+            from kvlab.eviction.kvpress.call import press_inputs
+            module, hidden, attentions, kwargs = press_inputs(self.scorer, view, layer, module, keys, kwargs)
+        with torch.inference_mode(press):
+            scores = score_fn(self.scorer)(module, hidden, keys, values, attentions, kwargs)
         want = tuple(keys.shape[:3])
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != want:
             got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
