@@ -1,0 +1,81 @@
+"""The kvpress study's job: ``python -m kvlab.studies.kvpress.job`` writes ``evict_kvpress`` (and, with
+``--heads``, ``evict_kvpress_heads``) under ``--out`` from runs stored under ``--runs`` (a rerun is free).
+
+Until the CLI gains a ``kvpress`` subcommand this is its entry point; :func:`main` takes the same argv.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def parser() -> argparse.ArgumentParser:
+    from kvlab.studies.kvpress.presses import MODES, PRESSES
+
+    p = argparse.ArgumentParser(prog="python -m kvlab.studies.kvpress.job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kvpress", default=",".join(PRESSES),
+                   help="presses, comma-separated (kvpress class names; default: the study's list)")
+    p.add_argument("--modes", default=",".join(MODES), help="prefill, decode or both (default)")
+    p.add_argument("--budget", type=int, default=128, help="live entries per layer (default 128)")
+    p.add_argument("--sinks", type=int, default=4, help="attention sinks every row keeps (default 4)")
+    p.add_argument("--prompts", type=int, default=16, help="first N prompts of the prompt set (default 16)")
+    p.add_argument("--prompt-set", default="long", help="default or long (default: long, 300-800 tokens)")
+    p.add_argument("--tokens", type=int, default=16, help="new tokens per run (default 16)")
+    p.add_argument("--batch", type=int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", default="runs/kvpress", help="run store folder (default runs/kvpress)")
+    p.add_argument("--out", default="figures", help="where the tables go (default figures/)")
+    p.add_argument("--heads", action="store_true", help="also the head-mean vs per-head table")
+    p.add_argument("--heads-only", action="store_true", help="only the head-mean vs per-head table")
+    p.add_argument("--heads-prompts", type=int, default=12, help="prompts of the heads table (default 12)")
+    return p
+
+
+def spec_of(args):
+    from kvlab.core.data import load_prompts, prompt_set_file
+    from kvlab.decode import Sampling
+    from kvlab.harness.experiment import RunSpec
+
+    rows = load_prompts(prompt_set_file(args.prompt_set), n=args.prompts)
+    return RunSpec(prompts=tuple(r["prompt"] for r in rows), tokens=args.tokens,
+                   sampling=Sampling(temperature=0.7, top_p=0.9, seed=args.seed), batch=args.batch)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from kvlab.core.models import load_teacher
+    from kvlab.store import RunStore
+    from kvlab.studies.kvpress import heads, table
+
+    args = parser().parse_args(argv)
+    command = "python -m kvlab.studies.kvpress.job " + " ".join(shlex.quote(a) for a in
+                                                                (sys.argv[1:] if argv is None else argv))
+    spec = spec_of(args)
+    teacher = load_teacher(device="cpu", dtype=torch.float32)
+    store = RunStore(args.runs)
+    lens = [len(teacher.encode_prompt(p)) for p in spec.prompts]
+    note = (f" (the first {len(lens)} of data/{args.prompt_set} set; {min(lens)}-{max(lens)} tokens with the chat "
+            f"template, mean {sum(lens) / len(lens):.0f})")
+    presses = [p for p in args.kvpress.split(",") if p]
+    if not args.heads_only:
+        t, _, skipped = table.kvpress_table(teacher, spec, presses, args.budget, store,
+                                            modes=tuple(m for m in args.modes.split(",") if m), sinks=args.sinks,
+                                            progress=True)
+        paths = table.write_kvpress(t, args.out, table.table_notes(spec, args.budget, args.sinks, skipped,
+                                                                   command, note))
+        print("wrote", *paths, flush=True)
+    if args.heads or args.heads_only:
+        from dataclasses import replace
+
+        hspec = replace(spec, prompts=spec.prompts[:args.heads_prompts])
+        ht = heads.heads_table(teacher, hspec, heads.PER_HEAD, args.budget, store, progress=True)
+        paths = heads.write_heads(ht, args.out, heads.heads_notes(hspec, args.budget, command, note))
+        print("wrote", *paths, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""The kvpress study (kvlab.studies.kvpress) on the tiny models: the table has its columns, one row per press and
+mode (prefill-only presses at prefill only), the sliding-window reference row at d = 0; the head-mean study's two
+paths agree, and on a one-KV-head model per-head kept sets are the head-mean's. Skipped without kvpress."""
+from __future__ import annotations
+
+import pytest
+
+kvpress = pytest.importorskip("kvpress")
+
+from kvlab.core.tiny import make_tiny_lm  # noqa: E402
+from kvlab.decode import Sampling  # noqa: E402
+from kvlab.harness.experiment import RunSpec  # noqa: E402
+from kvlab.store import RunStore  # noqa: E402
+from kvlab.studies.kvpress import heads, table  # noqa: E402
+from kvlab.studies.kvpress.presses import PRESSES, policy, study_policies  # noqa: E402
+
+PROMPT = "the quick brown fox jumps over the lazy dog, and then it sleeps. " * 2
+
+
+def _spec(n=5, tokens=4):
+    return RunSpec(prompts=tuple(PROMPT[i:] for i in range(n)), tokens=tokens,
+                   sampling=Sampling(temperature=0.7, top_p=0.9, seed=0), batch=4)
+
+
+def test_the_table_has_its_columns(tiny_teacher, tmp_path):
+    store = RunStore(tmp_path)
+    presses = ["KnormPress", "TOVAPress", "LeverageScorePress"]
+    t, per_run, skipped = table.kvpress_table(tiny_teacher, _spec(), presses, budget=24, store=store, sinks=2)
+    need = {"press", "mode", "budget", "mean_len", "kl_forced", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi",
+            "d_kl_forced_mde", "n_prompts"}
+    assert need <= set(t.columns)
+    rows = set(zip(t.press, t["mode"]))
+    assert {(p, m) for p in ["sliding", "KnormPress", "TOVAPress"] for m in ("prefill", "decode")} <= rows
+    assert ("LeverageScorePress", "prefill") in rows and ("LeverageScorePress", "decode") not in rows
+    assert skipped == [{"press": "LeverageScorePress", "mode": "decode", "why": skipped[0]["why"]}]
+    assert (t.loc[t.press == "sliding", "d_kl_forced"] == 0).all()
+    assert (t.loc[t["mode"] != "none", "n_prompts"] == 5).all()
+    dec = t[t["mode"] == "decode"]
+    assert (dec.mean_len <= 24).all() and (t.loc[t["mode"] == "prefill", "mean_len"] > 24).all()
+    assert float(t.loc[t.press == "full", "kl_forced"].iloc[0]) == 0.0
+    again, _, _ = table.kvpress_table(tiny_teacher, _spec(), presses, budget=24, store=store, sinks=2)
+    assert again.equals(t)                                    # a rerun is read from the store
+    notes = table.table_notes(_spec(), 24, 2, skipped, command="x")
+    assert any("LeverageScorePress" in n for n in notes) and notes[-1] == "Command: `x`"
+    paths = table.write_kvpress(t, tmp_path / "out", notes)
+    assert paths[1].read_text().count("Command") == 1
+
+
+def test_the_prefill_reference_keeps_what_the_sliding_window_keeps(tiny_teacher):
+    import kvlab
+
+    kept = []
+    for mode in ("prefill", "decode"):
+        d = kvlab.Decoding(tiny_teacher, None, PROMPT, kvlab.DecodeConfig(mode="teacher", max_new_tokens=1,
+                                                                          evict=policy("sliding", mode, 20, 2)))
+        list(d)
+        kept.append([list(p) for p in d.cache.layer_positions()])
+    assert kept[0] == kept[1]
+
+
+def test_study_policies_name_what_they_skip():
+    with pytest.raises(ValueError, match="modes"):
+        study_policies(["KnormPress"], 24, 2, modes=("both",))
+    with pytest.raises(ValueError, match="NotAPress"):
+        study_policies(["NotAPress"], 24, 2)
+    assert len(PRESSES) >= 10
+
+
+def test_head_mean_vs_per_head_on_one_kv_head(tmp_path):
+    """One KV head: kvpress's per-head top-k is the head-mean top-k, so both paths give the same KL, and the
+    HF-cache path with the head-mean set equals kvlab's own cache path."""
+    lm = make_tiny_lm(seed=3, num_kv_heads=1)
+    t = heads.heads_table(lm, _spec(), ["KnormPress", "SnapKVPress"], budget=24, store=RunStore(tmp_path))
+    assert list(t.columns) == heads.COLUMNS and list(t.press) == ["KnormPress", "SnapKVPress"]
+    assert (t.check_max_abs < 1e-4).all(), t
+    assert (t.d.abs() < 1e-4).all(), t
+    assert (t.n_prompts == 5).all()
+
+
+def test_head_mean_path_agrees_with_kvlab_on_several_heads(tiny_teacher, tmp_path):
+    t = heads.heads_table(tiny_teacher, _spec(), ["KnormPress"], budget=24, store=RunStore(tmp_path))
+    assert (t.check_max_abs < 1e-4).all(), t
