@@ -80,3 +80,19 @@ def test_head_mean_vs_per_head_on_one_kv_head(tmp_path):
 def test_head_mean_path_agrees_with_kvlab_on_several_heads(tiny_teacher, tmp_path):
     t = heads.heads_table(tiny_teacher, _spec(), ["KnormPress"], budget=24, store=RunStore(tmp_path))
     assert (t.check_max_abs < 1e-4).all(), t
+
+
+def test_forced_kl_is_the_harness_score_of_the_forced_run(tiny_teacher, tmp_path):
+    """forced_kl_runs computes p_full once per prompt; its KL equals what the harness scores for the same
+    forced run (kvlab.harness.experiment.scored_runs -> kvlab.core.metrics.score, `kl`)."""
+    from kvlab.harness.experiment import scored_runs
+
+    store, spec = RunStore(tmp_path), _spec(n=3)
+    refs = table.references(tiny_teacher, spec, store)
+    pol = policy(kvpress.KnormPress(), "decode", 20, 2)
+    mine = table.forced_kl_runs(tiny_teacher, spec, pol, refs, store)
+    theirs = scored_runs(tiny_teacher, None, [(p, table._cfg(spec, i, pol, refs[i])) for i, p in
+                                              enumerate(spec.prompts)], store, batch=1)
+    for a, b in zip(mine, theirs):
+        assert a["kl_forced"] == pytest.approx(b["kl"], abs=1e-6)
+        assert a["cache_len"] == list(b["steps"]["cache_len"])

@@ -4,8 +4,8 @@ kvpress keeps a top-k per KV head; kvlab's cache keeps one live set per layer, s
 scores over heads (:mod:`kvlab.eviction.scorer`). For prompt compression at the same budget on the same prompts:
 
 * ``kl_head_mean`` — kvlab's own path: ``ScorerPolicy(press, budget, sinks=0)`` (one cut of the prompt to the
-  top ``budget`` head-mean scores per layer), teacher-forced on the full cache's continuation, scored by the
-  harness (the kvpress table's ``kl_forced`` definition, :mod:`kvlab.studies.kvpress.table`);
+  top ``budget`` head-mean scores per layer), teacher-forced on the full cache's continuation through kvlab's
+  cache and batched decode loop (the kvpress table's ``kl_forced``, :func:`kvlab.studies.kvpress.table.forced_kl_runs`);
 * ``kl_per_head`` — kvpress's own selection: a full prefill of the prompt (the forward kvpress's hooks see:
   each layer's input kwargs captured, its cache after the forward), then per layer ``press.compress(...)`` at
   ``compression_ratio`` such that ``budget`` entries survive per KV head (``(1, H_kv, budget, D)``: a top-k per
@@ -25,10 +25,10 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from kvlab.harness.experiment import RunSpec, paired_bootstrap, scored_runs, write_table
+from kvlab.harness.experiment import RunSpec, paired_bootstrap, write_table
 from kvlab.store import RunStore
 from kvlab.studies.kvpress.presses import PER_HEAD, make_press
-from kvlab.studies.kvpress.table import _cfg, references
+from kvlab.studies.kvpress.table import forced_kl_runs, references
 
 COLUMNS = ["press", "budget", "kl_head_mean", "kl_per_head", "d", "lo", "hi", "mde", "n_prompts", "kl_head_mean_hf",
            "check_max_abs"]
@@ -132,16 +132,15 @@ def heads_runs(teacher, spec: RunSpec, presses: Sequence[str], budget: int, stor
     from kvlab.eviction.scorer import ScorerPolicy
 
     refs = references(teacher, spec, store)
-    rows = []
+    rows, p_full = [], {}
     for name in presses:
         if progress:
             print(f"heads: {name}", flush=True)
         pol = ScorerPolicy(make_press(name), budget=budget, sinks=0)
-        got = scored_runs(teacher, None, [(p, _cfg(spec, i, pol, refs[i])) for i, p in enumerate(spec.prompts)],
-                          store, batch=spec.batch)
+        got = forced_kl_runs(teacher, spec, pol, refs, store, p_full)
         for i, (p, r) in enumerate(zip(spec.prompts, got)):
             hf = per_head_scores(teacher, name, p, refs[i], budget, store)
-            rows.append({"press": name, "prompt_idx": i, "kl_head_mean": float(r["kl"]), **hf})
+            rows.append({"press": name, "prompt_idx": i, "kl_head_mean": float(r["kl_forced"]), **hf})
     return pd.DataFrame(rows)
 
 

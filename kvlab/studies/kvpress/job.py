@@ -44,6 +44,8 @@ def spec_of(args):
 
 
 def main(argv=None) -> int:
+    import kvpress  # noqa: F401  (imported before any model runs: kvpress wraps transformers' attention functions
+    # at import, and its wrapper passes `dropout` positionally, which kvlab's attention function does not take)
     import torch
 
     from kvlab.core.models import load_teacher

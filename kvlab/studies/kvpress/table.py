@@ -4,10 +4,13 @@
 Definition of ``kl_forced`` — the matched-memory eviction study's (:mod:`kvlab.studies.eviction.tables`): the
 teacher alone (``mode="teacher"``), first a full-cache free run per prompt (seed = base seed + prompt index), whose
 tokens are the reference continuation; then every (press, mode) run teacher-forced on that continuation
-(``DecodeConfig.forced``; the policy still decides at every step), scored by the harness
-(:func:`kvlab.harness.experiment.scored_runs` → :func:`kvlab.core.metrics.score`): the mean over the steps of
-``KL(p_full ‖ p_evicted)``, ``p_full`` the teacher's uncached forward over prompt + continuation. Runs are
-stored in the run store under the same keys the eviction study uses, decoded ``spec.batch`` rows at a time.
+(``DecodeConfig.forced``; the policy still decides at every step): the mean over the steps of
+``KL(p_full ‖ p_evicted)``, ``p_full`` the teacher's uncached forward over prompt + continuation — what
+:func:`kvlab.core.metrics.score` reports as ``kl`` for that forced run, with ``p_full`` computed once per prompt
+rather than once per run (:func:`forced_kl_runs`; ``tests/test_kvpress_study.py`` checks the two agree). The full
+runs are the harness's stored runs (:func:`kvlab.harness.experiment.scored_runs`, the eviction study's keys); the
+forced results are stored under their decode config (kind ``kvpress_forced_kl``), decoded ``spec.batch`` rows at
+a time, so a rerun is free.
 """
 from __future__ import annotations
 
@@ -32,29 +35,71 @@ def _cfg(spec: RunSpec, i: int, evict, forced: tuple = ()) -> DecodeConfig:
                         forced=forced)
 
 
+def _full_runs(teacher, spec: RunSpec, store: RunStore) -> list[dict]:
+    return scored_runs(teacher, None, [(p, _cfg(spec, i, None)) for i, p in enumerate(spec.prompts)], store,
+                       batch=spec.batch)
+
+
 def references(teacher, spec: RunSpec, store: RunStore) -> list[tuple[int, ...]]:
     """The full cache's own continuation of every prompt (stored free runs, as the eviction study's ``full``)."""
-    full = scored_runs(teacher, None, [(p, _cfg(spec, i, None)) for i, p in enumerate(spec.prompts)], store,
-                       batch=spec.batch)
-    return [tuple(int(t) for t in r["steps"]["token_id"]) for r in full]
+    return [tuple(int(t) for t in r["steps"]["token_id"]) for r in _full_runs(teacher, spec, store)]
+
+
+def forced_kl_runs(teacher, spec: RunSpec, evict, refs, store: RunStore, p_full: dict | None = None) -> list[dict]:
+    """Per prompt: ``{"kl_forced", "kl_steps", "cache_len"}`` of ``evict`` teacher-forced on ``refs[i]``, decoded
+    ``spec.batch`` rows at a time (:func:`kvlab.decode.run_batch` with ``DecodeConfig.forced``), each stored as
+    soon as its row finishes. ``kl_forced`` is what :func:`kvlab.core.metrics.score` gives the same forced run as
+    ``kl`` (mean over steps of ``kl_rows(teacher_logprobs(x, y), q)``), with ``p_full = teacher_logprobs(x, y)``
+    computed once per prompt for all policies (``p_full``: a dict prompt index -> (N, V), filled as needed)
+    instead of once per run: the same number at half the cost."""
+    from kvlab.core.metrics import kl_rows, teacher_logprobs
+    from kvlab.decode import run_batch
+    from kvlab.harness.experiment import check_batch, run_config
+
+    p_full = {} if p_full is None else p_full
+    cfgs = [replace(_cfg(spec, i, evict, tuple(refs[i])), keep_dists=True) for i in range(len(spec.prompts))]
+    keys = [{**run_config(teacher, None, p, c), "kind": "kvpress_forced_kl"} for p, c in zip(spec.prompts, cfgs)]
+    got = [store.reused(k) for k in keys]
+    miss = [i for i, g in enumerate(got) if g is None]
+    batch = check_batch(spec.batch)
+
+    def stored(i: int, trace) -> None:
+        if i not in p_full:
+            p_full[i] = teacher_logprobs(teacher, trace.prompt_ids, list(refs[i]))
+        kl = kl_rows(p_full[i], trace.model_logprobs)
+        res = {"kl_forced": float(kl.mean()), "kl_steps": kl.tolist(),
+               "cache_len": [int(r.cache_len) for r in trace.records]}
+        got[i] = store.get_or_run(keys[i], lambda: res)
+
+    for k in range(0, len(miss), batch):
+        chunk = miss[k:k + batch]
+        run_batch(teacher, None, [spec.prompts[i] for i in chunk], [cfgs[i] for i in chunk],
+                  on_row=lambda b, tr, chunk=chunk: stored(chunk[b], tr))
+    return got
 
 
 def kvpress_runs(teacher, spec: RunSpec, presses: Sequence[str], budget: int, store: RunStore,
                  modes=MODES, sinks: int = 4, progress: bool = False) -> tuple[pd.DataFrame, list[dict], dict]:
-    """Per (press, mode, prompt): the forced run's ``kl_forced``, ``mean_len`` / ``peak_len`` (live entries of
-    layer 0 after each step's evict phase). Returns ``(per_run, skipped, policies)``."""
+    """Per (press, mode, prompt): ``kl_forced``, ``mean_len`` / ``peak_len`` (live entries of layer 0 after each
+    step's evict phase); the ``full`` rows are the reference runs themselves (no eviction: KL 0).
+    Returns ``(per_run, skipped, policies)``."""
+    import time
+
     pols, skipped = study_policies(presses, budget, sinks, modes)
-    refs = references(teacher, spec, store)
-    rows = []
-    for (name, mode) in [(FULL, "none"), *pols]:
-        pol = pols.get((name, mode))
+    full = _full_runs(teacher, spec, store)
+    refs = [tuple(int(t) for t in r["steps"]["token_id"]) for r in full]
+    rows = [{"press": FULL, "mode": "none", "prompt_idx": i, "kl_forced": 0.0,
+             "mean_len": float(np.mean(r["steps"]["cache_len"])), "peak_len": max(r["steps"]["cache_len"])}
+            for i, r in enumerate(full)]
+    p_full: dict = {}
+    for (name, mode), pol in pols.items():
+        t0 = time.time()
+        got = forced_kl_runs(teacher, spec, pol, refs, store, p_full)
         if progress:
-            print(f"kvpress: {name} {mode}", flush=True)
-        got = scored_runs(teacher, None, [(p, _cfg(spec, i, pol, refs[i])) for i, p in enumerate(spec.prompts)],
-                          store, batch=spec.batch)
+            print(f"kvpress: {name} {mode}: {time.time() - t0:.0f} s", flush=True)
         for i, r in enumerate(got):
-            lens = [int(x) for x in r["steps"]["cache_len"]]
-            rows.append({"press": name, "mode": mode, "prompt_idx": i, "kl_forced": float(r["kl"]),
+            lens = [int(x) for x in r["cache_len"]]
+            rows.append({"press": name, "mode": mode, "prompt_idx": i, "kl_forced": float(r["kl_forced"]),
                          "mean_len": float(np.mean(lens)), "peak_len": max(lens)})
     return pd.DataFrame(rows), skipped, pols
 
@@ -141,5 +186,5 @@ def write_kvpress(table: pd.DataFrame, out: Path, notes: Sequence[str], name: st
     return write_table(table.round(5), Path(out), name, notes=list(notes))
 
 
-__all__ = ["COLUMNS", "kvpress_runs", "kvpress_summary", "kvpress_table", "references", "table_notes",
+__all__ = ["COLUMNS", "forced_kl_runs", "kvpress_runs", "kvpress_summary", "kvpress_table", "references", "table_notes",
            "write_kvpress"]
