@@ -27,7 +27,7 @@ from kvlab.store import RunStore
 from kvlab.studies.kvpress.presses import FULL, MODES, PRESSES, REFERENCE, study_policies
 
 COLUMNS = ["press", "mode", "budget", "sinks", "mean_len", "peak_len", "kl_forced", "kl_forced_std", "d_kl_forced",
-           "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "n_prompts", "policy"]
+           "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "n_prompts"]
 
 
 def _cfg(spec: RunSpec, i: int, evict, forced: tuple = ()) -> DecodeConfig:
@@ -104,10 +104,6 @@ def kvpress_runs(teacher, spec: RunSpec, presses: Sequence[str], budget: int, st
     return pd.DataFrame(rows), skipped, pols
 
 
-def _params(pol) -> str:
-    return "no eviction" if pol is None else repr(pol)
-
-
 def kvpress_summary(per_run: pd.DataFrame, budget: int, sinks: int, pols: dict | None = None) -> pd.DataFrame:
     """One row per (press, mode): means, and the paired difference of ``kl_forced`` to :data:`REFERENCE` at the
     same mode (bootstrap 95 % interval over prompts, and MDE: 2.8 × SD / √n)."""
@@ -127,8 +123,6 @@ def kvpress_summary(per_run: pd.DataFrame, budget: int, sinks: int, pols: dict |
     t = pd.concat(out, ignore_index=True).rename(columns={"policy": "press"})
     t["budget"] = [float("nan") if m == "none" else budget for m in t["mode"]]
     t["sinks"] = [float("nan") if m == "none" else sinks for m in t["mode"]]
-    t["policy"] = [_params((pols or {}).get((p, m))) if m != "none" else "no eviction"
-                   for p, m in zip(t.press, t["mode"])]
     return t.reindex(columns=COLUMNS)
 
 
@@ -158,6 +152,10 @@ def table_notes(spec: RunSpec, budget: int, sinks: int, skipped: list[dict], com
         "grows by one entry per token, kvpress's own use); `decode` = decode-time eviction (`every_step=True`: cut "
         "back to the budget at every step). Scores per KV head are averaged over heads (kvlab keeps one live set per "
         "layer; figures/evict_kvpress_heads.md measures what that costs).",
+        "Press settings: kvpress's defaults, except SnapKVPress(window_size=16) (kvpress's 64 is a sixth of these "
+        "prompts), StreamingLLMPress(n_sink=4) and RandomPress(seed=0) (reproducible); kvlab.studies.kvpress.presses "
+        "has each press's exact constructor. Decode-time rows show a press the layer inputs of the last 128 forwarded "
+        "tokens (`inputs_window`, as kvpress's DecodingPress buffers hidden states).",
         "`sliding`: kvlab's native sliding window at the same budget and sinks — `SlidingWindow(window=budget, "
         "sinks)` in decode mode; in prefill mode the same keep rule once on the prompt (`ScorerPolicy(Recency(), "
         "budget, sinks)`, score = position). `full`: no eviction (the reference continuation's run; its "
