@@ -96,3 +96,26 @@ def test_forced_kl_is_the_harness_score_of_the_forced_run(tiny_teacher, tmp_path
     for a, b in zip(mine, theirs):
         assert a["kl_forced"] == pytest.approx(b["kl"], abs=1e-6)
         assert a["cache_len"] == list(b["steps"]["cache_len"])
+
+
+def test_menu_entries_build_and_match_the_study(tiny_teacher):
+    """The playground / inspector menu (kvlab.eviction.kvpress.menu): every entry builds a policy, the same press
+    settings as the study's (same run keys), and one runs."""
+    import kvlab
+    from kvlab.decode.keys import policy_dict
+    from kvlab.eviction.kvpress import menu
+    from kvlab.studies.kvpress.presses import make_press
+
+    entries = menu.menu_entries()
+    assert len(entries) >= 10 and all(e.startswith("kvpress:") for e in entries)
+    for e in entries:
+        pol = menu.menu_policy(e, budget=24)
+        name = e[len("kvpress:"):]
+        if name in PRESSES:
+            from kvlab.eviction.scorer import ScorerPolicy
+            assert policy_dict(pol) == policy_dict(ScorerPolicy(make_press(name), budget=24, sinks=4)), e
+    with pytest.raises(ValueError, match="NoSuchPress"):
+        menu.menu_policy("kvpress:NoSuchPress", budget=24)
+    tr = kvlab.run(tiny_teacher, None, PROMPT, kvlab.DecodeConfig(
+        mode="teacher", max_new_tokens=2, evict=menu.menu_policy("kvpress:SnapKVPress", budget=24, every_step=True)))
+    assert all(r.cache_len == 24 for r in tr.records)
