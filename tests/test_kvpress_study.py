@@ -119,3 +119,19 @@ def test_menu_entries_build_and_match_the_study(tiny_teacher):
     tr = kvlab.run(tiny_teacher, None, PROMPT, kvlab.DecodeConfig(
         mode="teacher", max_new_tokens=2, evict=menu.menu_policy("kvpress:SnapKVPress", budget=24, every_step=True)))
     assert all(r.cache_len == 24 for r in tr.records)
+
+
+@pytest.mark.xfail(strict=True, reason="kvlab/cache/attn_fn.py: kvlab_attention takes no positional `dropout`, which "
+                   "kvpress's attention wrapper (installed at `import kvpress`) passes; remove this mark with the fix")
+def test_a_batched_run_before_import_kvpress_still_works_after_it():
+    """kvpress wraps every registered attention function at import and calls it with `dropout` positionally; a
+    batched run registers kvlab's before a press is first built (kvpress imports lazily), so every later batched
+    run failed until kvlab_attention takes `dropout`."""
+    import subprocess
+    import sys
+
+    code = ("import kvlab\nfrom kvlab.core.tiny import make_tiny_lm\nfrom kvlab.decode import run_batch\n"
+            "lm = make_tiny_lm()\ncfg = kvlab.DecodeConfig(mode='teacher', max_new_tokens=2)\n"
+            "run_batch(lm, None, ['hello world ' * 5, 'hi there ' * 6], cfg)\nimport kvpress\n"
+            "run_batch(lm, None, ['hello world ' * 5, 'hi there ' * 6], cfg)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
