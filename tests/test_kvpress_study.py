@@ -135,3 +135,25 @@ def test_a_batched_run_before_import_kvpress_still_works_after_it():
             "run_batch(lm, None, ['hello world ' * 5, 'hi there ' * 6], cfg)\nimport kvpress\n"
             "run_batch(lm, None, ['hello world ' * 5, 'hi there ' * 6], cfg)\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_job_flags_are_checked_before_any_model_loads():
+    from kvlab.studies.kvpress import job
+
+    for argv, flag in ((["--budget", "0"], "--budget"), (["--sinks", "200"], "--sinks"), (["--modes", "both"], "modes"),
+                       (["--kvpress", "NoSuchPress"], "NoSuchPress"), (["--kvpress", ","], "--kvpress")):
+        with pytest.raises(ValueError, match=flag):
+            job.check_args(job.parser().parse_args(argv))
+    job.check_args(job.parser().parse_args([]))
+
+
+def test_families_for_the_matched_memory_study():
+    from kvlab.studies.kvpress.presses import families
+
+    fam = families(["SnapKVPress", "LeverageScorePress"], sinks=4, modes=("prefill", "decode"))
+    assert set(fam) == {"kvpress_SnapKVPress_prefill", "kvpress_SnapKVPress_decode", "kvpress_LeverageScorePress_prefill"}
+    make, lo, hi = fam["kvpress_SnapKVPress_decode"]
+    pol = make(40)
+    assert (pol.budget, pol.sinks, pol.every_step, lo) == (40, 4, True, 5)
+    with pytest.raises(ValueError, match="NoSuchPress"):
+        families(["NoSuchPress"], sinks=4)

@@ -129,3 +129,19 @@ def study_policies(presses, budget: int, sinks: int, modes=MODES) -> tuple[dict,
                 continue
             pols[(name, mode)] = policy(press, mode, budget, sinks)
     return pols, skipped
+
+
+def families(names, sinks: int, modes=("decode",)) -> dict:
+    """The presses as fixed-budget families of the matched-memory study, in its format (``EvictStudy.families``:
+    name -> (budget -> policy, lowest budget, highest)): ``kvpress_<Class>_<mode>`` for each press and mode it
+    supports (the CLI's ``evict --kvpress NAME[,NAME…]``). Unknown names raise a ValueError naming them."""
+    modes = check_modes(modes)
+    out = {}
+    for name in names:
+        press = make_press(name)                      # ValueError naming an unknown press, before any run
+        for mode in modes:
+            if mode == "decode" and not decode_capable(press):
+                continue
+            out[f"kvpress_{name}_{mode}"] = (lambda b, name=name, mode=mode: policy(make_press(name), mode, b, sinks),
+                                             sinks + 1, 4096)
+    return out
