@@ -157,3 +157,14 @@ def test_families_for_the_matched_memory_study():
     assert (pol.budget, pol.sinks, pol.every_step, lo) == (40, 4, True, 5)
     with pytest.raises(ValueError, match="NoSuchPress"):
         families(["NoSuchPress"], sinks=4)
+
+
+def test_the_cli_module_registers_its_subcommand():
+    import argparse
+
+    from kvlab.studies.kvpress import cli
+
+    ap = argparse.ArgumentParser()
+    cli.register(ap.add_subparsers(dest="command"))
+    args = ap.parse_args(["kvpress", "--kvpress", "SnapKVPress", "--modes", "prefill", "--prompts", "4"])
+    assert args.fn is cli.cmd_kvpress and args.kvpress == "SnapKVPress" and args.prompts == 4
