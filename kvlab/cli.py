@@ -290,6 +290,11 @@ def _evict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-budget", type=positive_int("--needle-budget"), default=128,
                    help="evict: peak cache entries of every policy in the needle grid (PyramidKV: per-layer mean)")
     p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
+    from kvlab.studies.eviction.design import policy_names
+
+    p.add_argument("--policy", type=policy_names, default=None, metavar="NAME[,NAME...]",
+                   help="evict: the fixed-budget families of the matched-memory table, any registered eviction "
+                        "policy by name (kvlab/eviction/*.py, KVLAB_PLUGINS modules; default: the study's own)")
 
 
 def cmd_evict(args) -> list[Path]:
@@ -306,7 +311,7 @@ def cmd_evict(args) -> list[Path]:
     n = getattr(args, "evict_prompts", None)
     if n is not None and n < len(spec.prompts):
         spec = _replace(spec, prompts=spec.prompts[:n])
-    study = EvictStudy(gamma=args.gamma)
+    study = EvictStudy(gamma=args.gamma, only=getattr(args, "policy", None))
     grid = None if args.no_needle else NeedleGrid(tuple(args.needle_lengths), tuple(args.needle_depths),
                                                    args.needle_reps, args.needle_budget)
     teacher, student = _pair(args)

@@ -72,6 +72,7 @@ import torch
 from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, drawn_stats, finite_float, keep_all, layer_mean, layer_rows,
                    layer_stat, minmax, nonneg_int, positive_int, protected_below, sink_counts, top_slots, unit_float)
 from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.core.registry import register_eviction
 
 MARGIN_CLIP = 10.0
 CONFIDENCE_FROM = ("raw", "drawn")
@@ -109,6 +110,7 @@ def pyramid_budgets(budget: int, num_layers: int, ratio: float) -> list[int]:
     return out
 
 
+@register_eviction("confkv", order=4, controls={"gamma": "gamma"})
 @dataclass(frozen=True)
 class ConfKV:
     """Confidence-aware KV eviction; formulas in the module docstring."""
@@ -167,6 +169,18 @@ class ConfKV:
             raise ValueError(f"confidence_from={self.confidence_from!r} must be one of {CONFIDENCE_FROM}")
         if self.ema_prefill not in EMA_PREFILL:
             raise ValueError(f"ema_prefill={self.ema_prefill!r} must be one of {EMA_PREFILL}")
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0, gamma: float | None = None,
+                    tight_frac: float = 0.5, int8_window: int | None = None) -> "ConfKV":
+        """``loose = budget`` (uncertain steps), ``tight = ⌊tight_frac·budget⌋`` (confident steps, at least 1),
+        ``protect = recent`` (default ``min(32, budget // 8)``), ``sinks``, threshold ``gamma`` (default the
+        field's)."""
+        kw = {} if gamma is None else {"gamma": float(gamma)}
+        if int8_window is not None:
+            kw["int8_window"] = int8_window
+        protect = max(0, min(32, budget // 8)) if recent is None else recent
+        return cls(tight=max(1, int(budget * tight_frac)), loose=budget, protect=protect, sinks=sinks, **kw)
 
     @property
     def score_stat(self) -> str:

@@ -10,8 +10,10 @@ import torch
 from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
                    over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
 from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("h2o", order=2, controls={"recent": "recent"})
 @dataclass(frozen=True)
 class H2O:
     """Over ``budget`` entries, every layer ``l`` keeps its newest ``recent`` slots and the
@@ -38,6 +40,11 @@ class H2O:
         protected_below("recent", self.recent, "budget", self.budget)
         check_bool("per_layer", self.per_layer)
         check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0) -> "H2O":
+        """``budget`` entries, the newest ``recent`` protected (default ``budget // 4``), ``sinks`` sinks."""
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent, sinks=sinks)
 
     @property
     def needs_attention(self) -> bool:

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 from kvlab.eviction.base import EvictView, Keep, check_observation_window, keep_all, layer_rows, per_layer, positive_int
 from kvlab.eviction.snapkv import SnapKV
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("pyramidkv", order=8)
 @dataclass(frozen=True)
 class PyramidKV:
     budget: int                   # mean entries per layer after the cut, observation window included
@@ -44,6 +46,11 @@ class PyramidKV:
     def __post_init__(self):
         check_observation_window(self.budget, self.window, self.kernel)
         positive_int("beta", self.beta)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None) -> "PyramidKV":
+        """The prompt cut to ``budget`` entries per layer on average; ``recent``: the observation window (default 16)."""
+        return cls(budget=budget) if recent is None else cls(budget=budget, window=recent)
 
     @property
     def needs_attention(self) -> bool:

@@ -27,8 +27,10 @@ import torch
 from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_rows, layer_stat, nonneg_int,
                    over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
 from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("scissorhands", order=7, controls={"recent": "recent"})
 @dataclass(frozen=True)
 class Scissorhands:
     budget: int
@@ -43,6 +45,11 @@ class Scissorhands:
         protected_below("recent", self.recent, "budget", self.budget)
         check_bool("per_layer", self.per_layer)
         check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0) -> "Scissorhands":
+        """``budget`` entries, the newest ``recent`` protected (default ``budget // 4``), ``sinks`` sinks."""
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent, sinks=sinks)
 
     @property
     def needs_attention(self) -> bool:

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from kvlab.eviction.base import (EvictView, Keep, check_bool, check_observation_window, keep_all, layer_rows, layer_stat,
                    over_budget, top_slots)
 from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("snapkv", order=6)
 @dataclass(frozen=True)
 class SnapKV:
     budget: int
@@ -39,6 +41,11 @@ class SnapKV:
     def __post_init__(self):
         check_observation_window(self.budget, self.window, self.kernel)
         check_bool("per_layer", self.per_layer)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None) -> "SnapKV":
+        """The prompt cut to ``budget`` entries; ``recent``: the observation window (default 16)."""
+        return cls(budget=budget) if recent is None else cls(budget=budget, window=recent)
 
     @property
     def needs_attention(self) -> bool:

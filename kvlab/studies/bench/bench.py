@@ -193,15 +193,26 @@ def bench_refresh(teacher, student, prompts, tokens: int = 256, repeats: int = 2
 
 def default_evict_policies(cache_len: int) -> dict:
     """Eviction policies sized for a ``cache_len`` context (budget ≈ cache_len / 4)."""
-    from kvlab.eviction import H2O, BlockEvict, ConfKV, FullCache, RandomEvict, SlidingWindow
+    from kvlab.eviction import EVICTION_POLICIES as E
 
     b = max(cache_len // 4, 64)
     bs = 16
-    return {"full": FullCache(), "sliding": SlidingWindow(b, sinks=4), "h2o": H2O(b, b // 4),
-            "random": RandomEvict(b, b // 4), "confkv": ConfKV(tight=b, loose=2 * b, protect=b // 4),
-            "confkv_int8": ConfKV(tight=b, loose=2 * b, protect=b // 4, int8_window=b // 4),
-            "block": BlockEvict(bs, 1, b // bs - 3, 2),
-            "block_rerotate": BlockEvict(bs, 1, b // bs - 3, 2, rerotate=True)}
+    # block eviction: one start block, two recent blocks, max_cache_size <= b (a budget of b + bs - 1)
+    block = {"block_size": bs, "recent": 2 * bs}
+    return {"full": E.entry("full").at_budget(b), "sliding": E.entry("sliding").at_budget(b, sinks=4),
+            "h2o": E.entry("h2o").at_budget(b), "random": E.entry("random").at_budget(b),
+            "confkv": E.entry("confkv").at_budget(2 * b, recent=b // 4),
+            "confkv_int8": E.entry("confkv").at_budget(2 * b, recent=b // 4, int8_window=b // 4),
+            "block": E.entry("block").at_budget(b + bs - 1, **block),
+            "block_rerotate": E.entry("block").at_budget(b + bs - 1, rerotate=True, **block)}
+
+
+def batch_evict_policies(budget: int = 64) -> dict:
+    """The eviction policies the batched benchmark times beside the plain loop (H2O and Conf-KV, 16 protected)."""
+    from kvlab.eviction import EVICTION_POLICIES as E
+
+    return {"evict:h2o": E.entry("h2o").at_budget(budget, recent=16),
+            "evict:confkv": E.entry("confkv").at_budget(2 * budget, recent=16)}
 
 
 def _check_evict_bench(cache_len, steps) -> None:
@@ -431,7 +442,6 @@ def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, rep
     ``kvlab_gain_vs_b1`` / ``hf_gain_vs_b1`` are set once batch 1 has run (list it first).
     """
     from kvlab.decode import DecodeConfig, run_batch
-    from kvlab.eviction import H2O, ConfKV
     from kvlab.refresh.policies import Periodic
 
     batches = check_batches(batches)
@@ -469,10 +479,8 @@ def bench_decode_batch(lm, prompts, batches=(1, 4, 8, 16), tokens: int = 64, rep
     for b in batches:
         fns = {"kvlab": ours(b, plain), "hf": hf(b)}
         if b == variants:
-            budget = 64
-            fns["evict:h2o"] = ours(b, DecodeConfig(mode="teacher", max_new_tokens=tokens, evict=H2O(budget, 16)))
-            fns["evict:confkv"] = ours(b, DecodeConfig(mode="teacher", max_new_tokens=tokens,
-                                                       evict=ConfKV(tight=budget, loose=2 * budget, protect=16)))
+            for name, pol in batch_evict_policies(64).items():
+                fns[name] = ours(b, DecodeConfig(mode="teacher", max_new_tokens=tokens, evict=pol))
             if student is not None:
                 fns["overfill"] = ours(b, DecodeConfig(mode="overfill", max_new_tokens=tokens), student)
                 fns["refresh:periodic27"] = ours(b, DecodeConfig(mode="overfill", max_new_tokens=tokens,
