@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 
 from kvlab.core.args import positive_int
@@ -20,7 +19,6 @@ from kvlab.studies.eviction import cli as eviction_cli
 from kvlab.studies.mc import cli as mc_cli
 from kvlab.studies.refresh import cli as refresh_cli
 from kvlab.studies.training import cli as training_cli
-from kvlab.viz.figures import render
 
 
 def cmd_figures(args) -> list[Path]:
@@ -50,14 +48,10 @@ def cmd_sweep(args):
 
 
 # The main job: every table/figure, in order. Each entry: (name, handler). First the trained students that
-# are missing, last the training study that compares them. A study that draws figures registered in the apps
-# layer (kvlab.viz.plots) gets the renderer that knows them.
-JOBS = [("train", training_cli.cmd_train_missing),
-        ("baselines", partial(baselines_cli.cmd_baselines, render=render)),
-        ("baselines-long", partial(baselines_cli.baselines_long, render=render)),
-        ("mc-sim", partial(mc_cli.cmd_mc_sim, render=render)),
-        ("mc-real", partial(mc_cli.mc_real_small, render=render)),
-        ("refresh", partial(refresh_cli.cmd_refresh, render=render)),
+# are missing, last the training study that compares them.
+JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.cmd_baselines),
+        ("baselines-long", baselines_cli.baselines_long), ("mc-sim", mc_cli.cmd_mc_sim),
+        ("mc-real", mc_cli.mc_real_small), ("refresh", refresh_cli.cmd_refresh),
         ("evict", eviction_cli.cmd_evict), ("train-study", training_cli.cmd_train_study)]
 
 
@@ -190,11 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     this order, the order ``--help`` lists them."""
     ap = argparse.ArgumentParser(prog="python -m kvlab", description=__doc__, formatter_class=_DefaultsHelp)
     sub = ap.add_subparsers(dest="command", required=True)
-    baselines_cli.register(sub, render)
-    mc_cli.register(sub, render)
+    baselines_cli.register(sub)
+    mc_cli.register(sub)
     _add_figures(sub)
     _add_sweep(sub)
-    refresh_cli.register(sub, render)
+    refresh_cli.register(sub)
     eviction_cli.register(sub)
     _add_all(sub)
     _add_docs(sub)

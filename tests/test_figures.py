@@ -98,5 +98,5 @@ def test_all_job_includes_a_bounded_mc_real(monkeypatch):
     assert "mc-real" in [name for name, _ in cli.JOBS]
     seen = {}
     monkeypatch.setattr(mc_cli, "cmd_mc_real", lambda a, **kw: seen.update(vars(a)) or [])
-    mc_cli.mc_real_small(Namespace(prompts=50, tokens=1200, out="x"), render=None)
+    mc_cli.mc_real_small(Namespace(prompts=50, tokens=1200, out="x"))
     assert seen["prompts"] == 4 and seen["tokens"] == 64 and seen["passes"] == 8 and len(seen["dropout"]) == 3

@@ -4,24 +4,22 @@ Torch-free at import."""
 from __future__ import annotations
 
 import argparse
-from functools import partial
 from pathlib import Path
 
 from kvlab.harness import cli_common
 from kvlab.harness.args import run_spec as _spec
 
 
-def register(sub, render) -> None:
-    """Add the ``baselines`` subcommand to ``sub`` (the router's subparsers); ``render(name, out)`` draws a registered figure from the tables in ``out`` (the router passes
-    :func:`kvlab.viz.figures.render`, which knows every figure: some of this study's are drawn in the apps layer)."""
+def register(sub) -> None:
+    """Add this study's subcommand(s) to ``sub`` (the router's subparsers)."""
     p = sub.add_parser("baselines", help="Teacher / OverFill / Student table + figure")
     cli_common.add_common_arguments(p)
-    p.set_defaults(fn=partial(cmd_baselines, render=render))
+    p.set_defaults(fn=cmd_baselines)
 
 
-def cmd_baselines(args, *, render) -> list[Path]:
+def cmd_baselines(args) -> list[Path]:
     """The baselines table (``--prompt-set`` long: ``baselines_long``) and, for the default set, its figures drawn
-    by ``render``; the regimes table when both sets' tables are in ``--out``."""
+    by :func:`_render`; the regimes table when both sets' tables are in ``--out``."""
     from kvlab.studies.baselines.table import baselines, write_baselines
     from kvlab.store import RunStore
 
@@ -34,7 +32,7 @@ def cmd_baselines(args, *, render) -> list[Path]:
     name = "baselines" + cli_common.set_suffix(args)
     paths = write_baselines(table, per_run, args.out, name=name)
     if name == "baselines":
-        paths += [render("baselines", args.out), render("baselines_timing", args.out)]
+        paths += [_render("baselines", args.out), _render("baselines_timing", args.out)]
     paths += _write_regimes(args.out)
     print((args.out / f"{name}.md").read_text() + "\n" + (args.out / f"{name}_timing.md").read_text())
     return paths
@@ -62,7 +60,7 @@ def _write_regimes(out: Path) -> list[Path]:
     return write_table(regimes_table(tables).round(4), out, "baselines_regimes", notes=[note, FORCED_SCORE_NOTE, MDE_NOTE])
 
 
-def baselines_long(args, *, render) -> list[Path]:
+def baselines_long(args) -> list[Path]:
     """The baselines table on the long-prompt / short-answer set too (``baselines_long`` and the side-by-side
     ``baselines_regimes``), same --prompts, 48 new tokens; skipped when the main job already used that set
     or a custom --prompts-file."""
@@ -71,5 +69,12 @@ def baselines_long(args, *, render) -> list[Path]:
     if cli_common.set_suffix(args) or getattr(args, "prompts_file", None) is not None:
         print("baselines-long: skipped (the prompt set is not the default one)", flush=True)
         return []
-    return cmd_baselines(argparse.Namespace(**{**vars(args), "prompt_set": "long", "tokens": SET_TOKENS["long"]}),
-                         render=render)
+    return cmd_baselines(argparse.Namespace(**{**vars(args), "prompt_set": "long", "tokens": SET_TOKENS["long"]}))
+
+
+def _render(name: str, out):
+    """Draw this study's figure ``name`` from the tables in ``out`` (its plots module registers them)."""
+    from kvlab.harness.figures import render
+    from kvlab.studies.baselines import plots  # noqa: F401  (registers this study's figures)
+
+    return render(name, out)

@@ -3,7 +3,6 @@ Pareto figure, or one ``--policy`` against no refresh. Torch-free at import."""
 from __future__ import annotations
 
 import argparse
-from functools import partial
 from pathlib import Path
 
 from kvlab.core.args import positive_int
@@ -15,15 +14,14 @@ POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kap
                 "percentile", "signal", "probe_every", "refractory", "passes", "dropout")
 
 
-def register(sub, render) -> None:
-    """Add the ``refresh`` subcommand to ``sub`` (the router's subparsers); ``render(name, out)`` draws a registered figure from the tables in ``out`` (the router passes
-    :func:`kvlab.viz.figures.render`, which knows every figure: some of this study's are drawn in the apps layer)."""
+def register(sub) -> None:
+    """Add this study's subcommand(s) to ``sub`` (the router's subparsers)."""
     p = sub.add_parser("refresh", help="refresh policies: periodic / entropy / methods tables + Pareto figure")
     cli_common.add_common_arguments(p)
     p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
     _refresh_options(p)
-    p.set_defaults(fn=partial(cmd_refresh, render=render))
+    p.set_defaults(fn=cmd_refresh)
 
 
 def _refresh_options(p: argparse.ArgumentParser) -> None:
@@ -69,7 +67,7 @@ def _calib_prompts(args, spec) -> tuple[str, ...]:
     return tuple(r["prompt"] for r in load_prompts(calibration_file(), n=k))
 
 
-def cmd_refresh(args, *, render) -> list[Path]:
+def cmd_refresh(args) -> list[Path]:
     """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.studies.refresh.choice)."""
     from dataclasses import replace as _replace
 
@@ -111,8 +109,16 @@ def cmd_refresh(args, *, render) -> list[Path]:
     tables = {f"{k}{suffix}": v for k, v in tables.items()}
     paths = write_refresh(tables, args.out)
     if not suffix:
-        paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := render(n, args.out)) is not None]
+        paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := _render(n, args.out)) is not None]
     for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_timing", "refresh_forced"):
         if (args.out / f"{name}{suffix}.md").is_file():
             print(f"### {name}{suffix}\n" + (args.out / f"{name}{suffix}.md").read_text())
     return paths
+
+
+def _render(name: str, out):
+    """Draw this study's figure ``name`` from the tables in ``out`` (its plots module registers them)."""
+    from kvlab.harness.figures import render
+    from kvlab.studies.refresh import plots  # noqa: F401  (registers this study's figures)
+
+    return render(name, out)
