@@ -179,3 +179,26 @@ def kvlab_confkv(**kw):
     from kvlab.eviction import ConfKV
 
     return ConfKV(**kw)
+
+
+@pytest.mark.integration
+def test_python_m_kvlab_evict_runs_a_one_file_policy_end_to_end(tmp_path):
+    """The whole command, as a user types it, on the embedded pair: a policy file dropped into a copy of
+    kvlab/eviction/ is a row of the matched-memory table (solved to Conf-KV's mean memory) it writes."""
+    shutil.copytree(ROOT / "kvlab", tmp_path / "kvlab", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    (tmp_path / "kvlab" / "eviction" / "every_other.py").write_text(POLICY_FILE.format(name="every_other",
+                                                                                       cls="EveryOther"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env.pop("KVLAB_PLUGINS", None)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "kvlab", "evict", "--policy", "every_other", "--prompts", "1",
+                        "--tokens", "4", "--no-needle", "--no-progress", "--out", str(out), "--runs", str(tmp_path / "runs")],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import pandas as pd
+
+    table = pd.read_csv(out / "evict_matched.csv")
+    row = table[table.policy == "every_other"].iloc[0]
+    assert row["matched_by"] == "solved budget" and row["params"].startswith("EveryOther(budget=")
+    assert "h2o" not in set(table.policy)                       # --policy names the fixed-budget families
