@@ -19,9 +19,10 @@ layer ``l`` holding more than its budget ``b_l`` keeps
 and a layer within its budget keeps everything (only over-budget layers are scored). The decision is
 per layer (``Keep.layers``; ``Keep.slots`` is layer 0's). What a subclass may override:
 
-* ``score(view, layer)`` — required. Entries outside the candidates (the sinks and the newest window,
-  :meth:`RankedEviction.candidates`) are never read; a score that depends on which entries compete
-  (a min–max over them, a pool that stops at the window) reads the candidates from there;
+* ``score(view, layer)`` — required: ``(T_l,)``, or only its first ``T_l - newest`` entries. Only the
+  candidates are read (the slots after the sinks and before the newest window,
+  :meth:`RankedEviction.candidates`); a score that depends on which entries compete (Conf-KV's
+  min–max over them, SnapKV's pool that stops at the window) reads them from there;
 * ``budgets(view)`` — entries each layer keeps at this step (default ``budget`` on every layer;
   PyramidKV's pyramid; Conf-KV calls :meth:`RankedEviction.select` with its confidence-gated budget);
 * ``due(view)`` — whether this step cuts at all (default every step; SnapKV and PyramidKV: the first,
@@ -191,7 +192,7 @@ class RankedEviction:
     per_layer = True                # False: one live set for all layers, ranked on the layer mean
 
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s entries, ``(T_l,)``: higher = keep. Only the candidates are read."""
+        """Layer ``layer``'s entries, ``(T_l,)``: higher = keep. Only the candidates are read (module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} must define score(view, layer) -> (T_l,) scores")
 
     @property
