@@ -190,6 +190,28 @@ def test_decode_decisions_are_unchanged(pinned, sharp, name):
     assert any(s["evicted"] for s in got)                    # the case does evict
 
 
+def test_the_docs_ranked_policy_runs(sharp):
+    """docs/custom_policies.md's ranked-policy cell, executed as written: per layer, the newest entry and the
+    top of that layer's EMA, ``budget`` entries each, through the decode loop."""
+    import re
+
+    from kvlab.eviction import EVICTION_POLICIES
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "custom_policies.md").read_text()
+    cell = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "class TovaRanked" in b]
+    assert len(cell) == 1
+    ns = {}
+    exec(cell[0], ns)
+    try:
+        pol = EVICTION_POLICIES.entry("tova_ranked").at_budget(10)
+        d = Decoding(sharp, None, PROMPT, DecodeConfig(mode="teacher", chat=False, max_new_tokens=4, evict=pol))
+        for _ in d:
+            d.cache.check()
+        assert d.cache.layer_lengths() == [10] * 3 and len(set(d.cache.layer_positions())) > 1
+    finally:
+        EVICTION_POLICIES.unregister("tova_ranked")
+
+
 if __name__ == "__main__" and "--record" in sys.argv:
     DATA.parent.mkdir(exist_ok=True)
     DATA.write_text(json.dumps(record_all(), separators=(",", ":")) + "\n")
