@@ -6,7 +6,8 @@ the prefill, ``view.first``), and decoding then appends without eviction. Each l
 entries before the observation window by the attention of the last ``window`` prompt queries on
 them (the only prompt queries the cache measures, ``attention_window``), summed over those queries
 and averaged over heads, smoothed by a centred average pool of width ``kernel`` — SnapKV's score,
-per layer (:class:`~kvlab.eviction.snapkv.ObservationWindow`, shared with SnapKV). The window is kept on every layer; layer ``l`` keeps its own
+per layer (:class:`~kvlab.eviction.snapkv.ObservationWindow`, shared with SnapKV; :meth:`PyramidKV.budgets`
+feeds the pyramid to the ranked base). The window is kept on every layer; layer ``l`` keeps its own
 top ``k_l`` other entries (``Keep.layers``), with the pyramid of the authors' code
 (``Zefan-Cai/PyramidKV``, ``PyramidKVCluster.update_kv``), ``B = budget`` (mean entries per layer,
 window included), ``w = window``, ``n`` the prompt length, ``L`` layers:
