@@ -425,6 +425,24 @@ def _batch_list(s: str) -> list[int]:
     return out
 
 
+def _cache_lens(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"--cache-len must be positive ints separated by commas (e.g. 2048,4096), "
+                                         f"got {s!r}")
+    return out
+
+
+def _one_cache_len(args) -> int:
+    if len(args.cache_len) != 1:
+        raise ValueError(f"--cache-len takes one value for bench {args.what} (lists: bench evict --batch), got "
+                         f"{','.join(map(str, args.cache_len))}")
+    return args.cache_len[0]
+
+
 def cmd_bench(args) -> None:
     from kvlab.studies.bench.bench import bench_decode, bench_mc
     from kvlab.core.data import load_prompts
@@ -452,10 +470,11 @@ def cmd_bench(args) -> None:
     elif args.what == "evict" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_evict_batch
 
-        if args.cache_len < 64:
-            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
+        if min(args.cache_len) < 64:
+            raise ValueError(f"--cache-len={min(args.cache_len)} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} --cache-len {args.cache_len} "
+        cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} "
+               f"--cache-len {','.join(map(str, args.cache_len))} "
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
 
         def emit(r):
@@ -478,7 +497,7 @@ def cmd_bench(args) -> None:
         from kvlab.studies.bench.bench import bench_surgery
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
+        print(json.dumps(bench_surgery(lm, cache_len=_one_cache_len(args), pairs=args.pairs, repeats=args.repeats), indent=1))
     elif args.what == "mc":
         from kvlab.uncertainty.mc import check_n_passes, check_p
 
@@ -514,16 +533,17 @@ def cmd_bench(args) -> None:
     elif args.what == "evict":
         from kvlab.studies.bench.bench import bench_evict
 
-        if args.cache_len < 64:   # before any model loads
-            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
+        cache_len = _one_cache_len(args)
+        if cache_len < 64:   # before any model loads
+            raise ValueError(f"--cache-len={cache_len} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
+        res = bench_evict(lm, cache_len=cache_len, steps=args.tokens or 16, repeats=args.repeats)
         print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
         print(_evict_bench_table(res))
         if args.out is not None:     # evict_bench_timing.{json,md} (untracked, like every timing)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "evict_bench_timing.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-            cmd = (f"python -m kvlab bench evict --cache-len {args.cache_len} --tokens {args.tokens or 16} "
+            cmd = (f"python -m kvlab bench evict --cache-len {cache_len} --tokens {args.tokens or 16} "
                    f"--repeats {args.repeats} --out {args.out}")
             (args.out / "evict_bench_timing.md").write_text(f"`{cmd}` (device {lm.device})\n\n```\n"
                                                      + _evict_bench_table(res) + "\n```\n")
@@ -689,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode / evict: batch sizes, e.g. 1,4,8,16 (decode: kvlab's batched loop vs HF generate per "
                         "size, plus eviction and refresh at batch 8; evict: eviction speed-up per size)")
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
-    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
+    p.add_argument("--cache-len", type=_cache_lens, default=[2048],
+                   help="surgery / evict: cache entries (bench evict --batch: a list, e.g. 2048,4096,8192)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
