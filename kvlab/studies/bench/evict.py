@@ -89,7 +89,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
             t1 = time.perf_counter()
             _, ent, top1, margin = token_stats(logits)
             rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-            d = pol.keep(evict_view(c, step, rec, vocab))
+            d = pol.keep(evict_view(c, step, rec, vocab, first=step == 1))
             _sync()
             t2 = time.perf_counter()
             phases: dict = {}

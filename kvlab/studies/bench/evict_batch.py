@@ -133,7 +133,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     for b, c in enumerate(caches):
                         _, ent, top1, margin = token_stats(logits[b])
                         rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-                        apply_keep(c, pol.keep(evict_view(c, step, rec, vocab)), model)
+                        apply_keep(c, pol.keep(evict_view(c, step, rec, vocab, first=step == 1)), model)
                     _sync()
                     times.append(time.perf_counter() - t0)
                 return times[1:], statistics.mean(read[1:]), len(caches[0])
