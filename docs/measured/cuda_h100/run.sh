@@ -10,7 +10,7 @@ export KVLAB_CACHE=${KVLAB_CACHE:-/tmp/kc} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null; } | tee "$OUT/device.txt"
+  cat COMMIT 2>/dev/null || git rev-parse --short HEAD; } | tee "$OUT/device.txt"
 python3 docs/measured/cuda_h200/make_standin.py - "$TOK" || exit 1
 timeout 330 python3 -m kvlab bench evict --batch 1,8 --cache-len 4096 --tokens 16 --repeats 2 --out "$OUT" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench_evict.log"
