@@ -425,22 +425,16 @@ def _batch_list(s: str) -> list[int]:
     return out
 
 
-def _cache_lens(s: str) -> list[int]:
+def _cache_lens(s: str) -> int | list[int]:
+    """``--cache-len``: one positive int, or (bench evict --batch) several separated by commas (a list)."""
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         out = []
     if not out or any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError(f"--cache-len must be positive ints separated by commas (e.g. 2048,4096), "
-                                         f"got {s!r}")
-    return out
-
-
-def _one_cache_len(args) -> int:
-    if len(args.cache_len) != 1:
-        raise ValueError(f"--cache-len takes one value for bench {args.what} (lists: bench evict --batch), got "
-                         f"{','.join(map(str, args.cache_len))}")
-    return args.cache_len[0]
+        raise argparse.ArgumentTypeError(f"--cache-len must be a positive int, or (bench evict --batch) several "
+                                         f"separated by commas (e.g. 2048,4096), got {s!r}")
+    return out[0] if len(out) == 1 else out
 
 
 def cmd_bench(args) -> None:
@@ -449,6 +443,8 @@ def cmd_bench(args) -> None:
     from kvlab.core.models import load_model, load_teacher
     from kvlab.train.pair import load_student
 
+    if isinstance(args.cache_len, list) and not (args.what == "evict" and args.batch is not None):
+        raise ValueError(f"--cache-len takes one value for bench {args.what} (a list only for bench evict --batch)")
     if args.what == "decode" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_decode_batch
 
@@ -470,11 +466,12 @@ def cmd_bench(args) -> None:
     elif args.what == "evict" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_evict_batch
 
-        if min(args.cache_len) < 64:
-            raise ValueError(f"--cache-len={min(args.cache_len)} must be >= 64 for bench evict")
+        lens = args.cache_len if isinstance(args.cache_len, list) else [args.cache_len]
+        if min(lens) < 64:
+            raise ValueError(f"--cache-len={min(lens)} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} "
-               f"--cache-len {','.join(map(str, args.cache_len))} "
+               f"--cache-len {','.join(map(str, lens))} "
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
 
         def emit(r):
@@ -482,7 +479,7 @@ def cmd_bench(args) -> None:
             if args.out is not None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
 
-        bench_evict_batch(lm, args.batch, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats,
+        bench_evict_batch(lm, args.batch, cache_len=lens, steps=args.tokens or 16, repeats=args.repeats,
                           on_row=emit)
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
@@ -497,7 +494,7 @@ def cmd_bench(args) -> None:
         from kvlab.studies.bench.bench import bench_surgery
 
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        print(json.dumps(bench_surgery(lm, cache_len=_one_cache_len(args), pairs=args.pairs, repeats=args.repeats), indent=1))
+        print(json.dumps(bench_surgery(lm, cache_len=args.cache_len, pairs=args.pairs, repeats=args.repeats), indent=1))
     elif args.what == "mc":
         from kvlab.uncertainty.mc import check_n_passes, check_p
 
@@ -533,17 +530,16 @@ def cmd_bench(args) -> None:
     elif args.what == "evict":
         from kvlab.studies.bench.bench import bench_evict
 
-        cache_len = _one_cache_len(args)
-        if cache_len < 64:   # before any model loads
-            raise ValueError(f"--cache-len={cache_len} must be >= 64 for bench evict")
+        if args.cache_len < 64:   # before any model loads
+            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        res = bench_evict(lm, cache_len=cache_len, steps=args.tokens or 16, repeats=args.repeats)
+        res = bench_evict(lm, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats)
         print(json.dumps({k: v for k, v in res.items() if k != "policies"}))
         print(_evict_bench_table(res))
         if args.out is not None:     # evict_bench_timing.{json,md} (untracked, like every timing)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "evict_bench_timing.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-            cmd = (f"python -m kvlab bench evict --cache-len {cache_len} --tokens {args.tokens or 16} "
+            cmd = (f"python -m kvlab bench evict --cache-len {args.cache_len} --tokens {args.tokens or 16} "
                    f"--repeats {args.repeats} --out {args.out}")
             (args.out / "evict_bench_timing.md").write_text(f"`{cmd}` (device {lm.device})\n\n```\n"
                                                      + _evict_bench_table(res) + "\n```\n")
@@ -709,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode / evict: batch sizes, e.g. 1,4,8,16 (decode: kvlab's batched loop vs HF generate per "
                         "size, plus eviction and refresh at batch 8; evict: eviction speed-up per size)")
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
-    p.add_argument("--cache-len", type=_cache_lens, default=[2048],
+    p.add_argument("--cache-len", type=_cache_lens, default=2048,
                    help="surgery / evict: cache entries (bench evict --batch: a list, e.g. 2048,4096,8192)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")

@@ -5,8 +5,8 @@ Part of the cache module: only the statistics tensors, edited in the same call a
 (H2O), its EMA (Conf-KV) and how many measured forwards saw the entry (NORM_SUM). Layer ``l``'s
 statistics are ``(T_l,)`` tensors over that layer's own live slots (per-layer live sets). The cache
 edits them in the same call as the tensors and the live maps (append, keep, remap, truncate), so
-they always follow the live slots. The mass itself is measured by
-:class:`~kvlab.cache.attention.QueryCapture`.
+they always follow the live slots. The mass itself is measured by the attention computation
+(:class:`~kvlab.cache.mass.MassSink`, filled by the ``"kvlab"`` attention function).
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class AttnStats:
         """Layer ``i`` keeps its columns ``keeps[i]`` (slots, in order; None: unchanged)."""
         if keeps and all(k is not None for k in keeps) and len({int(k.shape[0]) for k in keeps}) == 1 \
                 and len({x.shape[0] for x in self.data["acc"]}) == 1 and len(keeps) == len(self.data["acc"]):
-            idx = torch.stack([k.to(self.device) for k in keeps])                          # (L, m): one gather
+            idx = torch.stack(list(keeps)).to(self.device)                                # (L, m): one gather
             self.data = {name: list(torch.stack(ts).gather(1, idx).unbind(0)) for name, ts in self.data.items()}
             return
         for i, keep in enumerate(keeps):
