@@ -139,7 +139,7 @@ def _pd(p):
 def test_the_studies_build_the_same_policies_as_before_the_registry_path():
     """A handful of the dicts dumped before the move (every study's, bench's and playground's policies)."""
     from kvlab.playground.settings import Settings, eviction_policy
-    from kvlab.studies.bench.bench import batch_evict_policies, default_evict_policies
+    from kvlab.studies.bench.bench import decode_evict_policies, default_evict_policies
     from kvlab.studies.eviction import needle
     from kvlab.studies.eviction.tables import EvictStudy
 
@@ -165,7 +165,7 @@ def test_the_studies_build_the_same_policies_as_before_the_registry_path():
     b = default_evict_policies(2048)
     assert _pd(b["block"])["evictable_blocks"] == 29 and _pd(b["confkv_int8"])["int8_window"] == 128
     assert (_pd(b["confkv"])["tight"], _pd(b["confkv"])["loose"], _pd(b["random"])["recent"]) == (512, 1024, 128)
-    bb = batch_evict_policies(64)
+    bb = decode_evict_policies(64)
     assert (_pd(bb["evict:confkv"])["tight"], _pd(bb["evict:confkv"])["protect"], _pd(bb["evict:h2o"])["recent"]) == (64, 16, 16)
     s = Settings(prompt="p", evict="confkv", budget=64, gamma=0.3)
     assert {k: _pd(eviction_policy(s))[k] for k in ("tight", "loose", "protect", "gamma")} == {

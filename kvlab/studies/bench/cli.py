@@ -27,7 +27,8 @@ def register(sub, bench_sweep) -> None:
                    help="decode / evict: batch sizes, e.g. 1,4,8,16 (decode: kvlab's batched loop vs HF generate per "
                         "size, plus eviction and refresh at batch 8; evict: eviction speed-up per size)")
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
-    p.add_argument("--cache-len", type=positive_int("--cache-len"), default=2048, help="surgery / evict: cache entries")
+    p.add_argument("--cache-len", type=_cache_lens, default=2048,
+                   help="surgery / evict: cache entries (bench evict --batch: a list, e.g. 2048,4096,8192)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
@@ -50,12 +51,26 @@ def _batch_list(s: str) -> list[int]:
     return out
 
 
+def _cache_lens(s: str) -> int | list[int]:
+    """``--cache-len``: one positive int, or (bench evict --batch) several separated by commas (a list)."""
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"--cache-len must be a positive int, or (bench evict --batch) several "
+                                         f"separated by commas (e.g. 2048,4096), got {s!r}")
+    return out[0] if len(out) == 1 else out
+
+
 def cmd_bench(args, *, bench_sweep) -> None:
     from kvlab.studies.bench.bench import bench_decode, bench_mc
     from kvlab.core.data import load_prompts
     from kvlab.core.models import load_model, load_teacher
     from kvlab.train.pair import load_student
 
+    if isinstance(args.cache_len, list) and not (args.what == "evict" and args.batch is not None):
+        raise ValueError(f"--cache-len takes one value for bench {args.what} (a list only for bench evict --batch)")
     if args.what == "decode" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_decode_batch
 
@@ -77,10 +92,12 @@ def cmd_bench(args, *, bench_sweep) -> None:
     elif args.what == "evict" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_evict_batch
 
-        if args.cache_len < 64:
-            raise ValueError(f"--cache-len={args.cache_len} must be >= 64 for bench evict")
+        lens = args.cache_len if isinstance(args.cache_len, list) else [args.cache_len]
+        if min(lens) < 64:
+            raise ValueError(f"--cache-len={min(lens)} must be >= 64 for bench evict")
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
-        cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} --cache-len {args.cache_len} "
+        cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} "
+               f"--cache-len {','.join(map(str, lens))} "
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
 
         def emit(r):
@@ -88,7 +105,7 @@ def cmd_bench(args, *, bench_sweep) -> None:
             if args.out is not None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
 
-        bench_evict_batch(lm, args.batch, cache_len=args.cache_len, steps=args.tokens or 16, repeats=args.repeats,
+        bench_evict_batch(lm, args.batch, cache_len=lens, steps=args.tokens or 16, repeats=args.repeats,
                           on_row=emit)
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
