@@ -27,7 +27,7 @@
 #
 # This notebook shows one entropy-gated generation, which cache entries come from which model over time,
 # and the blog's refresh tables over a prompt set, each with a computed **How to read this**. All logic is
-# in `kvlab.refresh.base`, `kvlab.refresh.policies`, `kvlab.studies.refresh.tables`, `kvlab.viz.readings`.
+# in `kvlab.refresh.base`, `kvlab.refresh.policies`, `kvlab.studies.refresh.tables`, `kvlab.studies.refresh.readings`.
 
 # %% tags=["parameters"]
 import os

@@ -33,7 +33,7 @@
 # This notebook: (1) one run step by step with the live map shrinking, (2) the confidence trace
 # with γ and the budget switching, (3) the sawtooth of every policy on one prompt, (4) the
 # matched-memory table, (5) passkey retrieval. All logic lives in `kvlab.studies.eviction.tables`,
-# `kvlab.studies.eviction.needle`, `kvlab.studies.eviction.plots`; the readings in `kvlab.viz.readings`.
+# `kvlab.studies.eviction.needle`, `kvlab.studies.eviction.plots`; the readings in `kvlab.studies.eviction.readings`.
 
 # %% tags=["parameters"]
 import os

@@ -260,11 +260,11 @@ def test_a_failing_row_does_not_lose_the_others(tiny_teacher, tiny_student):
                 raise RuntimeError("boom")
             return False
 
-    import kvlab.decode as dec
+    from dataclasses import replace
 
     configs = [cfg(), cfg(), cfg()]
     bd = BatchDecoding(tiny_teacher, tiny_student, PROMPTS[:3], configs)
-    bd.rows[1].config = dec.replace(bd.rows[1].config, refresh=Boom())   # skip validation: a broken policy
+    bd.rows[1].config = replace(bd.rows[1].config, refresh=Boom())   # skip validation: a broken policy
     recs = [[] for _ in range(3)]
     for b, r in bd:
         recs[b].append(r)

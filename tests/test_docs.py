@@ -53,6 +53,20 @@ def test_no_result_is_typed_outside_the_generated_blocks():
         assert not hits, f"{p.name}: a typed result outside a generated block: {hits}"
 
 
+def test_each_study_quotes_its_tables_from_its_own_folder():
+    """Every study's views and key-results rows live in ``kvlab/studies/<study>/quotes.py``; the generator only
+    gathers them, in a fixed order, and a view name given by two modules is an error naming both."""
+    import types
+
+    for study in docs.STUDIES:
+        assert study.__name__.startswith("kvlab.studies.") and study.__name__.endswith(".quotes"), study
+        assert set(study.VIEWS) <= set(docs.VIEWS) and callable(study.key_results), study
+    assert {"key_results", "phases"} <= set(docs.VIEWS)
+    twice = types.SimpleNamespace(__name__="elsewhere", VIEWS={"baselines": None})
+    with pytest.raises(ValueError, match="baselines.*kvlab.studies.baselines.quotes.*elsewhere"):
+        docs._gather(docs.STUDIES + (twice,), {})
+
+
 def test_a_wrong_number_is_rewritten_and_detected(tmp_path):
     md = ("Periodic T=14: <!-- kvlab:value refresh_periodic periodic_T14 d_kl,d_kl_lo,d_kl_hi -->"
           "-0.156 [-0.253, -0.042]<!-- /kvlab:value -->.\n\n"

@@ -67,8 +67,18 @@ def test_bench_evict_batch_rows(tiny_teacher):
     from kvlab.studies.bench.bench import bench_evict_batch
 
     rows = bench_evict_batch(tiny_teacher, [1, 2], cache_len=64, steps=3, repeats=1)
-    assert {(r["batch"], r["policy"]) for r in rows} == {(b, p) for b in (1, 2) for p in ("full", "sliding", "h2o",
-                                                                                           "confkv")}
-    assert all(r["final_len"] <= 67 for r in rows) and all("speedup_vs_full" in r for r in rows)
+    names = ("full", "sliding", "h2o", "scissorhands", "snapkv", "block", "confkv")
+    assert {(r["batch"], r["policy"]) for r in rows} == {(b, p) for b in (1, 2) for p in names}
+    assert all(r["final_len"] <= 67 for r in rows)
+    for r in rows:
+        for k in ("policy", "batch", "cache_len", "final_len", "tok_s", "speedup_vs_full", "bound", "frac_of_bound",
+                  "evict_vs_plain"):
+            assert k in r, k
+        assert r["frac_of_bound"] == pytest.approx(r["speedup_vs_full"] / r["bound"], abs=2e-3)
+    full = [r for r in rows if r["policy"] == "full"]
+    assert all(r["bound"] == 1.0 for r in full)
+    two = bench_evict_batch(tiny_teacher, [1], cache_len=[64, 80], steps=2, repeats=1,
+                            policies={"full": __import__("kvlab").eviction.FullCache()})
+    assert [r["cache_len"] for r in two] == [64, 80]
     with pytest.raises(ValueError, match="--batch"):
         bench_evict_batch(tiny_teacher, [0], cache_len=64)

@@ -93,9 +93,10 @@ def test_all_job_includes_a_bounded_mc_real(monkeypatch):
     from argparse import Namespace
 
     from kvlab import cli
+    from kvlab.studies.mc import cli as mc_cli
 
     assert "mc-real" in [name for name, _ in cli.JOBS]
     seen = {}
-    monkeypatch.setattr(cli, "cmd_mc_real", lambda a: seen.update(vars(a)) or [])
-    cli._mc_real_small(Namespace(prompts=50, tokens=1200, out="x"))
+    monkeypatch.setattr(mc_cli, "cmd_mc_real", lambda a, **kw: seen.update(vars(a)) or [])
+    mc_cli.mc_real_small(Namespace(prompts=50, tokens=1200, out="x"))
     assert seen["prompts"] == 4 and seen["tokens"] == 64 and seen["passes"] == 8 and len(seen["dropout"]) == 3

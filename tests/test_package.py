@@ -190,3 +190,13 @@ def test_no_module_over_500_lines():
     big = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > 500}
     assert not big, f"split these modules (over 500 lines): {big}"
+
+
+def test_design_doc_shows_the_layer_table():
+    """docs/design.md, "The package", shows LAYERS: one row per layer, lowest first, with the same packages."""
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    section = text[text.index("## The package"):text.index("\n## ", text.index("## The package") + 1)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| layer |")]
+    shown = [(r[0], tuple(p.strip(" `") for p in r[1].split(","))) for r in rows]
+    assert shown == [(name, tuple(pkgs)) for name, pkgs in LAYERS], shown

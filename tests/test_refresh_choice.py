@@ -57,8 +57,9 @@ def test_choice_rejects_bad_input(policy, nxt, kw, needle):
 ])
 def test_refresh_cli_rejects_bad_policy_before_work(args, needle, tmp_path, capsys, monkeypatch):
     from kvlab import cli
+    from kvlab.harness import cli_common
 
-    monkeypatch.setattr(cli, "_pair", lambda a: pytest.fail("models loaded before validation"))
+    monkeypatch.setattr(cli_common, "pair", lambda a, **kw: pytest.fail("models loaded before validation"))
     assert cli.main([*args, "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]) == 2
     assert needle in capsys.readouterr().err
     assert not any(tmp_path.iterdir())   # nothing written
@@ -75,6 +76,7 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
     """--rebuild-student-cache turns on DecodeConfig.rebuild_student_cache for the OverFill baseline."""
     from kvlab.studies.baselines import table as b
     from kvlab import cli
+    from kvlab.harness import cli_common
 
     seen = {}
 
@@ -82,9 +84,9 @@ def test_rebuild_flag_reaches_overfill(monkeypatch, tmp_path):
         seen.update({k: v.rebuild_student_cache for k, v in policies.items()})
         raise ValueError("stop here")
 
-    monkeypatch.setattr(cli, "_pair", lambda a: (None, None))
+    monkeypatch.setattr(cli_common, "pair", lambda a, **kw: (None, None))
     # the Student row's model is the OverFill student here: no trained standalone student is loaded (or trained)
-    monkeypatch.setattr(cli, "_alone_student", lambda a, student: student)
+    monkeypatch.setattr(cli_common, "alone_student", lambda a, student: student)
     monkeypatch.setattr(b, "run_policies", fake_run_policies)
     assert cli.main(["baselines", "--prompts", "1", "--tokens", "4", "--rebuild-student-cache",
                      "--out", str(tmp_path / "o"), "--runs", str(tmp_path / "r")]) == 2

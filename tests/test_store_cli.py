@@ -141,9 +141,10 @@ def test_cli_validates_model_args_before_any_model_loads(argv, tmp_path, monkeyp
 
 def test_cli_reports_reused_and_computed_runs(tmp_path, monkeypatch, capsys, tiny_teacher, tiny_student):
     from kvlab import cli
+    from kvlab.harness import cli_common
 
-    monkeypatch.setattr(cli, "_pair", lambda args: (tiny_teacher, tiny_student))
-    monkeypatch.setattr(cli, "_alone_student", lambda args, student: student)   # the Student row: the tiny student too
+    monkeypatch.setattr(cli_common, "pair", lambda args, **kw: (tiny_teacher, tiny_student))
+    monkeypatch.setattr(cli_common, "alone_student", lambda args, student: student)   # the Student row: the tiny student too
     argv = ["baselines", "--prompts", "2", "--tokens", "4", "--out", str(tmp_path / "out"),
             "--runs", str(tmp_path / "runs"), "--no-progress"]
     assert cli.main(argv) == 0

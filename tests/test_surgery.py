@@ -491,7 +491,8 @@ def test_bench_surgery_tiny(lm2):
 
 
 def test_cli_lists_surgery_bench():
-    from kvlab.cli import BENCHES, build_parser
+    from kvlab.cli import build_parser
+    from kvlab.studies.bench.cli import BENCHES
 
     assert "surgery" in BENCHES
     args = build_parser().parse_args(["bench", "surgery", "--cache-len", "128", "--pairs", "3"])

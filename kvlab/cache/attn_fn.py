@@ -16,7 +16,9 @@ and the ``n`` new queries and:
 
 then runs transformers' own SDPA attention. The mask function registered for ``"kvlab"`` is SDPA's,
 so a model switched to ``"kvlab"`` computes exactly what it did under ``"sdpa"`` whenever all layers
-are the same length. A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
+are the same length. A forward that measures attention mass passes a :class:`~kvlab.cache.mass.MassSink` as its
+``kvlab_mass`` kwarg: a decode step's attention is then computed once, eagerly, and its head-mean probabilities go
+to the sink beside the output (:mod:`.mass`; no second Q·Kᵀ pass, no hooks). A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
 per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns) as the forward's
 ``kvlab_masks`` kwarg; it is used as given. Building its own mask assumes one unpadded sequence per batch row, which is
 what a :class:`~kvlab.cache.KVCache` holds (batch 1, or the probe's identical copies).
@@ -27,6 +29,8 @@ model to it with ``model.set_attn_implementation``.
 from __future__ import annotations
 
 import torch
+
+from kvlab.cache import mass
 
 NAME = "kvlab"
 
@@ -45,6 +49,7 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     masks = kwargs.pop("kvlab_masks", None)
+    sink = kwargs.pop(mass.KWARG, None)
     n, t = query.shape[2], key.shape[2]
     if masks is not None:                   # a batched step (kvlab.cache.batch): each row's own columns
         attention_mask = masks[module.layer_idx]                                          # (B, 1, 1, T)
@@ -53,6 +58,10 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {n} queries over {t} keys; the cache lost "
                              "entries of this forward")
         attention_mask = causal_mask(n, t, query.device) if n > 1 and t > n else None
+    if sink is not None:                    # attention mass measured by this same computation (kvlab.cache.mass)
+        if n == 1 and not kwargs.get("dropout"):
+            return mass.decode_attention(module, query, key, value, attention_mask, kwargs.get("scaling"), sink)
+        mass.window_mass(module, query, key, attention_mask, kwargs.get("scaling"), sink)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -21,6 +21,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.cache import attn_fn
 from kvlab.cache.attention import QueryCapture
+from kvlab.cache.mass import KWARG as MASS_KWARG
+from kvlab.cache.mass import MassSink
 from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
 
@@ -137,7 +139,12 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
         want = [b for b in active if attention[b]]
-        if want:
+        settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
+                    for b in want}
+        sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
+        if sink is not None:                                    # one pass: the attention function measures
+            out = model(**kwargs, **{MASS_KWARG: sink})
+        elif want:                                              # rows measure differently: the capture's pass
             with QueryCapture(model) as cap:
                 out = model(**kwargs)
         else:
@@ -148,9 +155,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 lay._views()
         masses = {}
         try:
-            if want:                                            # all measured rows at once (QueryCapture.mass_rows)
-                settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
-                            for b in want}
+            if sink is not None:
+                masses = _sink_rows(sink, bank, want, settings[want[0]])
+            elif want:                                          # all measured rows at once (QueryCapture.mass_rows)
                 masses = cap.mass_rows(want, n_max, lambda i, group: _group_keys(bank, i, group),
                                        lambda b, i: bank.rows[b][i].n, settings)
         except BaseException:
@@ -178,6 +185,24 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         return logits[:, -1, :]                                                           # (B, V)
     pick = torch.tensor([keep.index(len(s) - 1) if s else 0 for s in seqs], device=logits.device)
     return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
+
+
+def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple) -> dict[int, tuple]:
+    """Each measured row's per-layer ``(mass, low, ema_mass)`` (lists of ``(T_i,)``; None where not kept) out of
+    the sink's ``(B, W_i)`` bank columns: row ``b``'s own span ``[s, s + n)`` of every layer (views)."""
+    _, below, decay = setting
+    L = bank.num_layers
+    mass = sink.layers("mass", L)
+    low = sink.layers("low", L) if below else None
+    ema = sink.layers("ema", L) if decay is not None else None
+    out = {}
+    for b in rows:
+        spans = [(i, lay.s, lay.n) for i, lay in enumerate(bank.rows[b])]
+
+        def pick(per_layer, b=b, spans=spans):
+            return None if per_layer is None else [per_layer[i][b, s:s + n] for i, s, n in spans]
+        out[b] = (pick(mass), pick(low), pick(ema))
+    return out
 
 
 def _group_keys(bank: Bank, i: int, group: list[int]) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 from kvlab.cache import attn_fn
-from kvlab.cache.attention import QueryCapture
+from kvlab.cache.mass import KWARG as MASS_KWARG
+from kvlab.cache.mass import MassSink
 from kvlab.core.compat import cache_kwarg
 
 
@@ -38,18 +39,20 @@ def forward(cache, model, token_ids: Sequence[int] | torch.Tensor, *, writer: st
     before = [len(x) for x in mirror.lives]
     n_rows = len(mirror.ledger)
     try:
-        if ragged(store):
-            attn_fn.use(model)          # each layer attends over its own length
+        if ragged(store) or attention:
+            attn_fn.use(model)          # each layer attends over its own length; the mass comes from it
         store.materialize()
         kwargs = dict(input_ids=ids.to(device).view(1, n),                                  # (1, n)
                       position_ids=torch.tensor([positions], device=device),               # (1, n)
                       **{cache_kwarg(model): store.hf}, use_cache=True, logits_to_keep=0 if logits == "all" else 1)
-        if attention:
-            with QueryCapture(model) as cap:
-                out = model(**kwargs)
-            mass = cap.mass(lambda i: store.hf.layers[i].keys, n, window=cache._stats.window,
-                            below=cache._stats.below, decay=cache._stats.query_decay)     # L x (T_l,)
-            low, ema_mass = cap.low, cap.ema_mass
+        if attention:                   # the attention function hands each layer's mass to the sink
+            st = cache._stats
+            sink = MassSink(st.window, st.below, st.query_decay)
+            out = model(**kwargs, **{MASS_KWARG: sink})
+            L = store.num_layers
+            mass = [m[0] for m in sink.layers("mass", L)]                                  # L x (T_l,)
+            low = [m[0] for m in sink.layers("low", L)] if st.below else None
+            ema_mass = [m[0] for m in sink.layers("ema", L)] if st.query_decay is not None else None
         else:
             out = model(**kwargs)
             mass = low = ema_mass = None

@@ -134,8 +134,8 @@ class KVCache(CacheViews):
         On error the cache and ledger are rolled back to their state before the call.
 
         ``attention=True`` (needs :meth:`track_attention` first) also measures this forward's
-        attention mass over every entry (:class:`~kvlab.cache.attention.QueryCapture`: hooks for
-        this call only) and folds it into :attr:`attn`. INT8 entries are dequantized into the
+        attention mass over every entry (the ``"kvlab"`` attention function computes it with the
+        layer's output and hands it to a :class:`~kvlab.cache.mass.MassSink`: no hooks, no second pass) and folds it into :attr:`attn`. INT8 entries are dequantized into the
         ``DynamicCache`` for the duration of the forward and dropped again afterwards.
         """
         return _forward.forward(self, model, token_ids, writer=writer, step=step, positions=positions,

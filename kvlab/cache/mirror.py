@@ -75,10 +75,10 @@ class Mirror:
         return new
 
     def layer_positions(self) -> tuple[tuple[int, ...], ...]:
-        pos = self.ledger.position
+        get = self.ledger.position.__getitem__
         if self.uniform:
-            return (tuple(pos[r] for r in self.live),) * len(self.lives)
-        return tuple(tuple(pos[r] for r in live) for live in self.lives)
+            return (tuple(map(get, self.live)),) * len(self.lives)
+        return tuple(tuple(map(get, live)) for live in self.lives)
 
     def held(self, positions: Sequence[int]) -> list[int]:
         """Those of ``positions`` that some layer holds (in the order given)."""

@@ -5,8 +5,8 @@ Part of the cache module: only the statistics tensors, edited in the same call a
 (H2O), its EMA (Conf-KV) and how many measured forwards saw the entry (NORM_SUM). Layer ``l``'s
 statistics are ``(T_l,)`` tensors over that layer's own live slots (per-layer live sets). The cache
 edits them in the same call as the tensors and the live maps (append, keep, remap, truncate), so
-they always follow the live slots. The mass itself is measured by
-:class:`~kvlab.cache.attention.QueryCapture`.
+they always follow the live slots. The mass itself is measured by the attention computation
+(:class:`~kvlab.cache.mass.MassSink`, filled by the ``"kvlab"`` attention function).
 """
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ class AttnStats:
         ``ema ← β^w·ema + (1-β)·ema_mass``; without it, one update ``ema ← β·ema + (1-β)·mass``."""
         w = n if self.window is None else min(self.window, n)
         a = self.data
+        if a["acc"] and self._append_stacked(n, w, mass, low, ema_mass):
+            return
         z = torch.zeros(n, device=self.device)
         incs: dict[int, torch.Tensor] = {}          # lifetime increment per layer length (layers alike share one)
         for i in range(len(a["acc"])):
@@ -102,8 +104,40 @@ class AttnStats:
                 lo = torch.cat([a["low"][i], z])
                 a["low"][i] = lo + low[i].to(self.device) if (mass is not None and low is not None) else lo
 
+    def _append_stacked(self, n: int, w: int, mass, low, ema_mass) -> bool:
+        """:meth:`append` for every layer at once when the layers hold equally many entries and the forward
+        was measured: the statistics as ``(L, T)`` matrices, a few ops in all instead of a dozen per layer
+        (the same arithmetic, elementwise). Each layer's tensor is then a row (view) of the result. False
+        (nothing done) when layers differ in length or nothing was measured."""
+        a = self.data
+        t = a["acc"][0].shape[0]
+        if mass is None or any(x.shape[0] != t for x in a["acc"]):
+            return False
+        dev = self.device
+        m = max_pool_next(torch.stack(mass).to(dev), self.pool)                            # (L, T + n)
+        if m.shape[1] != t + n:
+            return False
+        grow = lambda name: torch.nn.functional.pad(torch.stack(a[name]), (0, n))         # noqa: E731 (L, T + n)
+        acc = grow("acc") + m
+        if ema_mass is not None:
+            e = max_pool_next(torch.stack(ema_mass).to(dev), self.pool)
+            ema = self.ema_decay ** w * grow("ema") + (1.0 - self.ema_decay) * e
+        else:
+            ema = self.ema_decay * grow("ema") + (1.0 - self.ema_decay) * m
+        count = grow("count") + lifetime_increment(t + n, n, self.window).to(dev)
+        a["acc"], a["ema"], a["count"] = list(acc.unbind(0)), list(ema.unbind(0)), list(count.unbind(0))
+        if self.below:
+            lo = grow("low")
+            a["low"] = list((lo + torch.stack(low).to(dev) if low is not None else lo).unbind(0))
+        return True
+
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
         """Layer ``i`` keeps its columns ``keeps[i]`` (slots, in order; None: unchanged)."""
+        if keeps and all(k is not None for k in keeps) and len({int(k.shape[0]) for k in keeps}) == 1 \
+                and len({x.shape[0] for x in self.data["acc"]}) == 1 and len(keeps) == len(self.data["acc"]):
+            idx = torch.stack(list(keeps)).to(self.device)                                # (L, m): one gather
+            self.data = {name: list(torch.stack(ts).gather(1, idx).unbind(0)) for name, ts in self.data.items()}
+            return
         for i, keep in enumerate(keeps):
             if keep is not None:
                 idx = keep.to(self.device)

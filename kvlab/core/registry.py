@@ -1,19 +1,31 @@
 """Policy registries: one name -> class table per kind of policy, read by everything that offers policies
-by name (the sweep's grid sections, the playground's menus, the matched-memory table, the run store's rows).
+by name (the sweep's grid sections, the playground's menus, the matched-memory study, the CLI's ``--policy``,
+the run store's rows).
 
-A :class:`Registry` holds the built-in policies of its kind as plain data (the table its package
-declares: nothing registers itself on import) plus whatever a user registers with :meth:`Registry.register`,
-e.g. ``kvlab.register_eviction("mine")`` on a class defined in a notebook cell. It is a read-only
-mapping ``name -> class``; :meth:`Registry.entry` gives the extras a consumer may need (how a policy is
-built at a cache budget, which playground controls feed which fields). Pure Python: imports nothing
-from kvlab, touches no tensors.
+Built-in and user policies register the same way: a class decorated with ``register_eviction("name", ...)``
+(or ``register_refresh``) — ``kvlab.eviction.h2o`` does it for H2O as a notebook cell does it for yours.
+A :class:`Registry` finds its built-ins by importing, on its FIRST READ, every module of its packages
+(``kvlab.eviction``, ``kvlab.refresh.policies``, ``kvlab.uncertainty.mc``) and the modules named in the
+``KVLAB_PLUGINS`` environment variable (comma-separated module names on ``sys.path``: your own policy
+files outside kvlab); importing this module does nothing. A registration made by a module of the registry's
+packages (a policy file decorating its own class) is a built-in (its name is reserved; it cannot be unregistered); any other is the user's. So adding a policy
+is one file: ``kvlab/eviction/mine.py`` (or a plugin module) with one decorated class
+(docs/custom_policies.md).
+
+It is a read-only mapping ``name -> class`` (built-ins in their declared ``order``, then the user's in
+registration order); :meth:`Registry.entry` gives the extras a consumer may need (how a policy is built at a
+cache budget under a study's setup, which playground controls feed it). Pure Python: imports nothing from
+kvlab at import time, touches no tensors.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import inspect
+import os
+import pkgutil
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,28 +33,54 @@ from typing import Any, Callable
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 BUDGET_FIELDS = ("budget", "window")      # the field a budget goes into when no from_budget is given
 KNOB_MAX = 4096                           # the largest budget (entries) the matched-memory solver tries
+PLUGINS_ENV = "KVLAB_PLUGINS"             # comma-separated modules imported on a registry's first read
+
+
+def setup_for(fn: Callable, setup: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of ``setup`` that ``fn`` names (all of them when it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(setup)
+    return {k: v for k, v in setup.items() if k in params}
 
 
 @dataclass(frozen=True)
 class Entry:
     """One registered policy: its name, class and how consumers build it.
 
-    ``from_budget(budget) -> policy``: the policy holding at most about ``budget`` cache entries
-    (eviction: the playground's budget slider, the matched-memory solver's knob); default: the class
-    with its ``budget`` or ``window`` field set. ``controls``: playground control -> constructor field
-    (refresh: e.g. ``{"T": "T", "tau_bits": "threshold"}``)."""
+    ``from_budget(budget, **setup) -> policy``: the policy holding at most about ``budget`` cache entries
+    (the playground's budget slider, the matched-memory solver's knob, the needle grid, the benchmarks);
+    default: the class's own ``from_budget`` classmethod, else the class with its ``budget`` or ``window``
+    field set. A *setup* is what a study fixes besides the budget (``sinks``, ``recent``: the protected
+    newest entries, ``block_size``, ``seed``, ...): :meth:`at_budget` passes each ``from_budget`` only the
+    setup keywords it names, so one setup serves every policy. ``controls``: playground control ->
+    keyword (refresh: constructor field, e.g. ``{"kappa": "margin"}``; eviction: ``from_budget`` keyword,
+    e.g. ``{"recent": "recent"}``). ``knob``: the ``from_budget`` keyword the matched-memory solver's
+    integer knob sets (``"budget"``; block eviction: ``"blocks"``), searched in ``1 .. knob_max``."""
 
     name: str
     cls: type
     builtin: bool
-    from_budget: Callable[[int], Any] | None = None
+    from_budget: Callable[..., Any] | None = None
     controls: Mapping[str, str] = field(default_factory=dict)
     label: str = ""
+    order: float | None = None
+    knob: str = "budget"
+    knob_max: int = KNOB_MAX
 
-    def at_budget(self, budget: int):
-        """The policy at ``budget`` cache entries (raises the policy's own ValueError for a bad budget)."""
+    def builder(self) -> Callable[..., Any] | None:
+        """The registration's ``from_budget``, else the class's ``from_budget`` classmethod, else None."""
         if self.from_budget is not None:
-            return self.from_budget(budget)
+            return self.from_budget
+        fn = getattr(self.cls, "from_budget", None)
+        return fn if callable(fn) else None
+
+    def at_budget(self, budget: int | None, **setup):
+        """The policy at ``budget`` cache entries under ``setup`` (raises the policy's own ValueError for a bad
+        budget)."""
+        fn = self.builder()
+        if fn is not None:
+            return fn(budget, **setup_for(fn, setup))
         params = init_fields(self.cls)
         for name in BUDGET_FIELDS:
             if name in params:
@@ -54,15 +92,27 @@ class Entry:
         raise ValueError(f"eviction policy {self.name!r} ({self.cls.__name__}) has no budget/window field: register "
                          f"it with from_budget=lambda budget: {self.cls.__name__}(...)")
 
-    def knob_range(self, hi: int = KNOB_MAX) -> tuple[int, int]:
-        """``(lo, hi)``: the smallest budget :meth:`at_budget` accepts (searched from 1) and ``hi``."""
+    def at_knob(self, k: int, **setup):
+        """The policy at solver knob ``k`` (:attr:`knob`) under ``setup``."""
+        if self.knob == "budget":
+            return self.at_budget(k, **setup)
+        return self.at_budget(None, **{**setup, self.knob: k})
+
+    def knob_range(self, hi: int | None = None, **setup) -> tuple[int, int]:
+        """``(lo, hi)``: the smallest knob :meth:`at_knob` accepts under ``setup`` (searched from 1) and ``hi``
+        (default :attr:`knob_max`)."""
+        hi = self.knob_max if hi is None else hi
         for b in range(1, hi + 1):
             try:
-                self.at_budget(b)
+                self.at_knob(b, **setup)
             except (ValueError, TypeError):
                 continue
             return b, hi
-        raise ValueError(f"eviction policy {self.name!r} accepts no budget in 1..{hi}")
+        raise ValueError(f"eviction policy {self.name!r} accepts no {self.knob} in 1..{hi}")
+
+    def solver(self, **setup) -> tuple[Callable[[int], Any], int, int]:
+        """``(knob -> policy, knob lo, knob hi)`` under ``setup``: a family of the matched-memory study."""
+        return (lambda k: self.at_knob(k, **setup)), *self.knob_range(**setup)
 
 
 def init_fields(cls) -> dict[str, Any]:
@@ -75,18 +125,46 @@ def init_fields(cls) -> dict[str, Any]:
 
 
 class Registry(Mapping):
-    """``name -> policy class`` for one kind of policy: the built-ins (``builtins``: name -> class, or a
-    zero-argument function returning it, loaded on first use) and the user's registrations.
+    """``name -> policy class`` for one kind of policy: the built-ins (found in ``packages`` on first read) and
+    the user's registrations.
 
-    ``method``: the decision method every class of this kind has (``keep``, ``should_refresh``);
-    ``reserved``: names that mean "no policy" in menus (e.g. ``none``)."""
+    ``packages``: modules or packages whose classes are built-ins (a package: every module in it is imported
+    on first read); ``method``: the decision method every class of this kind has (``keep``,
+    ``should_refresh``); ``reserved``: names that mean "no policy" in menus (e.g. ``none``)."""
 
-    def __init__(self, kind: str, builtins: Mapping[str, Any], method: str, reserved: tuple[str, ...] = (),
+    def __init__(self, kind: str, packages: tuple[str, ...], method: str, reserved: tuple[str, ...] = (),
                  register_fn: str = "register"):
         self.kind, self.method, self.reserved, self.register_fn = kind, method, tuple(reserved), register_fn
-        self._builtins = dict(builtins)
-        self._loaded: dict[str, type] = {}
+        self.packages = tuple(packages)
+        self._builtins: dict[str, Entry] = {}
         self._user: dict[str, Entry] = {}
+        self._found = False
+
+    # ------------------------------------------------------------------ discovery (first read)
+
+    def _discover(self) -> None:
+        if self._found:
+            return
+        self._found = True                  # before importing: the modules' registrations read the registry
+        try:
+            for mod in modules_of(self.packages) + plugin_modules():
+                try:
+                    importlib.import_module(mod)
+                except Exception as e:
+                    raise ImportError(f"{self.kind} policies: importing {mod} failed ({type(e).__name__}: {e}); "
+                                      f"fix that module" + (f" or drop it from {PLUGINS_ENV}" if mod in plugin_modules()
+                                                            else "")) from e
+        except BaseException:
+            self._found = False
+            raise
+
+    def _is_builtin(self, mod: str) -> bool:
+        return any(mod == p or mod.startswith(p + ".") for p in self.packages)
+
+    def _names(self) -> list[str]:
+        self._discover()
+        order = sorted(self._builtins.values(), key=lambda e: (e.order is None, e.order or 0))
+        return [e.name for e in order] + list(self._user)
 
     # ------------------------------------------------------------------ the mapping (built-ins first)
 
@@ -94,12 +172,13 @@ class Registry(Mapping):
         return self.entry(name).cls
 
     def __iter__(self):
-        return iter([*self._builtins, *self._user])
+        return iter(self._names())
 
     def __len__(self) -> int:
-        return len(self._builtins) + len(self._user)
+        return len(self._names())
 
     def __contains__(self, name) -> bool:
+        self._discover()
         return name in self._builtins or name in self._user
 
     def __repr__(self) -> str:
@@ -107,47 +186,54 @@ class Registry(Mapping):
 
     def entry(self, name: str) -> Entry:
         """The :class:`Entry` of ``name`` (KeyError naming the known names)."""
+        self._discover()
         if name in self._user:
             return self._user[name]
         if name not in self._builtins:
             raise KeyError(f"{name!r} is not a registered {self.kind} policy; known: {', '.join(self)}")
-        cls = self._loaded.get(name)
-        if cls is None:
-            obj = self._builtins[name]
-            if isinstance(obj, str):                # "package.module:Class", imported on first use
-                mod, _, attr = obj.partition(":")
-                cls = getattr(importlib.import_module(mod), attr)
-            else:
-                cls = obj if isinstance(obj, type) else obj()
-            self._loaded[name] = cls
-        return Entry(name, cls, True, label=name)
+        return self._builtins[name]
 
     def user(self) -> tuple[str, ...]:
         """The names registered by the user (not built in), in registration order."""
+        self._discover()
         return tuple(self._user)
 
     def builtin(self) -> tuple[str, ...]:
-        return tuple(self._builtins)
+        return tuple(n for n in self._names() if n in self._builtins)
 
     # ------------------------------------------------------------------ registration
 
-    def register(self, name: str, cls: type | None = None, *, from_budget: Callable[[int], Any] | None = None,
-                 controls: Mapping[str, str] | None = None, label: str = ""):
-        """Register ``cls`` as policy ``name``; without ``cls`` a class decorator.
+    def register(self, name: str, cls: type | None = None, *, from_budget: Callable[..., Any] | None = None,
+                 controls: Mapping[str, str] | None = None, label: str = "", order: float | None = None,
+                 knob: str = "budget", knob_max: int = KNOB_MAX):
+        """Register ``cls`` as policy ``name``; without ``cls`` a class decorator (the form every policy file
+        uses, built-in or not).
 
-        Registering a name again replaces it (re-running a notebook cell); a built-in name, a name that
-        is not ``lower_snake_case``, a class without the decision method or with the class name of another
+        ``from_budget``, ``controls``, ``knob``, ``knob_max``: :class:`Entry`; ``label``: the menu's text
+        (default ``name``); ``order``: the built-ins' menu position. Registering a name again replaces it
+        (re-running a notebook cell); a user class taking a built-in name, a name that is not
+        ``lower_snake_case``, a class without the decision method or with the class name of another
         entry (the run store tells policies apart by class name) raise ``ValueError`` naming the fix."""
         if cls is None:
             def deco(c):
-                self.register(name, c, from_budget=from_budget, controls=controls, label=label)
+                self._register(name, c, sys._getframe(1).f_globals.get("__name__", ""), from_budget=from_budget,
+                               controls=controls, label=label, order=order, knob=knob, knob_max=knob_max)
                 return c
             return deco
+        return self._register(name, cls, sys._getframe(1).f_globals.get("__name__", ""), from_budget=from_budget,
+                              controls=controls, label=label, order=order, knob=knob, knob_max=knob_max)
+
+    def _register(self, name: str, cls, module: str, *, from_budget, controls, label, order, knob, knob_max):
+        """:meth:`register` from code in ``module``: a built-in when that module lies in the registry's packages
+        (a policy file registering its own class), else the user's."""
         fn = f"{self.register_fn}({name!r})"
+        builtin = self._is_builtin(module)
+        if not builtin:
+            self._discover()                # a user name must not take a built-in's
         if not isinstance(name, str) or not NAME.match(name):
             raise ValueError(f"{fn}: the name must be lower_snake_case (letters, digits, _; it names a sweep "
                              f"section [{self.kind}.NAME] and table rows), e.g. 'my_policy'")
-        if name in self._builtins or name in self.reserved:
+        if name in self.reserved or (not builtin and name in self._builtins):
             raise ValueError(f"{fn}: {name!r} is a built-in {self.kind} name; pick another name")
         if not isinstance(cls, type):
             raise ValueError(f"{fn} needs a class (got {cls!r}); use it as a decorator on the class")
@@ -155,22 +241,24 @@ class Registry(Mapping):
             raise ValueError(f"{fn}: {cls.__name__} needs a {self.method}(...) method (the {self.kind} protocol)")
         if from_budget is not None and not callable(from_budget):
             raise ValueError(f"{fn}: from_budget={from_budget!r} must be a function budget -> policy")
-        params = init_fields(cls)
-        controls = dict(controls or {})
-        for control, fld in controls.items():
+        entry = Entry(name, cls, builtin, from_budget, dict(controls or {}), label or name, order, knob, knob_max)
+        builder = entry.builder()
+        params = {**init_fields(cls), **(inspect.signature(builder).parameters if builder is not None else {})}
+        for control, fld in entry.controls.items():
             if fld not in params:
                 raise ValueError(f"{fn}: controls={{{control!r}: {fld!r}}} names no field of {cls.__name__}; "
                                  f"its fields: {', '.join(params) or '(none)'}")
-        for other in self:
-            if other != name and self._cls_name(other) == cls.__name__:
+        for other, e in [*self._builtins.items(), *self._user.items()]:
+            if other != name and e.cls.__name__ == cls.__name__:
                 raise ValueError(f"{fn}: a {self.kind} policy named {other!r} already has the class name "
                                  f"{cls.__name__!r} (stored runs name policies by class): rename the class"
                                  + (f" or unregister {other!r} first" if other in self._user else ""))
-        self._user[name] = Entry(name, cls, False, from_budget, controls, label or name)
+        (self._builtins if builtin else self._user)[name] = entry
         return cls
 
     def unregister(self, name: str) -> None:
         """Remove a user registration (built-ins cannot be removed)."""
+        self._discover()
         if name in self._builtins:
             raise ValueError(f"{name!r} is a built-in {self.kind} policy and cannot be unregistered")
         if name not in self._user:
@@ -178,36 +266,32 @@ class Registry(Mapping):
                            f"{', '.join(self._user) or '(none)'}")
         del self._user[name]
 
-    def _cls_name(self, name: str) -> str:
-        obj = self._user[name].cls if name in self._user else self._loaded.get(name, self._builtins[name])
-        return obj.__name__ if isinstance(obj, type) else self.entry(name).cls.__name__
+
+def modules_of(packages: tuple[str, ...]) -> list[str]:
+    """Every module to import for ``packages``: a package's own modules (not ``_private`` ones), a module itself."""
+    out = []
+    for name in packages:
+        pkg = importlib.import_module(name)
+        out.append(name)
+        for m in sorted(pkgutil.iter_modules(getattr(pkg, "__path__", None) or []), key=lambda m: m.name):
+            if not m.name.startswith("_"):
+                out.append(f"{name}.{m.name}")
+    return out
+
+
+def plugin_modules() -> list[str]:
+    """The modules named in ``KVLAB_PLUGINS`` (comma-separated), imported on a registry's first read."""
+    return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
 
 
 # --------------------------------------------------------------------------- the two registries
 
-# The built-ins are named by "module:Class" and imported on first use, so this module (and the run store, which
-# labels stored runs by family) needs nothing above the core.
-EVICTION_POLICIES = Registry("eviction", {
-    "full": "kvlab.eviction.full:FullCache",
-    "sliding": "kvlab.eviction.sliding:SlidingWindow",
-    "h2o": "kvlab.eviction.h2o:H2O",
-    "random": "kvlab.eviction.random_evict:RandomEvict",
-    "confkv": "kvlab.eviction.confkv:ConfKV",
-    "block": "kvlab.eviction.block:BlockEvict",
-    "snapkv": "kvlab.eviction.snapkv:SnapKV",
-    "scissorhands": "kvlab.eviction.scissorhands:Scissorhands",
-    "pyramidkv": "kvlab.eviction.pyramidkv:PyramidKV",
-    "knorm": "kvlab.eviction.scorers:Knorm",
-    "snapkv_scorer": "kvlab.eviction.scorers:SnapKVScorer",
-}, method="keep", reserved=("none",), register_fn="register_eviction")
-
-REFRESH_POLICIES = Registry("refresh", {
-    "periodic": "kvlab.refresh.policies.periodic:Periodic",
-    "entropy": "kvlab.refresh.policies.entropy:EntropyGate",
-    "probe_kl": "kvlab.refresh.policies.probe_kl:ProbeKL",
-    "speculative": "kvlab.refresh.policies.speculative:Speculative",
-    "mc": "kvlab.uncertainty.mc:MCGate",
-}, method="should_refresh", reserved=("none",), register_fn="register_refresh")
+EVICTION_POLICIES = Registry("eviction", ("kvlab.eviction",), method="keep", reserved=("none",),
+                             register_fn="register_eviction")
+REFRESH_POLICIES = Registry("refresh", ("kvlab.refresh.policies", "kvlab.uncertainty.mc"), method="should_refresh",
+                            reserved=("none",), register_fn="register_refresh")
+register_eviction = EVICTION_POLICIES.register      # @register_eviction("mine") on a policy class
+register_refresh = REFRESH_POLICIES.register
 
 
 @dataclass(frozen=True)

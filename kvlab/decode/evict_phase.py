@@ -3,6 +3,7 @@
 state). The policy decides (:mod:`kvlab.decode.protocols`); the cache acts (``KVCache.evict``)."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -38,19 +39,13 @@ class EvictPhases:
         evicted = 0
         signals = rec.signals
         sp = self.config.sampling
-        lp = cache.layer_positions()
-        view = EvictView(step=rec.step, length=len(cache), positions=lp[0], record=rec,
-                         vocab_size=int(logits.shape[-1]), num_layers=cache.num_layers, attn=cache.layer_attn(),
-                         logits=logits, temperature=float(sp.temperature), top_p=float(sp.top_p),
-                         first=rec.step == self.first_step, layer_positions=lp, **self._kv_access(policy))
+        view = evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,
+                          temperature=float(sp.temperature), top_p=float(sp.top_p), first=rec.step == self.first_step,
+                          **self._kv_access(policy))
         decision = policy.keep(view)
-        drop = decision.dropped(len(cache))
-        per_layer = decision.dropped_layers(cache.layer_lengths())
-        if drop or (per_layer is not None and any(per_layer)):
-            rep = cache.evict(drop, model=self.decoder.model, rerotate=decision.rerotate, layers=per_layer)
+        rep = apply_keep(cache, decision, self.decoder.model)
+        if rep is not None:
             evicted = rep.evicted
-        if decision.int8_window is not None:
-            cache.quantize_older(decision.int8_window, decision.int8_group)
         if decision.signals():
             signals = Signals({**signals.to_dict(), **decision.signals()})
         return replace(rec, evicted=evicted, signals=signals)
@@ -77,3 +72,31 @@ def prepare_evict(policy, model) -> LayerInputs | None:
     if not evict_attr(policy, "needs_inputs"):
         return None
     return LayerInputs(window=evict_attr(policy, "inputs_window"), decode=bool(evict_attr(policy, "needs_decode_inputs")))
+
+
+def evict_view(cache: KVCache, step: int, record, vocab_size: int, **extra) -> EvictView:
+    """The :class:`EvictView` a policy decides from at ``step`` (the loop's phase 5 and the eviction
+    benchmarks build it here): the cache's per-layer positions and attention statistics, ``record``
+    (the step's signals), ``extra`` (logits, sampling, ``kv`` access)."""
+    lp = cache.layer_positions()
+    return EvictView(step=step, length=len(cache), positions=lp[0], record=record, vocab_size=vocab_size,
+                     num_layers=cache.num_layers, attn=cache.layer_attn(), layer_positions=lp, **extra)
+
+
+def apply_keep(cache: KVCache, decision, model, timing: dict | None = None):
+    """The cache's side of phase 5: remove every entry ``decision`` (a ``Keep``) does not keep
+    (``KVCache.evict``, per layer when it decides per layer), then INT8 storage of older entries if it
+    asks. Returns the :class:`~kvlab.cache.evict.EvictReport` (None when nothing was evicted).
+    ``timing``: gets ``compact`` and ``int8`` seconds (the benchmarks' phases)."""
+    t0 = time.perf_counter()
+    drop = decision.dropped(len(cache))
+    per_layer = decision.dropped_layers(cache.layer_lengths())
+    rep = None
+    if drop or (per_layer is not None and any(per_layer)):
+        rep = cache.evict(drop, model=model, rerotate=decision.rerotate, layers=per_layer)
+    t1 = time.perf_counter()
+    if decision.int8_window is not None:
+        cache.quantize_older(decision.int8_window, decision.int8_group)
+    if timing is not None:
+        timing["compact"], timing["int8"] = t1 - t0, time.perf_counter() - t1
+    return rep

@@ -15,7 +15,7 @@ entries — it lags the last emitted token by one entry. The loop owns positions
 written at position ``L + t - 2`` taken from the cache's ``next_position``, never from its length.
 
 Refresh (overfill only; seed 000 "KV Cache Refresh"). ``DecodeConfig.refresh`` is a policy (see
-:mod:`kvlab.refresh.base` for the protocol, :mod:`kvlab.refresh.policies` for Periodic / EntropyGate / ProbeKL /
+:mod:`kvlab.decode.protocols` for the protocol, :mod:`kvlab.refresh.policies` for Periodic / EntropyGate / ProbeKL /
 Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is due, then asks
 ``policy.should_refresh(record)``. A refresh at step ``t`` (never after the last step):
 
@@ -51,7 +51,7 @@ Speculative). After ``y_t`` is chosen the loop runs the policy's probe if one is
    entry, and the ledger says ``writer="teacher"`` there; ``record.spliced`` counts them.
 
 Eviction (every mode). ``DecodeConfig.evict`` is an eviction policy (:mod:`kvlab.eviction`;
-protocol in :mod:`kvlab.eviction.base`). Its phase runs last in each step, after the refresh: the
+protocol in :mod:`kvlab.decode.protocols`). Its phase runs last in each step, after the refresh: the
 policy sees the decoding cache (``x, y_<t``, or ``x, y_≤t`` after a ``"teacher"``/``"student"``
 refresh) and the step's record, returns the slots to keep, and the cache removes the rest
 (:meth:`KVCache.evict`, survivors keep their absolute positions unless the policy re-rotates), then

@@ -149,8 +149,7 @@ class Keep:
     layers: tuple[tuple[int, ...], ...] | None = None   # per-layer kept slots; None: slots on every layer
 
     def dropped(self, length: int) -> list[int]:
-        keep = set(self.slots)
-        return [s for s in range(length) if s not in keep]
+        return sorted(set(range(length)).difference(self.slots))
 
     def dropped_layers(self, lengths: Sequence[int]) -> list[list[int]] | None:
         """Per layer, the slots to drop (``lengths[l]`` = layer ``l``'s live length); ``None`` when
@@ -161,8 +160,7 @@ class Keep:
             raise ValueError(f"Keep.layers has {len(self.layers)} entries for a cache of {len(lengths)} layers")
         out = []
         for kept, n in zip(self.layers, lengths):
-            keep = set(kept)
-            out.append([s for s in range(n) if s not in keep])
+            out.append(sorted(set(range(n)).difference(kept)))
         return out
 
     def signals(self) -> dict[str, float]:

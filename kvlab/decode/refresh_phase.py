@@ -3,8 +3,8 @@ teacher-cache catch-up they share, as :class:`RefreshPhases`, a mixin that :clas
 inherits (the loop stays one class, ``Decoding``; these methods read and set its state). Also the record's
 :class:`Signals` and the probe table :data:`PROBE_TEACHER_UPTO`, re-exported by :mod:`kvlab.decode`.
 
-What a refresh does, index by index, is stated in :mod:`kvlab.decode`'s module docstring. Caches are edited
-only through :mod:`kvlab.cache`; policies and probes (:mod:`kvlab.refresh.base`) decide, the loop acts.
+What a refresh does, index by index, is stated in :mod:`kvlab.decode.loop`'s module docstring. Caches are edited
+only through :mod:`kvlab.cache`; policies and probes (:mod:`kvlab.decode.protocols`, :mod:`kvlab.decode.probes`) decide, the loop acts.
 ``StepRecord`` in the annotations is :class:`kvlab.decode.StepRecord` (not imported: ``kvlab.decode``
 imports this module).
 """
@@ -19,7 +19,7 @@ from kvlab.decode.protocols import refresh_attr
 from kvlab.decode.records import Signals, StepRecord
 
 # Probes whose teacher request at a due step is known before they run: probe name -> step -> n of
-# ``ctx.teacher_logits(n)`` (kvlab.refresh.base.teacher_kl_probe asks for y_<step). A batch catches
+# ``ctx.teacher_logits(n)`` (kvlab.decode.probes.teacher_kl_probe asks for y_<step). A batch catches
 # these rows' teacher caches up in one forward; other probes call the teacher on their own.
 PROBE_TEACHER_UPTO = {"teacher_kl": lambda step: step - 1}
 

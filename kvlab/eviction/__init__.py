@@ -1,7 +1,9 @@
 """Cache-eviction policies: frozen dataclasses that decide only, one file each.
 
 The protocol (``keep(view) -> Keep`` and the optional ``needs_attention`` / ``ema_decay`` /
-``rerotate`` / ``needs_kv`` attributes) is in :mod:`kvlab.eviction.base`; kvpress-style score
+``rerotate`` / ``needs_kv`` attributes) is in :mod:`kvlab.eviction.base`; a ranked policy is a
+``score(view, layer)`` on :class:`~kvlab.eviction.ranked.RankedEviction` (budget, sinks, newest window and
+per-layer top-k are the base's: H2O, Scissorhands, SnapKV, PyramidKV, Conf-KV, the scorers); kvpress-style score
 functions become policies through :class:`~kvlab.eviction.scorer.ScorerPolicy`; the decode loop applies decisions
 through :meth:`kvlab.cache.KVCache.evict` (``DecodeConfig(evict=...)``).
 
@@ -17,6 +19,7 @@ from kvlab.eviction.full import FullCache
 from kvlab.eviction.h2o import H2O
 from kvlab.eviction.pyramidkv import PyramidKV
 from kvlab.eviction.random_evict import RandomEvict
+from kvlab.eviction.ranked import RankedEviction
 from kvlab.eviction.scissorhands import Scissorhands
 from kvlab.eviction.scorer import ScorerPolicy
 from kvlab.eviction.scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
@@ -27,5 +30,5 @@ register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine
 unregister_eviction = EVICTION_POLICIES.unregister
 
 __all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
-           "RandomEvict", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
+           "RandomEvict", "RankedEviction", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
            "validate_evict", "ScorerPolicy", "KeyNorm", "Knorm", "SnapKVScorer", "SnapKVWindow"]

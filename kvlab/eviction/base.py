@@ -1,6 +1,7 @@
-"""What the eviction policies share: argument checks, the drawn distribution and the ranking helpers. The
-protocol itself (``EvictView``, ``Keep``, the optional attributes) is the loop's, in :mod:`kvlab.decode.protocols`,
-re-exported here. Decisions and checks only: nothing here edits a cache.
+"""What the eviction policies share, in one import: the protocol (``EvictView``, ``Keep``, the optional
+attributes; the loop's, in :mod:`kvlab.decode.protocols`), the argument checks (:mod:`kvlab.eviction.checks`),
+the ranked base class and its ranking helpers (:mod:`kvlab.eviction.ranked`), all re-exported here, and the
+drawn distribution (:func:`drawn_stats`). Decisions and checks only: nothing here edits a cache.
 
 An eviction policy is a frozen dataclass that decides only, with one method::
 
@@ -44,63 +45,24 @@ slots. A policy keeps slots per layer with ``Keep.layers`` (``layers[l]`` = kept
 every layer; with ``layers`` set, ``Keep.slots`` is layer 0's kept slots (:func:`per_layer`).
 ``view.positions`` / ``view.length`` are layer 0's. The attention-ranking policies (H2O,
 Scissorhands, SnapKV, PyramidKV, Conf-KV, BlockEvict) decide per layer, each layer by its own
-statistic (:func:`layer_rows`); the ``per_layer=False`` variants of H2O, Scissorhands, SnapKV and
-Conf-KV rank one live set for all layers on the layer mean, reading a statistic as an ``(L, T)``
-matrix with :func:`layer_stat`.
+statistic (:func:`layer_rows`). H2O, Scissorhands, SnapKV, PyramidKV, Conf-KV and the kvpress-style
+scorers are ranked policies: a ``score(view, layer)`` on :class:`~kvlab.eviction.ranked.RankedEviction`,
+which does the budget, sinks, newest window and per-layer top-k, and (in one place) the ``per_layer=False``
+variants of H2O, Scissorhands, SnapKV and Conf-KV: one live set for all layers ranked on the layer mean.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import torch
 
 from kvlab.decode.protocols import (EVICT_ATTRS, EvictionPolicy, EvictView, Keep, evict_attr,  # noqa: F401
                                     keep_all, validate_evict)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def positive_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{name}={v!r} must be a positive int (entries)")
-
-
-def nonneg_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{name}={v!r} must be an int >= 0")
-
-
-def unit_float(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name}={v!r} must be a number in [0, 1]")
-
-
-def finite_float(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name}={v!r} must be a finite number")
-
-
-def check_bool(name: str, v) -> None:
-    if not isinstance(v, bool):
-        raise ValueError(f"{name}={v!r} must be True or False")
-
-
-def protected_below(protect_name: str, protect: int, budget_name: str, budget: int) -> None:
-    if protect >= budget:
-        raise ValueError(f"{protect_name}={protect} must be < {budget_name}={budget}: the protected recent "
-                         f"window has to leave room in the budget (lower {protect_name} or raise {budget_name})")
-
-
-def check_observation_window(budget: int, window: int, kernel: int) -> None:
-    """SnapKV-style prompt compression's parameters (SnapKV, PyramidKV): ValueError naming the parameter."""
-    positive_int("budget", budget)
-    positive_int("window", window)
-    protected_below("window", window, "budget", budget)
-    positive_int("kernel", kernel)
-    if kernel % 2 == 0:
-        raise ValueError(f"kernel={kernel} must be odd (a centred pool keeps the length)")
+from kvlab.eviction.checks import (check_bool, check_observation_window, check_recent_budget,  # noqa: F401
+                                   check_sinks, finite_float, nonneg_int, positive_int, protected_below, unit_float)
+from kvlab.eviction.ranked import (RankedEviction, layer_mean, layer_row, layer_rows, layer_sinks,  # noqa: F401
+                                   layer_stat, minmax, over_budget, per_layer, sink_counts, top_and_recent_layers,
+                                   top_slots, top_slots_layers)
 
 
 # --------------------------------------------------------------------------- the drawn distribution
@@ -123,125 +85,3 @@ def drawn_stats(logits: torch.Tensor, temperature: float, top_p: float) -> tuple
     ent = float(torch.special.entr(p).sum()) / LN2
     top = torch.topk(p, min(2, p.numel())).values.tolist() + [0.0]
     return ent, top[0], top[0] - top[1]
-
-
-# --------------------------------------------------------------------------- ranking helpers
-
-
-def minmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``(x - min) / (max - min)`` along ``dim``; 0 where max == min."""
-    lo = x.amin(dim=dim, keepdim=True)
-    span = x.amax(dim=dim, keepdim=True) - lo
-    return torch.where(span > 0, (x - lo) / span.clamp_min(1e-30), torch.zeros_like(x))
-
-
-def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
-    """The ``k`` candidates with the highest ``scores`` (one per candidate); ties go to the later slot."""
-    if k <= 0:
-        return []
-    if k >= len(candidates):
-        return list(candidates)
-    cand = torch.as_tensor(candidates, dtype=torch.long)
-    by_slot = torch.argsort(cand, descending=True)                          # newer slots first ...
-    order = torch.argsort(scores.detach().float().cpu()[by_slot], descending=True, stable=True)  # ... among equal scores
-    return sorted(cand[by_slot[order[:k]]].tolist())
-
-
-def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
-    """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
-    ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort when every layer
-    has the same ``m`` (the usual case: the same number of entries per layer), else layer by layer."""
-    ms = {int(s.numel()) for s in scores}
-    if len(ms) != 1:
-        return [top_slots(s, list(range(int(s.numel()))), k) for s in scores]
-    m = ms.pop()
-    if k <= 0:
-        return [[] for _ in scores]
-    if k >= m:
-        return [list(range(m)) for _ in scores]
-    x = torch.stack([s.detach().float().cpu() for s in scores]).flip(1)    # (L, m), newer slots first ...
-    order = torch.argsort(x, dim=1, descending=True, stable=True)[:, :k]   # ... among equal scores
-    return (m - 1 - order).sort(dim=1).values.tolist()
-
-
-def top_and_recent_layers(scores: Sequence[torch.Tensor], lengths: Sequence[int], budget: int,
-                          recent: int, sinks: Sequence[int] | None = None) -> list[tuple[int, ...]]:
-    """Per layer ``l`` holding ``lengths[l]`` entries: every slot when within ``budget``, else its
-    first ``sinks[l]`` slots (attention sinks, :func:`sink_counts`; none by default), its newest
-    ``recent`` slots and the ``budget - recent - sinks[l]`` others with the highest ``scores[l]``
-    (ties: newer) — H2O's and Scissorhands' per-layer rule, with the over-budget layers ranked by
-    one :func:`top_slots_layers` call (per sink count)."""
-    sinks = [0] * len(lengths) if sinks is None else list(sinks)
-    over = [l for l, n in enumerate(lengths) if n > budget]
-    kept = [tuple(range(n)) for n in lengths]
-    for s in sorted({sinks[l] for l in over}):
-        ls = [l for l in over if sinks[l] == s]
-        tops = top_slots_layers([scores[l][s: lengths[l] - recent] for l in ls], budget - recent - s)
-        for l, top in zip(ls, tops):
-            kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(lengths[l] - recent, lengths[l]))
-    return kept
-
-
-def sink_counts(view: "EvictView", sinks: int) -> list[int]:
-    """Per layer, how many of its live slots are attention sinks: slots whose absolute position is
-    below ``sinks`` (StreamingLLM: the first ``sinks`` positions are never evicted). Slots are in
-    position order, so a layer's sinks are its first ``sink_counts[l]`` slots."""
-    if not sinks:
-        return [0] * view.num_layers
-    return [sum(1 for p in pos[:sinks] if p < sinks) for pos in view.layer_positions]
-
-
-def check_sinks(sinks, protect_name: str, protect: int, budget_name: str, budget: int) -> None:
-    """``sinks`` is an int >= 0 and sinks + the protected window leave a ranked slot in the budget."""
-    nonneg_int("sinks", sinks)
-    if sinks + protect >= budget:
-        raise ValueError(f"sinks={sinks} + {protect_name}={protect} must be < {budget_name}={budget}: sinks and the "
-                         f"protected window have to leave room in the budget (lower sinks or raise {budget_name})")
-
-
-def layer_stat(view: EvictView, name: str) -> torch.Tensor:
-    """``view.attn[name]`` as an ``(L, T)`` matrix, for policies that rank one live set for all layers.
-
-    The per-layer sequence (entry ``l`` of shape ``(T_l,)``) is stacked; that needs every layer to
-    hold the same live positions (``view.uniform``), else ValueError. A tensor already ``(L, T)``
-    passes through, and a ``(T,)`` tensor (one row for all layers) is broadcast to ``(L, T)``."""
-    stat = view.attn[name]
-    if isinstance(stat, torch.Tensor):
-        return stat if stat.dim() == 2 else stat.view(1, -1).expand(view.num_layers, -1)
-    if not view.uniform:
-        raise ValueError(f"attn[{name!r}] differs per layer (per-layer live sets); this policy ranks one live set "
-                         "for all layers — rank each layer's own slots and return Keep.layers instead")
-    return torch.stack(list(stat))                                                # (L, T)
-
-
-def layer_rows(view: EvictView, name: str) -> list[torch.Tensor]:
-    """``view.attn[name]`` as one ``(T_l,)`` tensor per layer, for policies that decide per layer:
-    a per-layer sequence as is, an ``(L, T)`` matrix split into its rows, a ``(T,)`` tensor (one row
-    for all layers) shared."""
-    stat = view.attn[name]
-    if isinstance(stat, torch.Tensor):
-        return list(stat.unbind(0)) if stat.dim() == 2 else [stat] * view.num_layers
-    return list(stat)
-
-
-def per_layer(kept: Sequence[Sequence[int]], **kw) -> Keep:
-    """A per-layer decision (``kept[l]``: layer ``l``'s kept slots) as a :class:`Keep`: ``slots`` are
-    layer 0's, ``layers`` all of them."""
-    layers = tuple(tuple(k) for k in kept)
-    return Keep(layers[0], layers=layers, **kw)
-
-
-def over_budget(view: EvictView, budget: int, by_layer: bool = True) -> bool:
-    """Some layer holds more than ``budget`` entries (``by_layer=False``: layer 0, the one live set)."""
-    if not by_layer:
-        return view.length > budget
-    return any(len(p) > budget for p in view.layer_positions)
-
-
-def layer_mean(stat: torch.Tensor, cols: list[int], weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean over layers of ``stat`` (L, T) at columns ``cols`` (optionally layer-weighted) -> (len(cols),)."""
-    x = stat[:, cols].float()
-    if weights is None:
-        return x.mean(0)
-    w = weights.to(x.device, x.dtype).view(-1, 1)
-    return (w * x).sum(0) / w.sum()

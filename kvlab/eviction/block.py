@@ -55,11 +55,13 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.eviction.base import EvictView, Keep, keep_all, layer_rows, nonneg_int, per_layer, positive_int
+from kvlab.core.registry import register_eviction
 
 SCORES = ("sum", "norm_sum")
 ANCHORS = ("mean", "alternate", "random", "zeros", "ones")
 
 
+@register_eviction("block", order=5, knob="blocks", knob_max=512)
 @dataclass(frozen=True)
 class BlockEvict:
     block_size: int = 16
@@ -108,6 +110,24 @@ class BlockEvict:
                              f"+ recent_size={recent_size}")
         return cls(block_size=block_size, start_blocks=start_size // block_size,
                    evictable_blocks=evictable // block_size, recent_blocks=recent_size // block_size, **kw)
+
+    @classmethod
+    def from_budget(cls, budget: int | None, *, block_size: int = 4, sinks: int | None = None,
+                    recent: int | None = None, blocks: int | None = None, kvcrush: int = 0,
+                    rerotate: bool = False) -> "BlockEvict":
+        """Blocks of ``block_size``: a start area of ``max(1, sinks // block_size)`` blocks (1 without sinks),
+        a recent area of ``max(1, recent // block_size)`` blocks (``recent`` default ``budget // 4``) and
+        ``blocks`` evictable blocks — by default as many as keep ``max + block_size - 1 <= budget``
+        (OpenVINO's semantics let the cache reach that before a whole block goes). ``blocks`` is the
+        matched-memory solver's knob (the registry's ``knob="blocks"``)."""
+        kw = {"kvcrush": kvcrush, "rerotate": rerotate} if (kvcrush or rerotate) else {}
+        start = 1 if sinks is None else max(1, sinks // block_size)
+        rb = max(1, (budget // 4 if recent is None else recent) // block_size)
+        if blocks is not None:
+            return cls(block_size=block_size, start_blocks=start, evictable_blocks=blocks, recent_blocks=rb, **kw)
+        top = block_size * ((budget - block_size + 1) // block_size)
+        return cls.from_sizes(start_size=start * block_size, recent_size=rb * block_size, max_cache_size=top,
+                              block_size=block_size, **kw)
 
     @property
     def max_cache_size(self) -> int:

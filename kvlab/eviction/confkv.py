@@ -68,10 +68,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, drawn_stats, finite_float, keep_all, layer_mean, layer_rows,
-                   layer_stat, minmax, nonneg_int, positive_int, protected_below, sink_counts, top_slots, unit_float)
-from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.eviction.base import (EvictView, Keep, RankedEviction, check_bool, check_sinks, drawn_stats, finite_float,
+                                 layer_row, minmax, nonneg_int, positive_int, protected_below, unit_float)
+from kvlab.core.registry import register_eviction
 
 MARGIN_CLIP = 10.0
 CONFIDENCE_FROM = ("raw", "drawn")
@@ -109,9 +110,11 @@ def pyramid_budgets(budget: int, num_layers: int, ratio: float) -> list[int]:
     return out
 
 
+@register_eviction("confkv", order=4, controls={"gamma": "gamma"})
 @dataclass(frozen=True)
-class ConfKV:
-    """Confidence-aware KV eviction; formulas in the module docstring."""
+class ConfKV(RankedEviction):
+    """Confidence-aware KV eviction; formulas in the module docstring. A ranked policy: :meth:`score`
+    is ``s_lj``, :meth:`keep` picks the step's budget, :class:`~kvlab.eviction.ranked.RankedEviction` selects."""
 
     gamma: float = 0.7
     tight: int = 128
@@ -131,6 +134,8 @@ class ConfKV:
     per_layer: bool = True
     sinks: int = 0
     ema_prefill: str = "query"
+
+    newest_field = "protect"
 
     def __post_init__(self):
         unit_float("gamma", self.gamma)
@@ -168,6 +173,18 @@ class ConfKV:
         if self.ema_prefill not in EMA_PREFILL:
             raise ValueError(f"ema_prefill={self.ema_prefill!r} must be one of {EMA_PREFILL}")
 
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0, gamma: float | None = None,
+                    tight_frac: float = 0.5, int8_window: int | None = None) -> "ConfKV":
+        """``loose = budget`` (uncertain steps), ``tight = ⌊tight_frac·budget⌋`` (confident steps, at least 1),
+        ``protect = recent`` (default ``min(32, budget // 8)``), ``sinks``, threshold ``gamma`` (default the
+        field's)."""
+        kw = {} if gamma is None else {"gamma": float(gamma)}
+        if int8_window is not None:
+            kw["int8_window"] = int8_window
+        protect = max(0, min(32, budget // 8)) if recent is None else recent
+        return cls(tight=max(1, int(budget * tight_frac)), loose=budget, protect=protect, sinks=sinks, **kw)
+
     @property
     def score_stat(self) -> str:
         """The statistic its ranker reads (the cache inspector's score)."""
@@ -190,53 +207,21 @@ class ConfKV:
         return self.confidence(view.record, view.vocab_size)
 
     def keep(self, view: EvictView) -> Keep:
+        """The step's budget ``B_t`` from its confidence (per layer: the pyramid or ``B_t`` everywhere); the
+        base ranks each layer by :meth:`score` (``per_layer=False``: one live set on the layer mean)."""
         c = self.step_confidence(view)
         budget = self.tight if c >= self.gamma else self.loose
-        extra = {"budget": budget, "confidence": c, "int8_window": self.int8_window, "int8_group": self.int8_group}
-        if self.pyramidal:
-            return self.keep_layers(view, pyramid_budgets(budget, view.num_layers, self.pyramid_ratio), extra)
-        if self.per_layer:
-            return self.keep_layers(view, [budget] * view.num_layers, extra)
-        return self.keep_mean(view, budget, extra)
+        budgets = (pyramid_budgets(budget, view.num_layers, self.pyramid_ratio) if self.pyramidal
+                   else [budget] * view.num_layers)
+        return self.select(view, budgets, budget=budget, confidence=c, int8_window=self.int8_window,
+                           int8_group=self.int8_group)
 
-    def keep_mean(self, view: EvictView, budget: int, extra: dict) -> Keep:
-        """``per_layer=False``: one live set for all layers, ranked by ``S_j`` (the layer mean of ``s_lj``)."""
-        n = view.length
-        if n <= budget:
-            return keep_all(view, **extra)
-        k = sink_counts(view, self.sinks)[0]
-        cand = list(range(k, n - self.protect))
-        pos = torch.tensor([view.positions[j] for j in cand], dtype=torch.float32)
-        r = minmax(pos)                                                       # (C,)
+    def score(self, view: EvictView, layer: int) -> torch.Tensor:
+        """``s_lj = λ·minmax(ema_l) + (1-λ)·minmax(pos_l)`` over the layer's candidates (0 elsewhere)."""
+        pos = view.layer_positions[layer]
+        lo, hi = self.candidates(view, layer)
+        s = minmax(torch.tensor(pos[lo:hi], dtype=torch.float32))                            # (C,) recency
         if self.attn_weight > 0:
-            a = minmax(layer_stat(view, "ema")[:, cand].float())                     # (L, C)
-            s = self.attn_weight * a + (1.0 - self.attn_weight) * r.to(a.device)
-        else:
-            s = r.view(1, -1).expand(view.num_layers, -1)
-        score = layer_mean(s, list(range(len(cand))))
-        kept = top_slots(score, cand, budget - self.protect - k)
-        return Keep(tuple(range(k)) + tuple(kept) + tuple(range(n - self.protect, n)), **extra)
-
-    def layer_kept(self, ema: torch.Tensor | None, positions, budget: int, sinks: int = 0) -> tuple[int, ...]:
-        """One layer's kept slots under ``budget``, from its EMA ``(T_l,)`` and its slots' positions
-        (its first ``sinks`` slots are attention sinks, always kept)."""
-        n = len(positions)
-        if n <= budget:
-            return tuple(range(n))
-        cand = list(range(sinks, n - self.protect))
-        s = minmax(torch.tensor([positions[j] for j in cand], dtype=torch.float32))       # (C,) recency
-        if self.attn_weight > 0:
-            a = minmax(ema[sinks: n - self.protect].float())                               # (C,)
+            a = minmax(layer_row(view, "ema", layer)[lo:hi].float())                         # (C,)
             s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
-        return (tuple(range(sinks)) + tuple(top_slots(s, cand, budget - self.protect - sinks))
-                + tuple(range(n - self.protect, n)))
-
-    def keep_layers(self, view: EvictView, budgets: list[int], extra: dict) -> Keep:
-        """Every layer ``l`` keeps its own top entries by its own ``s_lj`` under ``budgets[l]``
-        (Conf-KV-L's pyramid or the uniform ``B_t``; module docstring)."""
-        if all(len(p) <= b for p, b in zip(view.layer_positions, budgets)):
-            return keep_all(view, **extra)
-        emas = layer_rows(view, "ema") if self.attn_weight > 0 else [None] * view.num_layers
-        sinks = sink_counts(view, self.sinks)
-        kept = [self.layer_kept(e, p, b, k) for e, p, b, k in zip(emas, view.layer_positions, budgets, sinks)]
-        return layer_decision(kept, **extra)
+        return F.pad(s, (lo, len(pos) - hi))                                                  # (T_l,)

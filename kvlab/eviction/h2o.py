@@ -1,5 +1,5 @@
 """H2O: heavy hitters (accumulated attention) + a recent window, per layer as in the reference.
-A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
+A ranked policy (:class:`~kvlab.eviction.ranked.RankedEviction`): it scores, the base selects.
 """
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_mean, layer_rows, layer_stat, nonneg_int,
-                   over_budget, positive_int, protected_below, sink_counts, top_and_recent_layers, top_slots)
-from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.eviction.base import EvictView, RankedEviction, check_recent_budget, layer_row
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("h2o", order=2, controls={"recent": "recent"})
 @dataclass(frozen=True)
-class H2O:
+class H2O(RankedEviction):
     """Over ``budget`` entries, every layer ``l`` keeps its newest ``recent`` slots and the
     ``budget - recent`` other slots with the largest accumulated attention of that layer,
     ``acc_lj = Σ_steps mean_h A_l[h, j]`` (``attn["acc"][l]``; ties go to the newer slot), as the
@@ -32,34 +32,20 @@ class H2O:
     per_layer: bool = True
     sinks: int = 0
 
-    def __post_init__(self):
-        positive_int("budget", self.budget)
-        nonneg_int("recent", self.recent)
-        protected_below("recent", self.recent, "budget", self.budget)
-        check_bool("per_layer", self.per_layer)
-        check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
+    needs_attention = True
 
-    @property
-    def needs_attention(self) -> bool:
-        return True
+    def __post_init__(self):
+        check_recent_budget(self.budget, self.recent, self.per_layer, self.sinks)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0) -> "H2O":
+        """``budget`` entries, the newest ``recent`` protected (default ``budget // 4``), ``sinks`` sinks."""
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent, sinks=sinks)
+
+    def score(self, view: EvictView, layer: int) -> torch.Tensor:
+        """The layer's accumulated attention ``acc``."""
+        return layer_row(view, "acc", layer)
 
     def layer_keep(self, acc: torch.Tensor, n: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its ``acc`` ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
-        if n <= self.budget:
-            return tuple(range(n))
-        cand = list(range(sinks, n - self.recent))
-        kept = top_slots(acc[sinks: n - self.recent].float(), cand, self.budget - self.recent - sinks)
-        return tuple(range(sinks)) + tuple(kept) + tuple(range(n - self.recent, n))
-
-    def keep(self, view: EvictView) -> Keep:
-        if not over_budget(view, self.budget, self.per_layer):
-            return keep_all(view, budget=self.budget)
-        if self.per_layer:
-            kept = top_and_recent_layers(layer_rows(view, "acc"), [len(p) for p in view.layer_positions],
-                                         self.budget, self.recent, sink_counts(view, self.sinks))
-            return layer_decision(kept, budget=self.budget)
-        n, s = view.length, sink_counts(view, self.sinks)[0]
-        cand = list(range(s, n - self.recent))
-        score = layer_mean(layer_stat(view, "acc"), cand)
-        kept = top_slots(score, cand, self.budget - self.recent - s)
-        return Keep(tuple(range(s)) + tuple(kept) + tuple(range(n - self.recent, n)), budget=self.budget)
+        return self.rank_layer(acc, n, self.budget, sinks)

@@ -1,12 +1,13 @@
 """PyramidKV (Cai et al., 2024; a Conf-KV seed-002 baseline): prompt compression with per-layer budgets.
-A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
+A ranked policy (:class:`~kvlab.eviction.ranked.RankedEviction`): SnapKV's score, its own per-layer budgets.
 
 Like :class:`~kvlab.eviction.snapkv.SnapKV` it acts once, on the run's first step (the cache holds
 the prefill, ``view.first``), and decoding then appends without eviction. Each layer scores the
 entries before the observation window by the attention of the last ``window`` prompt queries on
 them (the only prompt queries the cache measures, ``attention_window``), summed over those queries
 and averaged over heads, smoothed by a centred average pool of width ``kernel`` — SnapKV's score,
-per layer (:meth:`SnapKV.scores`). The window is kept on every layer; layer ``l`` keeps its own
+per layer (:class:`~kvlab.eviction.snapkv.ObservationWindow`, shared with SnapKV; :meth:`PyramidKV.budgets`
+feeds the pyramid to the ranked base). The window is kept on every layer; layer ``l`` keeps its own
 top ``k_l`` other entries (``Keep.layers``), with the pyramid of the authors' code
 (``Zefan-Cai/PyramidKV``, ``PyramidKVCluster.update_kv``), ``B = budget`` (mean entries per layer,
 window included), ``w = window``, ``n`` the prompt length, ``L`` layers:
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.eviction.base import EvictView, Keep, check_observation_window, keep_all, layer_rows, per_layer, positive_int
-from kvlab.eviction.snapkv import SnapKV
+from kvlab.eviction.base import EvictView, check_observation_window, positive_int
+from kvlab.eviction.snapkv import ObservationWindow
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("pyramidkv", order=8)
 @dataclass(frozen=True)
-class PyramidKV:
+class PyramidKV(ObservationWindow):
     budget: int                   # mean entries per layer after the cut, observation window included
     window: int = 16
     kernel: int = 5
@@ -45,13 +48,16 @@ class PyramidKV:
         check_observation_window(self.budget, self.window, self.kernel)
         positive_int("beta", self.beta)
 
-    @property
-    def needs_attention(self) -> bool:
-        return True
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None) -> "PyramidKV":
+        """The prompt cut to ``budget`` entries per layer on average; ``recent``: the observation window (default 16)."""
+        return cls(budget=budget) if recent is None else cls(budget=budget, window=recent)
 
-    @property
-    def attention_window(self) -> int:
-        return self.window
+    def due(self, view: EvictView) -> bool:
+        return view.first and view.length > self.budget
+
+    def budgets(self, view: EvictView) -> list[int]:
+        return self.layer_budgets(view.length, view.num_layers)
 
     def layer_budgets(self, n: int, num_layers: int) -> list[int]:
         """Entries each layer keeps of a prompt of ``n`` (window included; module docstring)."""
@@ -67,13 +73,3 @@ class PyramidKV:
             lo = 2 * (b - w) - hi
         step = (hi - lo) // (num_layers - 1)
         return [hi - l * step + w for l in range(num_layers)]
-
-    def keep(self, view: EvictView) -> Keep:
-        n = view.length
-        if not view.first or n <= self.budget:
-            return keep_all(view, budget=self.budget)
-        snap = SnapKV(budget=self.budget, window=self.window, kernel=self.kernel)
-        budgets = self.layer_budgets(n, view.num_layers)
-        kept = [snap.layer_keep(acc.float(), len(pos), b)
-                for acc, pos, b in zip(layer_rows(view, "acc"), view.layer_positions, budgets)]
-        return per_layer(kept, budget=self.budget)

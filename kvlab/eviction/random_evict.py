@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.eviction.base import EvictView, Keep, check_sinks, keep_all, nonneg_int, positive_int, protected_below, sink_counts, unit_float
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("random", order=3, controls={"recent": "recent"})
 @dataclass(frozen=True)
 class RandomEvict:
     """When the cache exceeds ``budget`` — and, with ``rate < 1``, only on a seeded fraction
@@ -32,6 +34,11 @@ class RandomEvict:
             raise ValueError(f"seed={self.seed!r} must be an int")
         unit_float("rate", self.rate)
         check_sinks(self.sinks, "recent", self.recent, "budget", self.budget)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None, sinks: int = 0, seed: int = 0) -> "RandomEvict":
+        """``budget`` entries, the newest ``recent`` protected (default ``budget // 4``), ``sinks`` sinks."""
+        return cls(budget=budget, recent=budget // 4 if recent is None else recent, seed=seed, sinks=sinks)
 
     def keep(self, view: EvictView) -> Keep:
         n = view.length

@@ -31,7 +31,7 @@ to be ``(1, H_kv, T_l)`` (``ValueError`` naming the scorer otherwise) and averag
 keeps a top-k per head, kvlab's cache keeps one live set per layer — then the layer keeps its first
 ``sinks`` positions (attention sinks), its newest ``protect`` entries and the ``budget - sinks - protect``
 others with the highest head-mean score (ties: the newer entry), ``budget`` in all
-(:func:`~kvlab.eviction.base.top_and_recent_layers`, H2O's per-layer rule). ``every_step=False`` (the
+(:class:`~kvlab.eviction.ranked.RankedEviction`, H2O's per-layer rule). ``every_step=False`` (the
 default, kvpress's use) cuts once, on the run's first step, when the cache holds the prefill (prompt
 compression); ``every_step=True`` cuts at every step that ends over budget (decode-time eviction).
 """
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from kvlab.eviction.base import (EvictView, Keep, check_bool, check_sinks, keep_all, layer_rows, nonneg_int, over_budget,
-                   per_layer, positive_int, sink_counts, top_and_recent_layers)
+from kvlab.eviction.base import (EvictView, RankedEviction, check_bool, check_sinks, layer_rows, nonneg_int,
+                                 positive_int)
 
 SIGNATURE = "score(module, hidden_states, keys, values, attentions, kwargs) -> (B, H_kv, T)"
 
@@ -64,12 +64,14 @@ def score_fn(scorer):
                      "function itself")
 
 
-class ScoredEviction:
+class ScoredEviction(RankedEviction):
     """The decision shared by :class:`ScorerPolicy` and the named scorer policies of
     :mod:`kvlab.eviction.scorers`; a subclass (a frozen dataclass) has ``scorer``, ``budget``,
-    ``sinks``, ``protect`` and ``every_step``."""
+    ``sinks``, ``protect`` and ``every_step``. A ranked policy
+    (:class:`~kvlab.eviction.ranked.RankedEviction`) whose :meth:`score` is the scorer's head mean."""
 
     needs_kv = True
+    newest_field = "protect"
 
     inputs_window = 128             # decode-time: the layer inputs a kvpress press sees (kvlab.cache.inputs)
 
@@ -140,13 +142,12 @@ class ScoredEviction:
                              f"(B, H_kv, T) = {want}, one score per KV head and cached entry ({SIGNATURE})")
         return scores.detach().double().mean(dim=(0, 1))           # (T,) head mean; exact for a head-constant score
 
-    def keep(self, view: EvictView) -> Keep:
-        if (not self.every_step and not view.first) or not over_budget(view, self.budget):
-            return keep_all(view, budget=self.budget)
-        lengths = [len(p) for p in view.layer_positions]
-        scores = [self.layer_scores(view, l) if n > self.budget else torch.zeros(n) for l, n in enumerate(lengths)]
-        kept = top_and_recent_layers(scores, lengths, self.budget, self.protect, sink_counts(view, self.sinks))
-        return per_layer(kept, budget=self.budget)
+    def score(self, view: EvictView, layer: int) -> torch.Tensor:
+        return self.layer_scores(view, layer)
+
+    def due(self, view: EvictView) -> bool:
+        """``every_step=False``: only the first step (prompt compression)."""
+        return self.every_step or view.first
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kvlab.eviction.base import check_observation_window, check_sinks
 from kvlab.eviction.scorer import ScoredEviction
+from kvlab.core.registry import register_eviction
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SnapKVWindow:
         return s.view(1, 1, t).expand(b, h, t)                                   # (B, H_kv, T)
 
 
+@register_eviction("knorm", order=9)
 @dataclass(frozen=True)
 class Knorm(ScoredEviction):
     """Key-norm eviction (kvpress ``KnormPress``): per layer the ``budget`` entries with the smallest
@@ -83,6 +85,7 @@ class Knorm(ScoredEviction):
         return KeyNorm()
 
 
+@register_eviction("snapkv_scorer", order=10)
 @dataclass(frozen=True)
 class SnapKVScorer(ScoredEviction):
     """SnapKV through the scorer wrapper: :class:`SnapKVWindow` ``(window, kernel)`` at ``budget``

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.eviction.base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below
+from kvlab.core.registry import register_eviction
 
 
+@register_eviction("sliding", order=1)
 @dataclass(frozen=True)
 class SlidingWindow:
     """Keep the first ``sinks`` slots (attention sinks) and the newest ``window - sinks`` slots:
@@ -20,6 +22,11 @@ class SlidingWindow:
         positive_int("window", self.window)
         nonneg_int("sinks", self.sinks)
         protected_below("sinks", self.sinks, "window", self.window)
+
+    @classmethod
+    def from_budget(cls, budget: int, *, sinks: int | None = None) -> "SlidingWindow":
+        """``window = budget`` with ``sinks`` sinks (default: 4, fewer when the budget is smaller)."""
+        return cls(window=budget, sinks=min(4, max(0, budget - 1)) if sinks is None else sinks)
 
     def keep(self, view: EvictView) -> Keep:
         n = view.length

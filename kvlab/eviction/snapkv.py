@@ -1,5 +1,5 @@
 """SnapKV (prompt compression; Conf-KV's seed 002 baseline), with NVIDIA kvpress's conventions.
-A policy decides only: it reads an ``EvictView`` and returns a ``Keep``; the cache removes the rest.
+A ranked policy (:class:`~kvlab.eviction.ranked.RankedEviction`): it scores, the base selects.
 
 Once, on the run's first step (the cache holds the prefill, ``view.first``), a prompt longer than
 ``budget`` is cut to ``budget`` entries; decoding then appends without further eviction. Scores
@@ -14,7 +14,8 @@ Each layer scores and cuts its own entries from its own window attention, as the
 the layers keep different entries, ``budget`` each (``Keep.layers``; ``Keep.slots`` is layer
 0's). :meth:`SnapKV.layer_keep` is one layer's decision. The references pick per KV head; here
 each layer ranks the head mean. ``per_layer=False`` is the earlier one-live-set cut (the same
-slots on every layer, by the layer mean of the window mass), kept to measure the difference.
+slots on every layer, by the pooled layer mean of the window mass), kept to measure the difference.
+:class:`ObservationWindow` (the score, the window, the one cut) is shared with PyramidKV.
 """
 from __future__ import annotations
 
@@ -23,13 +24,47 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.eviction.base import (EvictView, Keep, check_bool, check_observation_window, keep_all, layer_rows, layer_stat,
-                   over_budget, top_slots)
-from kvlab.eviction.base import per_layer as layer_decision
+from kvlab.eviction.base import (EvictView, RankedEviction, check_bool, check_observation_window, layer_row,
+                                 layer_stat)
+from kvlab.core.registry import register_eviction
 
 
+class ObservationWindow(RankedEviction):
+    """SnapKV's score and cut, for a dataclass with ``budget``, ``window`` and ``kernel``: once, on the
+    first step; the newest ``window`` entries (the observation window) always kept."""
+
+    newest_field = "window"
+    needs_attention = True
+
+    @property
+    def attention_window(self) -> int:
+        return self.window
+
+    def due(self, view: EvictView) -> bool:
+        return view.first
+
+    def scores(self, acc: torch.Tensor, n: int) -> torch.Tensor:
+        """``(n - window,)`` smoothed observation-window scores of the entries before the window,
+        from one layer's window mass ``acc`` ``(n,)``."""
+        s = acc[: n - self.window].float().view(1, 1, -1)                          # (1, 1, n-w)
+        return F.avg_pool1d(s, self.kernel, stride=1, padding=self.kernel // 2).view(-1)
+
+    def score(self, view: EvictView, layer: int) -> torch.Tensor:
+        """The layer's pooled window mass before the window (the window itself, always kept, is not scored)."""
+        return self.scores(layer_row(view, "acc", layer).float(), len(view.layer_positions[layer]))
+
+    def layer_mean_score(self, view: EvictView, lo: int, hi: int) -> torch.Tensor:
+        """``per_layer=False``: the pooled layer mean of the window mass."""
+        return self.scores(layer_stat(view, "acc").float().mean(0), view.length)
+
+    def layer_keep(self, acc: torch.Tensor, n: int, budget: int) -> tuple[int, ...]:
+        """One layer's decision: the slots it keeps out of ``n`` under ``budget`` entries."""
+        return self.rank_layer(self.scores(acc, n), n, budget)
+
+
+@register_eviction("snapkv", order=6)
 @dataclass(frozen=True)
-class SnapKV:
+class SnapKV(ObservationWindow):
     budget: int
     window: int = 16
     kernel: int = 5
@@ -40,34 +75,7 @@ class SnapKV:
         check_observation_window(self.budget, self.window, self.kernel)
         check_bool("per_layer", self.per_layer)
 
-    @property
-    def needs_attention(self) -> bool:
-        return True
-
-    @property
-    def attention_window(self) -> int:
-        return self.window
-
-    def scores(self, acc: torch.Tensor, n: int) -> torch.Tensor:
-        """``(n - window,)`` smoothed observation-window scores of the entries before the window,
-        from one layer's window mass ``acc`` ``(n,)``."""
-        s = acc[: n - self.window].float().view(1, 1, -1)                          # (1, 1, n-w)
-        return F.avg_pool1d(s, self.kernel, stride=1, padding=self.kernel // 2).view(-1)
-
-    def layer_keep(self, acc: torch.Tensor, n: int, budget: int) -> tuple[int, ...]:
-        """One layer's decision: the slots it keeps out of ``n`` under ``budget`` entries."""
-        if n <= budget:
-            return tuple(range(n))
-        cand = list(range(n - self.window))
-        kept = top_slots(self.scores(acc, n), cand, budget - self.window)
-        return tuple(kept) + tuple(range(n - self.window, n))
-
-    def keep(self, view: EvictView) -> Keep:
-        if not view.first or not over_budget(view, self.budget, self.per_layer):
-            return keep_all(view, budget=self.budget)
-        if self.per_layer:
-            kept = [self.layer_keep(acc.float(), len(pos), self.budget)
-                    for acc, pos in zip(layer_rows(view, "acc"), view.layer_positions)]
-            return layer_decision(kept, budget=self.budget)
-        acc = layer_stat(view, "acc").float().mean(0)            # (T,) one live set for all layers: the layer mean
-        return Keep(self.layer_keep(acc, view.length, self.budget), budget=self.budget)
+    @classmethod
+    def from_budget(cls, budget: int, *, recent: int | None = None) -> "SnapKV":
+        """The prompt cut to ``budget`` entries; ``recent``: the observation window (default 16)."""
+        return cls(budget=budget) if recent is None else cls(budget=budget, window=recent)

@@ -81,8 +81,29 @@ SAMPLINGS = ("greedy", "sample")
 MC_SIGNALS = ("mi", "u", "flip")
 NO_EVICTION = "full"
 PRUNED = "pruned"         # the untrained student variant (the only one whose prune ratio the playground sets)
-# the eviction controls each eviction policy reads besides the budget
-EVICT_PARAMS = {"confkv": ("gamma",), "h2o": ("recent",), "random": ("recent",)}
+
+
+class _EvictParams(Mapping):
+    """The eviction controls each eviction policy reads besides the budget: its registration's ``controls``
+    (``register_eviction(controls={control: from_budget keyword})``), read from the registry at each use."""
+
+    def _table(self) -> dict:
+        from kvlab.eviction import EVICTION_POLICIES
+
+        return {n: tuple(EVICTION_POLICIES.entry(n).controls) for n in EVICTION_POLICIES
+                if EVICTION_POLICIES.entry(n).controls}
+
+    def __getitem__(self, name):
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+EVICT_PARAMS = _EvictParams()
 # controls that pick *which* runs are averaged (spread), not how one run decodes
 SPREAD_CONTROLS = ("n_prompts", "n_seeds")
 
@@ -381,44 +402,20 @@ def eviction_policy(s: Settings):
     return budget_policy(s.evict, cls, s.budget, seed=s.seed, gamma=s.gamma, recent=s.recent)
 
 
-BLOCK = 4   # BlockEvict block size in the playground (small: a block must overflow before one is evicted)
-
-
 def budget_policy(name: str, cls, budget: int, seed: int = 0, gamma: float | None = None, recent: int | None = None):
-    """Eviction policy ``cls`` (registry name ``name``) holding at most about ``budget`` cache entries.
-
-    sliding: ``window=budget`` (4 sinks); h2o / random: ``budget``, a recent window of ``recent`` (default budget/4);
-    confkv: ``loose=budget`` (uncertain steps), ``tight=budget/2`` (confident steps), ``protect=min(32, budget/8)``,
-    confidence threshold ``gamma`` (default: the policy's own);
-    block: blocks of 4, one start block, recent area ≈ budget/4, ``max_cache_size`` the largest
-    multiple of 4 with ``max_cache_size + 3 <= budget`` (OpenVINO's semantics let the cache reach
-    ``max + block - 1`` before a whole block is evicted).
-    Policies registered with ``kvlab.register_eviction``: their ``from_budget``, else their ``budget`` or
-    ``window`` field; other policies: a ``budget`` or ``window`` field. Bad budgets raise the policy's own ValueError.
-    """
+    """Eviction policy ``name`` of the registry holding at most about ``budget`` cache entries: its
+    ``Entry.at_budget`` with the playground's setup — ``seed``, and the controls the policy's registration
+    names (``register_eviction(controls=...)``: H2O's and Scissorhands' ``recent``, Conf-KV's ``gamma``;
+    ``None`` = the policy's default). Each policy's ``from_budget`` says how the budget maps onto its fields
+    (e.g. Conf-KV: ``loose = budget``, ``tight = budget // 2``; block eviction: blocks of 4 with
+    ``max_cache_size + 3 <= budget``). ``cls`` is unused (kept for callers). Bad budgets raise the policy's own
+    ValueError."""
     from kvlab.eviction import EVICTION_POLICIES
 
-    if name in EVICTION_POLICIES.user():      # a registered policy: its from_budget, or its budget/window field
-        return EVICTION_POLICIES.entry(name).at_budget(budget)
-    if name == "sliding":
-        return cls(window=budget, sinks=min(4, max(0, budget - 1)))
-    if name == "h2o":
-        return cls(budget=budget, recent=budget // 4 if recent is None else recent)
-    if name == "random":
-        return cls(budget=budget, recent=budget // 4 if recent is None else recent, seed=seed)
-    if name == "confkv":
-        kw = {} if gamma is None else {"gamma": float(gamma)}
-        return cls(tight=max(1, budget // 2), loose=budget, protect=max(0, min(32, budget // 8)), **kw)
-    if name == "block":
-        recent = BLOCK * max(1, budget // (4 * BLOCK))
-        top = BLOCK * ((budget - BLOCK + 1) // BLOCK)
-        return cls.from_sizes(start_size=BLOCK, recent_size=recent, max_cache_size=top, block_size=BLOCK)
-    names = {f.name for f in fields(cls)}
-    if "budget" in names:
-        return cls(budget=budget)
-    if "window" in names:
-        return cls(window=budget)
-    raise ValueError(f"evict={name!r} has no budget/window field the playground can set")
+    entry = EVICTION_POLICIES.entry(name)
+    given = {"gamma": gamma, "recent": recent}
+    setup = {kw: given.get(control) for control, kw in entry.controls.items() if given.get(control) is not None}
+    return entry.at_budget(budget, seed=seed, **setup)
 
 
 def sampling_of(s: Settings) -> Sampling:

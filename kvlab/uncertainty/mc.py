@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import torch
 
 from kvlab.refresh.base import ProbeResult, register_probe
+from kvlab.core.registry import register_refresh
 
 
 SIGNALS = ("u", "mi", "flip")
@@ -221,6 +222,7 @@ def _since_refresh(record):
                          "gap; the refresh loop must set it on every record")
 
 
+@register_refresh("mc", order=4)
 @dataclass(frozen=True)
 class MCGate:
     """Refresh when the chosen MC signal exceeds ``threshold`` at a probe step, at least

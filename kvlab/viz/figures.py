@@ -25,6 +25,9 @@ def render_all(out) -> list[Path]:
 def _load_registrations() -> None:
     """Import the modules that register figures (kept lazy: no import-time side effects;
     they import :mod:`kvlab.harness.figures`, never this module)."""
-    from kvlab.studies.eviction import plots as evict_plots  # noqa: F401
-    from kvlab.viz import plots
-    from kvlab.studies.training import plots as _train_plots  # noqa: F401
+    from kvlab.studies.baselines import plots as _baselines  # noqa: F401
+    from kvlab.studies.eviction import plots as _eviction  # noqa: F401
+    from kvlab.studies.mc import plots as _mc  # noqa: F401
+    from kvlab.studies.refresh import plots as _refresh  # noqa: F401
+    from kvlab.studies.training import plots as _training  # noqa: F401
+    from kvlab.viz import plots  # noqa: F401

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.refresh.policies._check import nonneg_float, positive_int
+from kvlab.core.registry import register_refresh
 
 
+@register_refresh("entropy", order=1)
 @dataclass(frozen=True)
 class EntropyGate:
     """Refresh after step t when the student's next-token entropy ``H_t > tau_bits`` and at least

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.refresh.policies._check import positive_int
+from kvlab.core.registry import register_refresh
 
 
+@register_refresh("periodic", order=0)
 @dataclass(frozen=True)
 class Periodic:
     """Refresh after steps T, 2T, …; each refresh rewrites the last ``min(W, T)`` entries.

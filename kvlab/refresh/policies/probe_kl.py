@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.refresh.policies._check import nonneg_float, positive_int
+from kvlab.core.registry import register_refresh
 
 
+@register_refresh("probe_kl", order=2)
 @dataclass(frozen=True)
 class ProbeKL:
     """Every M steps the teacher catches up on its own cache (the probe's cost, in teacher

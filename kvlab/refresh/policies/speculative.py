@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.refresh.policies._check import positive_int
+from kvlab.core.registry import register_refresh
 
 
+@register_refresh("speculative", order=3)
 @dataclass(frozen=True)
 class Speculative:
     """Every k tokens the teacher prefills exactly the k new tokens and the last k entries are

@@ -253,9 +253,9 @@ def matched_needle_runs(lm, cases: Sequence[NeedleCase], budget: int, store: Run
 def needle_confkv(budget: int, gamma: float = 0.9):
     """Conf-KV of the needle grid: ``tight = 3/4·budget`` on confident steps, ``loose = budget`` on
     uncertain ones, ``budget // 8`` protected, 4 sinks."""
-    from kvlab.eviction import ConfKV
+    from kvlab.eviction import EVICTION_POLICIES
 
-    return ConfKV(gamma=gamma, tight=budget * 3 // 4, loose=budget, protect=budget // 8, sinks=4)
+    return EVICTION_POLICIES.entry("confkv").at_budget(budget, gamma=gamma, tight_frac=0.75, recent=budget // 8, sinks=4)
 
 
 def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size: int = 4) -> dict:
@@ -264,16 +264,16 @@ def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size
     (4 sinks, ``budget // 8`` recent) hold ``B`` from the first step on, so ``B = round(mean_len)``;
     block eviction sits in ``[max, max + bs - 1]``, mean ``max + (bs - 1)/2``; SnapKV cuts the prompt
     once to ``b`` and appends, mean ``b + (steps - 1)/2``."""
-    from kvlab.eviction import H2O, BlockEvict, SlidingWindow, SnapKV
+    from kvlab.eviction import EVICTION_POLICIES as E
 
     b = max(budget // 8 + 6, round(mean_len))
     rec = budget // 8
     rb = max(1, rec // block_size)
     eb = max(1, round((mean_len - (block_size - 1) / 2) / block_size) - 1 - rb)
     snap = max(rec + 1, round(mean_len - (steps - 1) / 2))
-    return {"sliding": SlidingWindow(window=b, sinks=4), "h2o": H2O(budget=b, recent=rec, sinks=4),
-            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
-            "snapkv": SnapKV(budget=snap, window=rec)}
+    return {"sliding": E.entry("sliding").at_budget(b, sinks=4), "h2o": E.entry("h2o").at_budget(b, recent=rec, sinks=4),
+            "block": E.entry("block").at_budget(None, block_size=block_size, recent=rec, blocks=eb),
+            "snapkv": E.entry("snapkv").at_budget(snap, recent=rec)}
 
 
 def needle_table(per_run: pd.DataFrame, order: Sequence[str] | None = None) -> pd.DataFrame:
@@ -352,15 +352,15 @@ def needle_policies(budget: int, gamma: float = 0.9, block_size: int = 16) -> di
     ``budget - ANSWER_TOKENS`` entries (observation window ``budget // 8``), so the answer's last step
     also sees at most ``budget``. PyramidKV keeps the same number *on average over layers* (the same
     total memory as SnapKV): its lower layers keep more than ``budget``, its upper layers fewer."""
-    from kvlab.eviction import H2O, BlockEvict, ConfKV, PyramidKV, SlidingWindow, SnapKV
+    from kvlab.eviction import EVICTION_POLICIES as E
 
     rec = budget // 4
     rb = max(1, rec // block_size)
     eb = max(1, (budget - block_size + 1) // block_size - 1 - rb)
     return {"full": None,
-            "sliding": SlidingWindow(window=budget, sinks=4),
-            "h2o": H2O(budget=budget, recent=rec),
-            "confkv": ConfKV(gamma=gamma, tight=budget // 2, loose=budget, protect=rec),
-            "block": BlockEvict(block_size=block_size, start_blocks=1, evictable_blocks=eb, recent_blocks=rb),
-            "snapkv": SnapKV(budget=budget - ANSWER_TOKENS, window=budget // 8),
-            "pyramidkv": PyramidKV(budget=budget - ANSWER_TOKENS, window=budget // 8)}
+            "sliding": E.entry("sliding").at_budget(budget, sinks=4),
+            "h2o": E.entry("h2o").at_budget(budget, recent=rec),
+            "confkv": E.entry("confkv").at_budget(budget, gamma=gamma, tight_frac=0.5, recent=rec),
+            "block": E.entry("block").at_budget(None, block_size=block_size, recent=rec, blocks=eb),
+            "snapkv": E.entry("snapkv").at_budget(budget - ANSWER_TOKENS, recent=budget // 8),
+            "pyramidkv": E.entry("pyramidkv").at_budget(budget - ANSWER_TOKENS, recent=budget // 8)}

@@ -1,0 +1,116 @@
+"""Attention mass from the attention computation itself (one pass): the ``"kvlab"`` attention function hands each
+layer's head-mean attention probabilities to a :class:`MassSink` passed as the forward's ``kvlab_mass`` kwarg.
+Part of the cache module: no hook, no patched forward; nothing here edits a cache.
+
+A decode step (one query) is computed eagerly, once: ``P = softmax(q · Kᵀ · scaling + mask)`` in float32,
+the output ``P · V``, and the sink's per-entry reductions of the head mean ``a = mean_h P`` — the same
+numbers :class:`~kvlab.cache.attention.QueryCapture` rebuilt with a second Q·Kᵀ pass after the forward
+(equal within fp32 tolerance; tests/test_mass_one_pass.py). A multi-token forward (a prefill, a
+teacher catching up) keeps SDPA's output and computes the probabilities of its measured queries
+(the last ``window``) from the same query and key tensors inside the attention function: an eager
+``(n, T)`` pass would cost O(n·T) memory for the output alone.
+
+Per layer the sink keeps, over the key columns the attention function saw (``(B, T)``; a batched
+step's columns are the bank's, each row its own span):
+
+    mass_j = Σ_i a[i, j]                       # the measured queries i = 0 … w-1
+    ema_j  = Σ_i β^(w-1-i) a[i, j]             # when ``decay`` = β (per-query EMA updates)
+    low_j  = #{i : a[i, j] < 1/T_i, j visible}  # when ``below`` (Scissorhands)
+"""
+from __future__ import annotations
+
+import torch
+
+KWARG = "kvlab_mass"
+
+
+class MassSink:
+    """Collects one forward's per-layer attention mass. ``window``: only the last ``window`` queries
+    count (None: all); ``below``: also count low-attention queries; ``decay``: β of a per-query EMA
+    (None: no EMA weights). After the forward ``mass[i]`` / ``low[i]`` / ``ema[i]`` are ``(B, T_i)``
+    float32 per layer ``i`` (``low`` / ``ema`` only when asked)."""
+
+    def __init__(self, window: int | None = None, below: bool = False, decay: float | None = None):
+        self.window, self.below, self.decay = window, below, decay
+        self.mass: dict[int, torch.Tensor] = {}
+        self.low: dict[int, torch.Tensor] = {}
+        self.ema: dict[int, torch.Tensor] = {}
+
+    def measured(self, n: int) -> int:
+        return n if self.window is None else min(int(self.window), n)
+
+    def take(self, layer: int, a: torch.Tensor, vis: torch.Tensor) -> None:
+        """``a``: ``(B, w, T)`` head-mean probabilities of the measured queries (float32); ``vis``: bool
+        ``(B | 1, w, T)``, the entries each query sees (its count is that query's ``T_i``)."""
+        w = a.shape[1]
+        self.mass[layer] = a[:, 0] if w == 1 else a.sum(1)                           # (B, T)
+        if self.decay is not None:
+            if w == 1:
+                self.ema[layer] = self.mass[layer]                                  # β^0 · a: exactly a
+            else:
+                wts = float(self.decay) ** torch.arange(w - 1, -1, -1, device=a.device, dtype=a.dtype)
+                self.ema[layer] = torch.einsum("w,bwt->bt", wts, a)
+        if self.below:
+            self.low[layer] = below_counts(a, vis)
+
+    def layers(self, what: str, count: int) -> list[torch.Tensor]:
+        got = getattr(self, what)
+        if len(got) != count:
+            raise RuntimeError(f"attention mass reached {len(got)} of {count} layers: the model does not run the "
+                               "'kvlab' attention function on every layer")
+        return [got[i] for i in range(count)]
+
+
+def below_counts(a: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """Per entry, how many of the ``w`` queries of ``a`` ``(B, w, T)`` gave it less than the uniform share
+    ``1/T_i`` of their attention, ``T_i`` = the entries query ``i`` sees (``vis`` ``(B | 1, w, T)``, True =
+    seen; causal: ``T - w + i + 1``); float ``(B, T)``."""
+    seen = vis.sum(-1, keepdim=True).to(a.dtype)                                   # (B | 1, w, 1)
+    return ((a < 1.0 / seen) & vis).sum(-2).float()                                # (B, T)
+
+
+def _visible(mask: torch.Tensor | None, w: int, t: int, device) -> torch.Tensor:
+    """Bool ``(B | 1, w, T)``: the entries each of the last ``w`` queries sees (``mask`` this forward's rows
+    for them, ``(B | 1, 1, w, T)`` bool or additive; None = causal, aligned bottom right)."""
+    if mask is None:
+        qi = torch.arange(w, device=device).view(w, 1) + (t - w)
+        return (torch.arange(t, device=device).view(1, t) <= qi).view(1, w, t)
+    m = mask if mask.dtype == torch.bool else mask == 0
+    return m[:, 0, -w:].expand(m.shape[0], w, t)
+
+
+def _scores(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor:
+    """``(B, H, w, T)`` float32 masked scores of ``query`` (B, H, w, D) over ``key`` (B, H_kv, T, D), GQA grouped
+    (no K copy); ``mask`` bool (True = attend) or additive, broadcastable to ``(B, 1|H, w, T)``, or None."""
+    b, h, w, d = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    g = h // hkv
+    qg = query.reshape(b, hkv, g * w, d)                                              # (B, H_kv, g·w, D)
+    s = torch.matmul(qg, key.transpose(-1, -2)).float().view(b, h, w, t)             # (B, H, w, T)
+    s = s * float(scaling if scaling is not None else d ** -0.5)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    return s
+
+
+def decode_attention(module, query, key, value, mask, scaling, sink: MassSink):
+    """One query per row, computed once: ``(B, 1, H, D)`` output (transformers' layout) and the head mean
+    of the probabilities handed to ``sink``."""
+    b, h, n, d = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    probs = torch.softmax(_scores(module, query, key, mask, scaling), dim=-1)         # (B, H, 1, T) float32
+    sink.take(module.layer_idx, probs.mean(1), _visible(mask, 1, t, query.device))    # (B, 1, T)
+    out = torch.matmul(probs.to(value.dtype).view(b, hkv, (h // hkv) * n, t), value)  # (B, H_kv, g, D)
+    return out.view(b, h, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def window_mass(module, query, key, mask, scaling, sink: MassSink) -> None:
+    """A multi-token forward: the head-mean probabilities of its last ``w`` measured queries, to ``sink``
+    (``mask``: this layer's, ``(…, n, T)``, or None = causal aligned bottom right)."""
+    n, t = query.shape[2], key.shape[2]
+    w = sink.measured(n)
+    if mask is not None:
+        mask = mask[..., n - w:, :]
+    vis = _visible(mask, w, t, query.device)                                          # (B | 1, w, T)
+    probs = torch.softmax(_scores(module, query[:, :, n - w:, :], key, vis[:, None], scaling), dim=-1)  # (B, H, w, T)
+    sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, w, T)

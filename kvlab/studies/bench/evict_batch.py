@@ -1,0 +1,188 @@
+"""The batched eviction benchmark: tok/s per policy, batch size and context vs the full cache, and how close each
+policy gets to the byte bound (weights + K/V read per step at full length / the same at its kept length)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
+from kvlab.studies.bench.timing import _sync, check_batches, peak_rss_mb
+
+
+def batch_evict_policies(cache_len: int) -> dict:
+    """The policies ``bench evict --batch`` compares at a ``cache_len`` context (budget ≈ cache_len / 4):
+    full, sliding, H2O, Scissorhands, SnapKV, block eviction and Conf-KV (tight = budget, loose = 2 × budget)."""
+    from kvlab.eviction import EVICTION_POLICIES as E
+
+    b = max(cache_len // 4, 64)
+    base = default_evict_policies(cache_len)
+    return {"full": base["full"], "sliding": base["sliding"], "h2o": base["h2o"],
+            "scissorhands": E.entry("scissorhands").at_budget(b), "snapkv": E.entry("snapkv").at_budget(b),
+            "block": base["block"], "confkv": base["confkv"]}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, each tensor once (tied embeddings count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def entry_bytes(model) -> int:
+    """K/V bytes of one cache entry of one row over all layers (keys and values, the model's dtype)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * hkv * d * next(model.parameters()).element_size()
+
+
+def byte_bound(model, batch: int, full_len: float, kept_len: float) -> float:
+    """The speed-up a step that only reads memory could reach: (weights + K/V read at ``full_len`` entries) /
+    (weights + K/V read at ``kept_len``), ``batch`` rows."""
+    w, e = weight_bytes(model), entry_bytes(model) * batch
+    return (w + e * full_len) / (w + e * kept_len)
+
+
+def _track(cache, pol) -> None:
+    from kvlab.decode.protocols import evict_attr
+
+    cache.track_attention(evict_attr(pol, "ema_decay"), window=evict_attr(pol, "attention_window"),
+                          pool=evict_attr(pol, "attention_pool"), below=evict_attr(pol, "attention_below"),
+                          ema_prefill=evict_attr(pol, "ema_prefill"))
+
+
+def _settings(pol) -> tuple:
+    from kvlab.decode.protocols import evict_attr
+
+    return tuple(evict_attr(pol, k) for k in ("ema_decay", "attention_window", "attention_pool", "attention_below",
+                                              "ema_prefill"))
+
+
+def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, repeats: int = 2,
+                      policies: dict | None = None, seed: int = 0, on_row=None) -> list[dict]:
+    """Batched decode steps with eviction vs the full cache, one row per (context, batch, policy).
+
+    ``cache_len``: an int or a list of contexts. Per context one prompt of ``cache_len`` random tokens is
+    prefilled once per attention-statistics setting the policies need (untimed) and copied into every
+    row of a :class:`~kvlab.cache.batch.Bank`; each policy then runs ``steps`` steps of one batched
+    forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
+    every row's decision and the cache's edit (the decode loop's own evict phase,
+    :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
+    of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
+    attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
+    ``evict_vs_plain`` = ``step_ms / plain_ms``). Policies interleave per repeat after one warm-up.
+
+    Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
+    entries the policy's forwards read, mean over rows, layers and steps), ``bound``
+    (:func:`byte_bound` at the full cache's and the policy's mean lengths) and ``frac_of_bound`` =
+    ``speedup_vs_full / bound``."""
+    from types import SimpleNamespace
+
+    from kvlab.cache import KVCache
+    from kvlab.cache.batch import Bank, forward_rows
+    from kvlab.decode import token_stats
+    from kvlab.decode.evict_phase import apply_keep, evict_view
+
+    batches = check_batches(batches)
+    lens = [cache_len] if isinstance(cache_len, int) and not isinstance(cache_len, bool) else list(cache_len)
+    if not lens:
+        raise ValueError("cache_len must be an int >= 64 or a non-empty list of them (--cache-len 2048,4096)")
+    for cl in lens:
+        _check_evict_bench(cl, steps)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be a positive int")
+    model = lm.model
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    out = []
+    for cl in lens:
+        pols = policies if policies is not None else batch_evict_policies(cl)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (cl,), generator=g).tolist()
+        new = torch.randint(0, vocab, (steps,), generator=g).tolist()
+        bases: dict[tuple, KVCache] = {}
+        plain_base = KVCache()
+        plain_base.forward(model, ids, writer="teacher")
+        for pol in pols.values():                                      # one prefill per statistics setting
+            key = _settings(pol)
+            if key not in bases:
+                bases[key] = KVCache()
+                _track(bases[key], pol)
+                bases[key].forward(model, ids, writer="teacher", attention=True)
+
+        for B in batches:
+            bank = Bank.for_model(model, B, capacity=cl + steps + 2)
+
+            def one(pol) -> tuple[list[float], float, int]:
+                from kvlab.decode.protocols import evict_attr
+
+                need = bool(evict_attr(pol, "needs_attention"))
+                src = bases[_settings(pol)] if need else plain_base
+                caches = [bank.adopt(b, src) for b in range(B)]              # untimed copies
+                times, read = [], []
+                for step, tok in enumerate(new, start=1):
+                    t0 = time.perf_counter()
+                    logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
+                                          attention=[need] * B)
+                    read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
+                    for b, c in enumerate(caches):
+                        _, ent, top1, margin = token_stats(logits[b])
+                        rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
+                        apply_keep(c, pol.keep(evict_view(c, step, rec, vocab, first=step == 1)), model)
+                    _sync()
+                    times.append(time.perf_counter() - t0)
+                return times[1:], statistics.mean(read[1:]), len(caches[0])
+
+            def plain(n0: int) -> list[float]:
+                src = plain_base.copy()
+                src.crop(n0)
+                caches = [bank.adopt(b, src) for b in range(B)]
+                times = []
+                for step, tok in enumerate(new, start=1):
+                    t0 = time.perf_counter()
+                    forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B)
+                    _sync()
+                    times.append(time.perf_counter() - t0)
+                return times[1:]
+
+            start = {}
+            for n, pol in pols.items():                                  # warm-up; each policy's mean length
+                _, mean_len, _ = one(pol)
+                start[n] = max(1, min(cl, round(mean_len - (steps + 2) / 2)))   # plain reads that length on average
+                plain(start[n])
+            runs = {n: [] for n in pols}
+            plains: dict[int, list[float]] = {}
+            got = {}
+            for _ in range(repeats):
+                done = set()
+                for n, pol in pols.items():
+                    t, mean_len, final = one(pol)
+                    runs[n] += t
+                    got[n] = (mean_len, final)
+                    if start[n] not in done:                              # one plain run per length per repeat
+                        plains.setdefault(start[n], []).extend(plain(start[n]))
+                        done.add(start[n])
+            med = {n: statistics.median(v) for n, v in runs.items()}
+            full_len = got["full"][0] if "full" in got else cl + (steps + 2) / 2
+            for n in pols:
+                mean_len, final = got[n]
+                plain_s = statistics.median(plains[start[n]])
+                row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B, "policy": n,
+                       "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
+                       "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
+                       "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
+                       "peak_rss_mb": peak_rss_mb()}
+                if "full" in med:
+                    row["speedup_vs_full"] = round(med["full"] / med[n], 3)
+                    row["bound"] = round(byte_bound(model, B, full_len, mean_len), 3)
+                    row["frac_of_bound"] = round(row["speedup_vs_full"] / row["bound"], 3)
+                out.append(row)
+                if on_row is not None:
+                    on_row(row)
+            del bank
+    return out

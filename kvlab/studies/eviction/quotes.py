@@ -1,0 +1,81 @@
+"""What README.md and docs/*.md quote from the eviction study (``kvlab.viz.docs`` renders it): matched memory,
+the needle's accuracy per context length, and the key results (Conf-KV at matched memory, each fixed budget
+− Conf-KV, passkey retrieval).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvlab.harness.quotes import DocsError, View, cell, pick, quote, read
+from kvlab.harness.tableview import fmt
+
+
+def needle_table(figures: Path) -> str:
+    """Passkey accuracy per policy and context length (mean over depths and keys, weighted by ``n``); one row per
+    (setting, policy) when the table has a ``setting`` column."""
+    df = read(figures, "evict_needle")
+    for c in ("policy", "length", "accuracy", "n"):
+        if c not in df.columns:
+            raise DocsError(f"figures/evict_needle.csv has no column {c!r}")
+    keys = ["setting", "policy"] if "setting" in df.columns else ["policy"]
+    df = df.assign(hits=df["accuracy"] * df["n"])
+    by = df.groupby(keys + ["length"], sort=False)[["hits", "n"]].sum()
+    acc = (by["hits"] / by["n"]).unstack("length")
+    total = df.groupby(keys, sort=False)[["hits", "n"]].sum()
+    lengths = sorted(acc.columns)
+    head = keys + [f"{int(L)} tokens" for L in lengths] + ["all", "prompts"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in total.index:
+        k = key if isinstance(key, tuple) else (key,)
+        cells = [str(x) for x in k] + [fmt(acc.loc[key, L], 2) for L in lengths]
+        cells += [fmt(total.loc[key, "hits"] / total.loc[key, "n"], 2), str(int(total.loc[key, "n"]))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n*Generated from `figures/evict_needle.csv` (exact-match accuracy).*"
+
+
+VIEWS = {
+    "evict_matched": View("evict_matched", [
+        ("policy", "policy"), ("matched by", ("text", "matched_by")), ("mean K/V MiB", "mean_mb"),
+        ("vs target", "mem_vs_target"), ("KL to full ↓", ("kl", "kl_std")),
+        ("steps on loose", "frac_loose"), ("teacher-forced KL ↓", "kl_forced"),
+        ("Δ forced KL vs Conf-KV (95 % CI)", ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo",
+                                              "d_kl_forced_vs_confkv_hi")),
+        ("ΔKL vs full", "d_kl_vs_full"), ("95 % CI", ("text", "d_kl_vs_full_ci")),
+        ("ΔKL vs Conf-KV (95 % CI)", ("d_kl_vs_confkv", "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi")),
+        ("teacher-PPL", "teacher_ppl"), ("repeat@3", "repeat3")]),
+    "evict_needle": needle_table,
+}
+
+
+def key_results(figures: Path) -> list[tuple[str, str, str]]:
+    """README's key results: Conf-KV at matched mean memory, each other policy − Conf-KV on
+    ``kl_forced``, and passkey retrieval per needle setting."""
+    rows = []
+    em = read(figures, "evict_matched")
+    have = set(em["policy"].astype(str))
+    if "confkv" in have:
+        rows.append(("Eviction at matched mean memory: Conf-KV, teacher-forced KL to the full cache",
+                     quote(figures, "evict_matched", "confkv", "kl_forced") + " (loose budget on "
+                     + quote(figures, "evict_matched", "confkv", "frac_loose", 2) + " of steps)", "evict_matched"))
+    labels = {"confkv_fixed": "its ranker at a fixed budget (schedule off)", "h2o": "H2O",
+              "scissorhands": "Scissorhands", "sliding": "sliding window",
+              "confkv_l": "Conf-KV-L (equal-memory pyramid + INT8)", "confkv_pyramidal": "equal-memory pyramid"}
+    for pol, label in labels.items():
+        if pol in have:
+            r = pick(em, pol, "evict_matched")
+            rows.append((f"Eviction: {label} − Conf-KV, teacher-forced KL",
+                         "Δ " + cell(r, ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo", "d_kl_forced_vs_confkv_hi")),
+                         "evict_matched"))
+    nd = read(figures, "evict_needle")
+    if {"policy", "accuracy", "n"} <= set(nd.columns):
+        settings = list(dict.fromkeys(nd["setting"])) if "setting" in nd.columns else [None]
+        for st in settings:
+            part = nd if st is None else nd[nd["setting"] == st]
+            acc = (part["accuracy"] * part["n"]).groupby(part["policy"]).sum() / part["n"].groupby(part["policy"]).sum()
+            got = [p for p in ("full", "confkv", "h2o", "block", "sliding") if p in acc.index]
+            label = "Passkey retrieval under eviction (exact match)" + (f", {st} setting" if st else "")
+            rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
+    return rows
+
+
+__all__ = ["VIEWS", "key_results", "needle_table"]

@@ -1,0 +1,124 @@
+"""``python -m kvlab refresh``: the refresh tables (periodic, entropy, methods, forced, provenance, timing) and the
+Pareto figure, or one ``--policy`` against no refresh. Torch-free at import."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvlab.core.args import positive_int
+from kvlab.harness import cli_common
+from kvlab.harness.args import run_spec as _spec
+
+
+POLICY_FLAGS = ("T", "W", "tau", "tau_percentile", "min_gap", "M", "kappa", "kappa_percentile", "k", "threshold",
+                "percentile", "signal", "probe_every", "refractory", "passes", "dropout")
+
+
+def register(sub) -> None:
+    """Add this study's subcommand(s) to ``sub`` (the router's subparsers)."""
+    p = sub.add_parser("refresh", help="refresh policies: periodic / entropy / methods tables + Pareto figure")
+    cli_common.add_common_arguments(p)
+    p.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=4,
+                   help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
+    _refresh_options(p)
+    p.set_defaults(fn=cmd_refresh)
+
+
+def _refresh_options(p: argparse.ArgumentParser) -> None:
+    """``refresh``: one policy and its parameters (checked in kvlab.studies.refresh.choice), and the timing."""
+    g = p.add_argument_group("one policy (default: the full table of every policy)")
+    g.add_argument("--policy", default=None, help="periodic | entropy | probe-kl | speculative | mc")
+    g.add_argument("--T", type=int, default=None, help="periodic: refresh every T steps")
+    g.add_argument("--W", type=int, default=None, help="periodic/entropy/probe-kl: rewrite the last W entries")
+    g.add_argument("--tau", type=float, default=None, help="entropy: threshold in bits")
+    g.add_argument("--tau-percentile", type=float, default=None, help="entropy: τ = this percentile (calibrated)")
+    g.add_argument("--min-gap", type=int, default=None, help="entropy: steps between refreshes (default 1)")
+    g.add_argument("--M", type=int, default=None, help="probe-kl: probe every M steps")
+    g.add_argument("--kappa", type=float, default=None, help="probe-kl: KL threshold in nats")
+    g.add_argument("--kappa-percentile", type=float, default=None, help="probe-kl: κ = this percentile (calibrated)")
+    g.add_argument("--k", type=int, default=None, help="speculative: burst length")
+    g.add_argument("--threshold", type=float, default=None, help="mc: gate threshold on the signal")
+    g.add_argument("--percentile", type=float, default=None, help="mc: threshold = this percentile (calibrated)")
+    g.add_argument("--signal", default=None, help="mc: u | mi | flip (default mi)")
+    g.add_argument("--probe-every", type=int, default=None, help="mc: probe every this many steps (default 16)")
+    g.add_argument("--refractory", type=int, default=None, help="mc: steps after a refresh without firing (default 32)")
+    g.add_argument("--passes", type=int, default=None, help="mc: noisy passes per probe (default 8)")
+    g.add_argument("--dropout", type=float, default=None, help="mc: dropout probability (default 0.1)")
+    g.add_argument("--refresh-next", default=None, help="who picks the token after a refresh: rerun | student | teacher")
+    t = p.add_argument_group("overhead timing (side by side in this process)")
+    t.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=2,
+                   help="prompts timed (the first ones of the spec)")
+    t.add_argument("--timing-repeats", type=int, default=2,
+                   help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+
+
+def _calib_prompts(args, spec) -> tuple[str, ...]:
+    """Calibration prompts: data/calibration.jsonl for the default set; for the long set the *last*
+    ``--calib-prompts`` prompts of the long file, which must not overlap the ``--prompts`` evaluated."""
+    from kvlab.core.data import calibration_file, load_prompts, prompt_set_file
+
+    k = min(getattr(args, "calib_prompts", 4), 32)
+    if cli_common.set_suffix(args):
+        rows = load_prompts(prompt_set_file("long"))
+        if len(spec.prompts) + k > len(rows):
+            raise ValueError(f"--prompt-set long holds {len(rows)} prompts: --prompts {len(spec.prompts)} + "
+                             f"--calib-prompts {k} (taken from its end) would overlap; lower one of them")
+        return tuple(r["prompt"] for r in rows[-k:])
+    return tuple(r["prompt"] for r in load_prompts(calibration_file(), n=k))
+
+
+def cmd_refresh(args) -> list[Path]:
+    """The full refresh tables (default) or one ``--policy`` against no refresh (kvlab.studies.refresh.choice)."""
+    from dataclasses import replace as _replace
+
+    from kvlab.studies.refresh.forced import forced_table
+    from kvlab.studies.refresh.choice import policy_choice, single_policy_tables
+    from kvlab.studies.refresh.tables import provenance_table, refresh_tables, write_refresh
+    from kvlab.store import RunStore
+
+    spec = _spec(args)              # validates everything before any model loads
+    choice = policy_choice(getattr(args, "policy", None), getattr(args, "refresh_next", None),
+                           **{k: getattr(args, k, None) for k in POLICY_FLAGS})
+    if getattr(args, "rebuild_student_cache", False):
+        raise ValueError("--rebuild-student-cache cannot be used with refresh: a refresh splices teacher K/V into "
+                         "the student cache, which needs a student with the teacher's KV geometry")
+    if getattr(args, "timing_repeats", 2) < 0:
+        raise ValueError(f"--timing-repeats={args.timing_repeats} must be >= 0 (0 = no overhead timing)")
+    progress = not args.no_progress
+    calib = _replace(spec, prompts=_calib_prompts(args, spec))
+    timing = {"timing_prompts": getattr(args, "timing_prompts", 2), "timing_repeats": getattr(args, "timing_repeats", 2)}
+    teacher, student = cli_common.pair(args)
+    store = RunStore(args.runs)
+    if choice is not None:
+        tables = single_policy_tables(teacher, student, spec, store, calib, choice, progress=progress, **timing)
+        tables = {f"{k}{cli_common.set_suffix(args)}": v for k, v in tables.items()}
+        paths = write_refresh(tables, args.out)
+        for name in tables:
+            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+        return paths
+    tables = refresh_tables(teacher, student, spec, store, calib, progress=progress, **timing)
+    split = max(2, spec.tokens // 2)
+    if spec.tokens >= 4:   # teacher-forced: same tokens, only the cache's writer changes
+        if progress:
+            print(f"forced table: {len(spec.prompts)} prompts (stored runs are reused)", flush=True)
+        tables["refresh_forced"], _ = forced_table(teacher, student, spec.prompts, store, tokens=spec.tokens,
+                                                   split=split, window=max(1, min(8, split - 1)))
+    suffix = cli_common.set_suffix(args)
+    if not suffix:
+        tables["refresh_provenance"] = provenance_table(teacher, student, spec, progress=progress)
+    tables = {f"{k}{suffix}": v for k, v in tables.items()}
+    paths = write_refresh(tables, args.out)
+    if not suffix:
+        paths += [p for n in ("refresh_pareto", "refresh_provenance") if (p := _render(n, args.out)) is not None]
+    for name in ("refresh_periodic", "refresh_entropy", "refresh_methods", "refresh_timing", "refresh_forced"):
+        if (args.out / f"{name}{suffix}.md").is_file():
+            print(f"### {name}{suffix}\n" + (args.out / f"{name}{suffix}.md").read_text())
+    return paths
+
+
+def _render(name: str, out):
+    """Draw this study's figure ``name`` from the tables in ``out`` (its plots module registers them)."""
+    from kvlab.harness.figures import render
+    from kvlab.studies.refresh import plots  # noqa: F401  (registers this study's figures)
+
+    return render(name, out)

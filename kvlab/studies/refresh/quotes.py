@@ -1,0 +1,65 @@
+"""What README.md and docs/*.md quote from the refresh study (``kvlab.viz.docs`` renders it): the periodic,
+entropy, methods, teacher-forced and calibration tables, and the key results (each refresh − no refresh, and
+the student reading its own prompt cache − the teacher's).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvlab.harness.quotes import View, as_number, cell, mde_note, pick, quote, read
+from kvlab.harness.tableview import fmt
+
+
+VIEWS = {
+    "refresh_periodic": View("refresh_periodic", [
+        ("policy", "policy"), ("refreshes", "refreshes"), ("teacher tokens", "teacher_tokens"),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
+        ("MDE", "d_kl_forced_mde"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
+    "refresh_entropy": View("refresh_entropy", [
+        ("policy", "policy"), ("τ (bits)", "tau_bits"), ("refreshes / 1k", "refreshes_per_1k"),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
+        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi")), ("repeat@3 ↓", "repeat3")]),
+    "refresh_methods": View("refresh_methods", [
+        ("policy", "policy"), ("refresh_next", ("text", "refresh_next")), ("refreshes", "refreshes"),
+        ("teacher tokens", "teacher_tokens"), ("probe tokens", "probe_tokens"),
+        ("teacher-forced KL ↓", "kl_forced"), ("Δ forced KL vs none (95 % CI)", ("d_kl_forced", "d_kl_forced_lo",
+                                                                                 "d_kl_forced_hi")),
+        ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")), ("KL ↓", ("kl", "kl_std")),
+        ("ΔKL vs none (95 % CI)", ("d_kl", "d_kl_lo", "d_kl_hi"))]),
+    "refresh_forced": View("refresh_forced", [
+        ("cache written by", "condition"), ("KL(p_T‖q_S) ↓", ("kl", "kl_std")),
+        ("Δ vs OverFill's cache (95 % CI)", ("d_kl_vs_overfill", "d_lo", "d_hi")), ("prompts", "n_prompts")]),
+    "refresh_calibration": View("refresh_calibration", [
+        ("student steps", "n_steps"), ("entropy p90 (bits)", "entropy_p90"), ("p95", "entropy_p95"),
+        ("p99", "entropy_p99"), ("KL p90 (nats)", "kl_p90")]),
+}
+
+
+def key_results(figures: Path) -> list[tuple[str, str, str]]:
+    """README's key results: periodic refresh per T, the speculative / probe-KL / entropy methods
+    (each − no refresh on ``kl_forced``, with interval and MDE), and the teacher-forced cache swap."""
+    rows = []
+    per = read(figures, "refresh_periodic")
+    per = per[per["policy"].astype(str) != "none"]
+    for _, r in per.sort_values("T").iterrows():
+        rows.append((f"Periodic refresh T = {fmt(as_number(r['T']), 0)} − no refresh (OverFill), teacher-forced KL",
+                     "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r),
+                     "refresh_periodic"))
+    met = read(figures, "refresh_methods")
+    for pol in met["policy"].astype(str):
+        if pol.startswith(("speculative", "probe_kl", "entropy")):
+            r = pick(met, pol, "refresh_methods")
+            rows.append((f"{pol} − no refresh, teacher-forced KL",
+                         "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r),
+                         "refresh_methods"))
+    rows.append(("Student reading its own prompt cache − reading the teacher's (same tokens, teacher-forced)",
+                 "ΔKL " + quote(figures, "refresh_forced", "student", ("d_kl_vs_overfill", "d_lo", "d_hi")),
+                 "refresh_forced"))
+    return rows
+
+
+__all__ = ["VIEWS", "key_results"]

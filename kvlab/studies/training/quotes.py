@@ -1,0 +1,83 @@
+"""What README.md and docs/*.md quote from the training study (``kvlab.viz.docs`` renders it): the student
+table, each variant's held-out KL before and after training, and the kept Pareto run (``docs/measured/``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvlab.harness.quotes import ROOT, DocsError, View, read
+from kvlab.harness.tableview import fmt
+
+
+def heldout_table(figures: Path) -> str:
+    """Each trained variant's held-out KL (teacher-forced, its own forward) before and after training."""
+    df = read(figures, "train_curves")
+    for c in ("variant", "step", "heldout_kl", "seconds"):
+        if c not in df.columns:
+            raise DocsError(f"figures/train_curves.csv has no column {c!r}")
+    lines = ["| variant | steps | held-out KL, first evaluation | held-out KL, last | time in steps (min) |",
+             "|---|---|---|---|---|"]
+    for var, g in df.groupby("variant", sort=False):
+        ev = g.dropna(subset=["heldout_kl"]).sort_values("step")
+        if ev.empty:
+            continue
+        lines.append(f"| {var} | {int(g['step'].max())} | {fmt(float(ev['heldout_kl'].iloc[0]))} (step "
+                     f"{int(ev['step'].iloc[0])}) | {fmt(float(ev['heldout_kl'].iloc[-1]))} | "
+                     f"{fmt(float(g['seconds'].sum()) / 60, 1)} |")
+    return "\n".join(lines) + "\n\n*Generated from `figures/train_curves.csv`.*"
+
+
+MEASURED_PARETO = "docs/measured/train_pareto.csv"
+
+
+def pareto_table(figures: Path) -> str:
+    """The training Pareto: one measured ``train-pareto`` run (held-out KL vs decode speed-up per prune shape
+    and recipe), kept under ``docs/measured/`` because its speed columns depend on the machine."""
+    path = ROOT / MEASURED_PARETO
+    if not path.is_file():
+        return ("*No measured run is kept yet: run `python -m kvlab train-pareto --out docs/measured` and "
+                "`python -m kvlab docs`.*")
+    df = pd.read_csv(path)
+    need = ("point", "status", "params_M", "heldout_kl", "heldout_kl_long", "speedup", "front", "front_long")
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise DocsError(f"{path} has no column(s) {missing}")
+    lines = ["| point (shape : recipe) | params (M) | held-out KL, short ↓ | held-out KL, long ↓ | speed-up over "
+             "the teacher ↑ | on the front (short / long) |", "|---|---|---|---|---|---|"]
+    for _, r in df.iterrows():
+        if r["status"] == "missing":
+            lines.append(f"| `{r['point']}` | — | not trained | | | |")
+            continue
+        yes = lambda v: "yes" if str(v).lower() in ("true", "1", "yes") else "no"   # noqa: E731
+        lines.append(f"| `{r['point']}` | {fmt(float(r['params_M']), 1)} | {fmt(float(r['heldout_kl']))} | "
+                     f"{fmt(float(r['heldout_kl_long']))} | {fmt(float(r['speedup']), 2)}× | "
+                     f"{yes(r['front'])} / {yes(r['front_long'])} |")
+    first = df[df["status"] != "missing"].iloc[0] if (df["status"] != "missing").any() else None
+    where = "" if first is None else f" on {first.get('device', 'cpu')} with {first.get('threads', '?')} thread(s)"
+    return ("\n".join(lines) + f"\n\n*One run of `python -m kvlab train-pareto`{where}; from "
+            f"[`{MEASURED_PARETO}`]({MEASURED_PARETO}) (the speed-ups depend on the machine).*")
+
+
+VIEWS = {
+    "train_study": View("train_study", [
+        ("student (OverFill's)", "variant"), ("student alone", "student_alone"),
+        ("forced KL: OverFill", "klf_OF"), ("alone", "klf_S"),
+        ("forced ΔKL OF − S (95 % CI)", ("dklf_OF_vs_S", "dklf_OF_vs_S_lo", "dklf_OF_vs_S_hi")),
+        ("forced ΔKL OF − own decoder alone", ("dklf_OF_vs_own", "dklf_OF_vs_own_lo", "dklf_OF_vs_own_hi")),
+        ("refresh", ("text", "refresh")),
+        ("forced ΔKL of the refresh", ("dklf_refresh", "dklf_refresh_lo", "dklf_refresh_hi")),
+        ("on-path ΔKL OF − S", ("dkl_OF_vs_S", "dkl_OF_vs_S_lo", "dkl_OF_vs_S_hi")),
+        ("prompts", "n_prompts")]),
+    "train_heldout": heldout_table,
+    "pareto": pareto_table,
+}
+
+
+def key_results(figures: Path) -> list[tuple[str, str, str]]:
+    """README's key results: none from the training (its numbers are quoted in its own pages)."""
+    return []
+
+
+__all__ = ["VIEWS", "key_results", "MEASURED_PARETO", "heldout_table", "pareto_table"]
