@@ -16,6 +16,7 @@ from kvlab.harness import cli_common
 from kvlab.studies.baselines import cli as baselines_cli
 from kvlab.studies.bench import cli as bench_cli
 from kvlab.studies.eviction import cli as eviction_cli
+from kvlab.studies.kvpress import cli as kvpress_cli
 from kvlab.studies.mc import cli as mc_cli
 from kvlab.studies.refresh import cli as refresh_cli
 from kvlab.studies.training import cli as training_cli
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     refresh_cli.register(sub)
     eviction_cli.register(sub)
+    kvpress_cli.register(sub)
     _add_all(sub)
     _add_docs(sub)
     training_cli.register(sub)

@@ -121,12 +121,10 @@ def test_menu_entries_build_and_match_the_study(tiny_teacher):
     assert all(r.cache_len == 24 for r in tr.records)
 
 
-@pytest.mark.xfail(strict=True, reason="kvlab/cache/attn_fn.py: kvlab_attention takes no positional `dropout`, which "
-                   "kvpress's attention wrapper (installed at `import kvpress`) passes; remove this mark with the fix")
 def test_a_batched_run_before_import_kvpress_still_works_after_it():
     """kvpress wraps every registered attention function at import and calls it with `dropout` positionally; a
-    batched run registers kvlab's before a press is first built (kvpress imports lazily), so every later batched
-    run failed until kvlab_attention takes `dropout`."""
+    batched run registers kvlab's before a press is first built (kvpress imports lazily), so kvlab_attention takes
+    `dropout` as a named parameter (every later batched run failed before)."""
     import subprocess
     import sys
 

@@ -43,9 +43,10 @@ def causal_mask(n: int, t: int, device) -> torch.Tensor:
 
 
 def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs):
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, **kwargs):
     """``query`` (B, H, n, D), ``key``/``value`` (B, H_kv, T, D) -> transformers' SDPA attention with
-    this layer's own causal mask (see the module docstring)."""
+    this layer's own causal mask (see the module docstring). ``dropout`` is named (transformers passes it as a
+    keyword; a wrapper such as kvpress's, installed at ``import kvpress``, passes it positionally)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     masks = kwargs.pop("kvlab_masks", None)
@@ -59,10 +60,10 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                              "entries of this forward")
         attention_mask = causal_mask(n, t, query.device) if n > 1 and t > n else None
     if sink is not None:                    # attention mass measured by this same computation (kvlab.cache.mass)
-        if n == 1 and not kwargs.get("dropout"):
+        if n == 1 and not dropout:
             return mass.decode_attention(module, query, key, value, attention_mask, kwargs.get("scaling"), sink)
         mass.window_mass(module, query, key, attention_mask, kwargs.get("scaling"), sink)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
 
 def register() -> None:

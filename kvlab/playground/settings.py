@@ -383,19 +383,30 @@ def refresh_policy(s: Settings):
 
 
 def eviction_policies() -> dict:
-    """``kvlab.eviction.EVICTION_POLICIES`` without "full" (the playground's no-eviction choice), or ``{}``
-    when the eviction package is not there."""
+    """``kvlab.eviction.EVICTION_POLICIES`` without "full" (the playground's no-eviction choice), then the
+    installed kvpress presses that run here (``kvpress:<Class>``, :mod:`kvlab.eviction.kvpress.menu`; none
+    without kvpress), or ``{}`` when the eviction package is not there."""
     try:
         from kvlab.eviction import EVICTION_POLICIES
+        from kvlab.eviction.kvpress.menu import menu_entries
+        from kvlab.eviction.scorer import ScorerPolicy
     except ImportError:
         return {}
-    return {k: v for k, v in EVICTION_POLICIES.items() if k != NO_EVICTION}
+    out = {k: v for k, v in EVICTION_POLICIES.items() if k != NO_EVICTION}
+    out.update({e: ScorerPolicy for e in menu_entries()})
+    return out
 
 
 def eviction_policy(s: Settings):
     """The eviction policy of ``s`` with its budget (None for the full cache)."""
     if s.evict == NO_EVICTION:
         return None
+    from kvlab.eviction.kvpress.menu import is_entry, menu_policy
+
+    if is_entry(s.evict):           # a kvpress press: decode-time eviction at the budget, 4 sinks
+        if s.evict not in eviction_policies():
+            raise ValueError(f"evict={s.evict!r} is not available; known: {sorted(eviction_policies())}")
+        return menu_policy(s.evict, s.budget, sinks=4, every_step=True)
     cls = eviction_policies().get(s.evict)
     if cls is None:
         raise ValueError(f"evict={s.evict!r} is not available; known: {sorted(eviction_policies())}")

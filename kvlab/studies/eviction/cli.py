@@ -32,6 +32,9 @@ def evict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-needle", action="store_true", help="evict: skip the needle grid")
     from kvlab.studies.eviction.design import policy_names
 
+    p.add_argument("--kvpress", type=_press_names, default=(), metavar="NAME[,NAME...]",
+                   help="evict: NVIDIA kvpress presses (class names, e.g. SnapKVPress,TOVAPress) as matched-memory "
+                        "families beside kvlab's own, each at prompt compression and at decode time (needs kvpress)")
     p.add_argument("--policy", type=policy_names, default=None, metavar="NAME[,NAME...]",
                    help="evict: the fixed-budget families of the matched-memory table, any registered eviction "
                         "policy by name (kvlab/eviction/*.py, KVLAB_PLUGINS modules; default: the study's own)")
@@ -51,7 +54,7 @@ def cmd_evict(args) -> list[Path]:
     n = getattr(args, "evict_prompts", None)
     if n is not None and n < len(spec.prompts):
         spec = _replace(spec, prompts=spec.prompts[:n])
-    study = EvictStudy(gamma=args.gamma, only=getattr(args, "policy", None))
+    study = EvictStudy(gamma=args.gamma, only=getattr(args, "policy", None), kvpress=getattr(args, "kvpress", ()))
     grid = None if args.no_needle else NeedleGrid(tuple(args.needle_lengths), tuple(args.needle_depths),
                                                    args.needle_reps, args.needle_budget)
     teacher, student = cli_common.pair(args)
@@ -64,3 +67,21 @@ def cmd_evict(args) -> list[Path]:
         if (args.out / f"{name}.md").is_file():
             print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
     return paths
+
+
+def _press_names(s: str) -> tuple[str, ...]:
+    """``--kvpress``: comma-separated kvpress press class names, each checked (kvpress installed, the press
+    exported and runnable by kvlab) before any model loads."""
+    import argparse
+
+    from kvlab.studies.kvpress.presses import make_press
+
+    names = tuple(n.strip() for n in s.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("--kvpress names no press: give kvpress class names, e.g. SnapKVPress,TOVAPress")
+    for n in names:
+        try:
+            make_press(n)
+        except (ValueError, ImportError) as e:
+            raise argparse.ArgumentTypeError(f"--kvpress {n}: {e}") from None
+    return names

@@ -39,6 +39,9 @@ class EvictStudy:
     # the fixed-budget families solved to the target; None: ``run_families`` and every policy registered with
     # kvlab.register_eviction (built at a budget by its Entry.at_budget)
     only: tuple[str, ...] | None = None
+    # NVIDIA kvpress presses (class names) run beside the study's own families, each at prompt compression and at
+    # decode time (kvpress_<Class>_prefill / _decode, kvlab.studies.kvpress.presses.families); ``evict --kvpress``
+    kvpress: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0.0 <= self.gamma <= 1.0:
@@ -50,6 +53,10 @@ class EvictStudy:
             if isinstance(self.only, str) or not all(isinstance(n, str) for n in self.only):
                 raise ValueError(f"only={self.only!r} must be a tuple of family names, e.g. ('h2o', 'mine')")
             object.__setattr__(self, "only", tuple(self.only))
+        if isinstance(self.kvpress, str) or not all(isinstance(n, str) for n in self.kvpress):
+            raise ValueError(f"kvpress={self.kvpress!r} must be a tuple of kvpress press class names, e.g. "
+                             "('SnapKVPress', 'TOVAPress') (--kvpress SnapKVPress,TOVAPress)")
+        object.__setattr__(self, "kvpress", tuple(self.kvpress))
         if self.block_size <= 0 or not 0 < self.tol < 1:
             raise ValueError(f"block_size={self.block_size!r} must be > 0 and tol={self.tol!r} in (0, 1)")
         unknown = set(self.run_families) - set(FAMILIES)
@@ -94,7 +101,12 @@ class EvictStudy:
                 raise ValueError(f"EvictStudy(only=...) names {unknown}, not fixed-budget families; known: "
                                  f"{', '.join(every)}")
             chosen = list(self.only)
-        return {n: EVICTION_POLICIES.entry(every[n][0]).solver(**every[n][1]) for n in chosen}
+        out = {n: EVICTION_POLICIES.entry(every[n][0]).solver(**every[n][1]) for n in chosen}
+        if self.kvpress:
+            from kvlab.studies.kvpress.presses import families as press_families
+
+            out.update(press_families(self.kvpress, sinks=self.sinks, modes=("prefill", "decode")))
+        return out
 
     def ablations(self) -> dict[str, object]:
         """Conf-KV's schedule with other rankers (the paper's isolation study) and its storage variants."""

@@ -79,7 +79,8 @@ def matched_runs(teacher, spec: RunSpec, store: RunStore, study: EvictStudy = Ev
             crush = KVCRUSH_BLOCKS if fam == "block_kvcrush" else 0
             guess = max(lo, round((cap - study.block_size / 2) / study.block_size) - crush
                         - max(1, study.sinks // study.block_size) - max(1, study.protect // study.block_size))
-        elif fam in ("snapkv", "pyramidkv"):   # the prompt is cut to b (layer mean) once, then every step appends:
+        elif fam in ("snapkv", "pyramidkv") or (fam.startswith("kvpress_") and fam.endswith("_prefill")):
+            # prompt compression: the prompt is cut to b (layer mean) once, then every step appends:
             # mean ≈ b + (N+1)/2
             guess = max(lo, round(target / mb_per_entry - (spec.tokens + 1) / 2))
         else:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 MODES = ("prefill", "decode")
 REFERENCE = "sliding"
 FULL = "full"
@@ -28,6 +26,8 @@ class Recency:
     ``ScorerPolicy`` it keeps what ``SlidingWindow(window=budget, sinks)`` keeps."""
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        import torch
+
         pos = kwargs["positions"].to(device=keys.device, dtype=torch.float32)
         return pos.view(1, 1, -1).expand(keys.shape[0], keys.shape[1], -1)
 
