@@ -1,6 +1,7 @@
 """Every kvpress ScorerPress that needs no download, through kvlab's batched decode on the embedded teacher:
-batch 8 (~200-token prompts, 3 tokens, budget 64, sinks 4), each row equal to its batch-1 run (tokens and the
-kept positions of every layer after every step; a press whose score is random by design — :data:`UNSEEDED` —
+batch 8 (~200-token prompts, 3 tokens, budget 64, sinks 4), every row cut to the budget and rows 0, 3 and 7 (first,
+middle, last: different prompt lengths) equal to their batch-1 runs (tokens and the kept positions of every layer
+after every step; a press whose score is random by design — :data:`UNSEEDED` —
 its budget and first token). Integration (the real teacher); skipped without kvpress."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ SCORERS = sorted(r["press"] for r in installed_presses() if r["runs"] == "scorer
 # presses whose score draws from torch's global generator unseeded: no two runs keep the same entries (batched
 # or not), so their rows are checked for the budget and the prefill's token only
 UNSEEDED = {"LeverageScorePress": "its score draws a Gaussian sketch with torch.randn, unseeded"}
+CHECKED = (0, 3, 7)      # rows compared with their batch-1 runs (each costs a prefill on the 2-core CPU)
 BASE = ("Explain, step by step, how a key-value cache speeds up autoregressive decoding in a transformer, what it "
         "stores per layer and head, why its memory grows with the context, and which methods compress it. ") * 4
 
@@ -39,10 +41,12 @@ def test_batch_8_rows_equal_their_single_runs(name, real_pair):
     batch = run_batch(teacher, None, prompts, cfg,
                       on_step=lambda b, rec, d: kept_b[b].append([list(p) for p in d.cache.layer_positions()]))
     for b, (p, t) in enumerate(zip(prompts, batch)):
+        assert all(len(q) == 64 for q in kept_b[b][0]), f"{name} row {b}: the prompt was not cut to the budget"
+        if b not in CHECKED:
+            continue
         kept_1: list = []
         one = kvlab.run(teacher, None, p, cfg,
                         on_step=lambda rec, d: kept_1.append([list(q) for q in d.cache.layer_positions()]))
-        assert all(len(q) == 64 for q in kept_b[b][0]), f"{name} row {b}: the prompt was not cut to the budget"
         if name in UNSEEDED:
             assert t.tokens[0] == one.tokens[0], f"{name} row {b}: the prefill's token differs"
             continue
