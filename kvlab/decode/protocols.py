@@ -11,9 +11,7 @@ class may inherit :class:`EvictionPolicy` / :class:`RefreshPolicy` to carry the 
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -160,7 +158,10 @@ class Keep:
             return None
         if len(self.layers) != len(lengths):
             raise ValueError(f"Keep.layers has {len(self.layers)} entries for a cache of {len(lengths)} layers")
-        return _dropped_layers(self.layers, [int(n) for n in lengths])
+        out = []
+        for kept, n in zip(self.layers, lengths):
+            out.append(sorted(set(range(n)).difference(kept)))
+        return out
 
     def signals(self) -> dict[str, float]:
         out = {}
@@ -169,34 +170,6 @@ class Keep:
         if self.confidence is not None:
             out["confidence"] = float(self.confidence)
         return out
-
-
-def _dropped_layers(layers: Sequence[Sequence[int]], lengths: list[int]) -> list[list[int]]:
-    """Per layer, ``sorted(set(range(lengths[l])) - set(layers[l]))``, computed for all layers at once:
-    one ``(Σ T_l,)`` mask, one ``nonzero`` (kept slots outside ``0 .. T_l - 1`` are ignored, as the
-    set difference ignores them); the set difference layer by layer for slots that are not ints."""
-    try:
-        flat = array("q", chain.from_iterable(layers))
-    except (TypeError, OverflowError):
-        return [sorted(set(range(n)).difference(kept)) for kept, n in zip(layers, lengths)]
-    L = len(lengths)
-    out: list[list[int]] = [[] for _ in range(L)]
-    total = sum(lengths)
-    if not total:
-        return out
-    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    starts = ends - torch.tensor(lengths, dtype=torch.int64)
-    mask = torch.ones(total, dtype=torch.bool)
-    if len(flat):
-        idx = torch.frombuffer(flat, dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(L), torch.tensor([len(k) for k in layers], dtype=torch.int64))
-        ok = (idx >= 0) & (idx < (ends - starts)[row])
-        mask[idx[ok] + starts[row[ok]]] = False
-    gone = mask.nonzero().squeeze(1)
-    rows = torch.searchsorted(ends, gone, right=True)
-    for r, c in zip(rows.tolist(), (gone - starts[rows]).tolist()):
-        out[r].append(c)
-    return out
 
 
 def keep_all(view: EvictView, **kw) -> Keep:
