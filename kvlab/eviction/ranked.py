@@ -23,6 +23,8 @@ per layer (``Keep.layers``; ``Keep.slots`` is layer 0's). What a subclass may ov
   candidates are read (the slots after the sinks and before the newest window,
   :meth:`RankedEviction.candidates`); a score that depends on which entries compete (Conf-KV's
   min–max over them, SnapKV's pool that stops at the window) reads them from there;
+* ``scores_for(view, layers)`` — optional: ``score`` of several layers at once (default: layer by
+  layer); Conf-KV normalizes all over-budget layers as one matrix. Same values as ``score``;
 * ``budgets(view)`` — entries each layer keeps at this step (default ``budget`` on every layer;
   PyramidKV's pyramid; Conf-KV calls :meth:`RankedEviction.select` with its confidence-gated budget);
 * ``due(view)`` — whether this step cuts at all (default every step; SnapKV and PyramidKV: the first,
