@@ -12,10 +12,18 @@ No tensors here: the cache edits its storage (:mod:`.storage`) and this mirror i
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Sequence
 
 from kvlab.cache.ledger import EventLog, Ledger, Row
 from kvlab.cache.plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
+
+
+def _gather(values: list, rows: list[int]) -> tuple:
+    """``tuple(values[r] for r in rows)``, in C (``itemgetter``)."""
+    if len(rows) > 1:
+        return itemgetter(*rows)(values)
+    return (values[rows[0]],) if rows else ()
 
 
 class Mirror:
@@ -51,7 +59,8 @@ class Mirror:
     def uniform(self) -> bool:
         """Every layer holds the same rows."""
         first = self.lives[0]
-        return all(x == first for x in self.lives[1:])
+        n = len(first)
+        return all(len(x) == n for x in self.lives) and all(x is first or x == first for x in self.lives[1:])
 
     def extend(self, rows: Sequence[int]) -> None:
         """Append ``rows`` to every layer's live map."""
@@ -75,10 +84,10 @@ class Mirror:
         return new
 
     def layer_positions(self) -> tuple[tuple[int, ...], ...]:
-        get = self.ledger.position.__getitem__
+        pos = self.ledger.position
         if self.uniform:
-            return (tuple(map(get, self.live)),) * len(self.lives)
-        return tuple(tuple(map(get, live)) for live in self.lives)
+            return (_gather(pos, self.live),) * len(self.lives)
+        return tuple(_gather(pos, live) for live in self.lives)
 
     def held(self, positions: Sequence[int]) -> list[int]:
         """Those of ``positions`` that some layer holds (in the order given)."""

@@ -65,7 +65,9 @@ variant, one scale per (group of ≥ g entries, head, channel).
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -225,3 +227,32 @@ class ConfKV(RankedEviction):
             a = minmax(layer_row(view, "ema", layer)[lo:hi].float())                         # (C,)
             s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
         return F.pad(s, (lo, len(pos) - hi))                                                  # (T_l,)
+
+    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`score` of every layer in ``layers`` at once: the layers with the same candidates'
+        span are min–max normalized as one ``(G, C)`` matrix (the same values, element by element)."""
+        out: list = [None] * len(layers)
+        groups: dict[tuple, list[int]] = {}
+        for i, l in enumerate(layers):
+            lo, hi = self.candidates(view, l)
+            groups.setdefault((lo, hi, len(view.layer_positions[l])), []).append(i)
+        for (lo, hi, n), idx in groups.items():
+            ls = [layers[i] for i in idx]
+            if hi <= lo:
+                for i, l in zip(idx, ls):
+                    out[i] = self.score(view, l)
+                continue
+            rows, seen = [], {}
+            for l in ls:                                  # uniform caches share one positions tuple
+                p = view.layer_positions[l]
+                if id(p) not in seen:
+                    seen[id(p)] = torch.frombuffer(array("q", p[lo:hi]), dtype=torch.int64).to(torch.float32)
+                rows.append(seen[id(p)])
+            s = minmax(torch.stack(rows))                                                    # (G, C) recency
+            if self.attn_weight > 0:
+                a = minmax(torch.stack([layer_row(view, "ema", l)[lo:hi] for l in ls]).float())   # (G, C)
+                s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
+            s = F.pad(s, (lo, n - hi))                                                        # (G, T)
+            for i, row in zip(idx, s.unbind(0)):
+                out[i] = row
+        return out

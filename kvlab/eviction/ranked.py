@@ -23,6 +23,8 @@ per layer (``Keep.layers``; ``Keep.slots`` is layer 0's). What a subclass may ov
   candidates are read (the slots after the sinks and before the newest window,
   :meth:`RankedEviction.candidates`); a score that depends on which entries compete (Conf-KV's
   min–max over them, SnapKV's pool that stops at the window) reads them from there;
+* ``scores_for(view, layers)`` — optional: ``score`` of several layers at once (default: layer by
+  layer); Conf-KV normalizes all over-budget layers as one matrix. Same values as ``score``;
 * ``budgets(view)`` — entries each layer keeps at this step (default ``budget`` on every layer;
   PyramidKV's pyramid; Conf-KV calls :meth:`RankedEviction.select` with its confidence-gated budget);
 * ``due(view)`` — whether this step cuts at all (default every step; SnapKV and PyramidKV: the first,
@@ -72,10 +74,19 @@ def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
     return sorted(cand[by_slot[order[:k]]].tolist())
 
 
+def _top_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` ``(L, m)``: per row, the ``k`` highest columns (ties: the later column), sorted ascending,
+    ``(L, k)`` long on ``x``'s device. One stable sort for all rows."""
+    m = x.shape[1]
+    order = torch.argsort(x.flip(1), dim=1, descending=True, stable=True)[:, :k]   # newer slots first among ties
+    return (m - 1 - order).sort(dim=1).values
+
+
 def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
     """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
-    ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort when every layer
-    has the same ``m`` (the usual case: the same number of entries per layer), else layer by layer."""
+    ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort on the scores'
+    device and one host transfer when every layer has the same ``m`` (the usual case: the same
+    number of entries per layer), else layer by layer."""
     ms = {int(s.numel()) for s in scores}
     if len(ms) != 1:
         return [top_slots(s, list(range(int(s.numel()))), k) for s in scores]
@@ -84,9 +95,13 @@ def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
         return [[] for _ in scores]
     if k >= m:
         return [list(range(m)) for _ in scores]
-    x = torch.stack([s.detach().float().cpu() for s in scores]).flip(1)    # (L, m), newer slots first ...
-    order = torch.argsort(x, dim=1, descending=True, stable=True)[:, :k]   # ... among equal scores
-    return (m - 1 - order).sort(dim=1).values.tolist()
+    return _top_rows(_stack_scores(scores), k).cpu().tolist()
+
+
+def _stack_scores(scores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Equal-length per-layer scores as one float ``(L, m)`` tensor (on the first one's device)."""
+    dev = scores[0].device
+    return torch.stack([s.detach().to(dev).float().reshape(-1) for s in scores])
 
 
 def top_and_recent_layers(scores: Sequence[torch.Tensor | None], lengths: Sequence[int], budget: int | Sequence[int],
@@ -95,18 +110,35 @@ def top_and_recent_layers(scores: Sequence[torch.Tensor | None], lengths: Sequen
     ``budget[l]`` per layer): every slot when within ``b_l``, else its first ``sinks[l]`` slots
     (attention sinks, :func:`sink_counts`; none by default), its newest ``recent`` slots and the
     ``b_l - recent - sinks[l]`` others with the highest ``scores[l]`` (ties: newer) — the ranked
-    policies' per-layer rule, with the over-budget layers ranked by one :func:`top_slots_layers`
-    call per (sink count, budget). ``scores[l]`` is read only for an over-budget layer."""
+    policies' per-layer rule, with the over-budget layers ranked by one batched sort (and one host
+    transfer) per (sink count, budget, length). ``scores[l]`` is read only for an over-budget layer."""
     sinks = [0] * len(lengths) if sinks is None else list(sinks)
     budgets = [budget] * len(lengths) if isinstance(budget, int) else list(budget)
     over = [l for l, n in enumerate(lengths) if n > budgets[l]]
-    kept = [tuple(range(n)) for n in lengths]
-    for s, b in sorted({(sinks[l], budgets[l]) for l in over}):
-        ls = [l for l in over if sinks[l] == s and budgets[l] == b]
-        tops = top_slots_layers([scores[l][s: lengths[l] - recent] for l in ls], b - recent - s)
-        for l, top in zip(ls, tops):
-            kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(lengths[l] - recent, lengths[l]))
-    return kept
+    kept: list = [None] * len(lengths)
+    groups: dict[tuple, list[int]] = {}
+    for l in over:
+        groups.setdefault((sinks[l], budgets[l], lengths[l]), []).append(l)
+    for (s, b, n), ls in sorted(groups.items()):
+        rows = [scores[l][s: n - recent] for l in ls]
+        k = b - recent - s
+        if len({int(r.numel()) for r in rows}) != 1:          # scores of unequal length: layer by layer
+            tops = top_slots_layers(rows, k)
+            for l, top in zip(ls, tops):
+                kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(n - recent, n))
+            continue
+        m = int(rows[0].numel())
+        if k <= 0:
+            mid = torch.empty(len(ls), 0, dtype=torch.long)
+        elif k >= m:
+            mid = torch.arange(s, s + m).expand(len(ls), m)
+        else:
+            mid = _top_rows(_stack_scores(rows), k).cpu() + s
+        full = torch.cat([torch.arange(s).expand(len(ls), s), mid,
+                          torch.arange(n - recent, n).expand(len(ls), recent)], dim=1)
+        for l, row in zip(ls, full.tolist()):
+            kept[l] = tuple(row)
+    return [tuple(range(n)) if kp is None else kp for kp, n in zip(kept, lengths)]
 
 
 def layer_sinks(positions: Sequence[int], sinks: int) -> int:
@@ -195,6 +227,11 @@ class RankedEviction:
         """Layer ``layer``'s entries, ``(T_l,)``: higher = keep. Only the candidates are read (module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} must define score(view, layer) -> (T_l,) scores")
 
+    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`score` of each of ``layers`` (the over-budget ones); a policy may compute them for all
+        layers at once (Conf-KV) — the same values as ``score`` layer by layer."""
+        return [self.score(view, l) for l in layers]
+
     @property
     def newest(self) -> int:
         """The newest entries every layer keeps (the ``newest_field`` field)."""
@@ -225,7 +262,10 @@ class RankedEviction:
         lengths = [len(p) for p in view.layer_positions]
         if all(n <= b for n, b in zip(lengths, budgets)):
             return keep_all(view, **info)
-        scores = [self.score(view, l) if n > b else None for l, (n, b) in enumerate(zip(lengths, budgets))]
+        over = [l for l, (n, b) in enumerate(zip(lengths, budgets)) if n > b]
+        scores: list = [None] * len(lengths)
+        for l, x in zip(over, self.scores_for(view, over)):
+            scores[l] = x
         return per_layer(top_and_recent_layers(scores, lengths, budgets, self.newest, sink_counts(view, self.sinks)),
                          **info)
 
