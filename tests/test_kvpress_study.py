@@ -166,3 +166,18 @@ def test_the_cli_module_registers_its_subcommand():
     cli.register(ap.add_subparsers(dest="command"))
     args = ap.parse_args(["kvpress", "--kvpress", "SnapKVPress", "--modes", "prefill", "--prompts", "4"])
     assert args.fn is cli.cmd_kvpress and args.kvpress == "SnapKVPress" and args.prompts == 4
+
+
+def test_the_needle_grid_takes_presses_beside_its_families():
+    """``evict --kvpress``: each press is a row of the needle grid too, evicting at every step to the sliding
+    window's budget with its 4 sinks; the grid's own policies are unchanged."""
+    from kvlab.decode.keys import policy_dict
+    from kvlab.studies.eviction import needle
+
+    plain = needle.matched_needle_policies(100.0, 23, 128)
+    both = needle.matched_needle_policies(100.0, 23, 128, kvpress=("KnormPress", "SnapKVPress"))
+    assert {k: policy_dict(v) for k, v in plain.items()} == {k: policy_dict(both[k]) for k in plain}
+    for name in ("KnormPress", "SnapKVPress"):
+        pol = both[f"kvpress_{name}"]
+        assert type(pol.scorer).__name__ == name and pol.every_step
+        assert (pol.budget, pol.sinks) == (plain["sliding"].window, plain["sliding"].sinks) == (100, 4)

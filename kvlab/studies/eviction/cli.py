@@ -34,7 +34,8 @@ def evict_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--kvpress", type=_press_names, default=(), metavar="NAME[,NAME...]",
                    help="evict: NVIDIA kvpress presses (class names, e.g. SnapKVPress,TOVAPress) as matched-memory "
-                        "families beside kvlab's own, each at prompt compression and at decode time (needs kvpress)")
+                        "families beside kvlab's own, each at prompt compression and at decode time, and in the "
+                        "needle grid (decode time, at the sliding window's budget; needs kvpress)")
     p.add_argument("--policy", type=policy_names, default=None, metavar="NAME[,NAME...]",
                    help="evict: the fixed-budget families of the matched-memory table, any registered eviction "
                         "policy by name (kvlab/eviction/*.py, KVLAB_PLUGINS modules; default: the study's own)")

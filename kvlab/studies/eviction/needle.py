@@ -234,17 +234,19 @@ def needle_runs(lm, cases: Sequence[NeedleCase], policies: dict, store: RunStore
 
 def matched_needle_runs(lm, cases: Sequence[NeedleCase], budget: int, store: RunStore, gamma: float = 0.9,
                         settings: Sequence[str] = SETTINGS, progress: bool = True,
-                        batch: int | None = None) -> tuple[pd.DataFrame, dict]:
+                        batch: int | None = None, kvpress: Sequence[str] = ()) -> tuple[pd.DataFrame, dict]:
     """Both settings at matched mean memory: per setting, the full cache and Conf-KV first, then every
     fixed-budget family at the budget giving Conf-KV's mean cache length (:func:`matched_needle_policies`).
-    Returns the per-run frame and, per setting, the policies used."""
+    ``kvpress``: kvpress press class names run beside them (decode-time eviction at the sliding window's
+    budget, 4 sinks: :func:`matched_needle_policies`). Returns the per-run frame and, per setting, the policies
+    used."""
     frames, used = [], {}
     for setting in settings:
         first = {"full": None, "confkv": needle_confkv(budget, gamma)}
         head = needle_runs(lm, cases, first, store, progress, setting, batch=batch)
         steps = ANSWER_TOKENS + (int(head.question_steps.max()) if setting == "streamed" else 0)
         target = float(head[head.policy == "confkv"].mean_cache_len.mean())
-        rest = matched_needle_policies(target, steps, budget)
+        rest = matched_needle_policies(target, steps, budget, kvpress=kvpress)
         frames += [head, needle_runs(lm, cases, rest, store, progress, setting, batch=batch)]
         used[setting] = {**first, **rest}
     return pd.concat(frames, ignore_index=True), used
@@ -258,12 +260,15 @@ def needle_confkv(budget: int, gamma: float = 0.9):
     return EVICTION_POLICIES.entry("confkv").at_budget(budget, gamma=gamma, tight_frac=0.75, recent=budget // 8, sinks=4)
 
 
-def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size: int = 4) -> dict:
+def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size: int = 4,
+                            kvpress: Sequence[str] = ()) -> dict:
     """The fixed-budget families at the budget whose mean cache length over ``steps`` decode steps is
     ``mean_len`` (a prompt longer than the budget is cut at the first step): sliding (4 sinks), H2O
     (4 sinks, ``budget // 8`` recent) hold ``B`` from the first step on, so ``B = round(mean_len)``;
     block eviction sits in ``[max, max + bs - 1]``, mean ``max + (bs - 1)/2``; SnapKV cuts the prompt
-    once to ``b`` and appends, mean ``b + (steps - 1)/2``."""
+    once to ``b`` and appends, mean ``b + (steps - 1)/2``. Each kvpress press named in ``kvpress``
+    (``kvpress_<Class>``) evicts at every step to the sliding window's ``B`` with 4 sinks, as the sliding window
+    holds it (:func:`kvlab.studies.kvpress.presses.policy`, decode mode)."""
     from kvlab.eviction import EVICTION_POLICIES as E
 
     b = max(budget // 8 + 6, round(mean_len))
@@ -271,9 +276,14 @@ def matched_needle_policies(mean_len: float, steps: int, budget: int, block_size
     rb = max(1, rec // block_size)
     eb = max(1, round((mean_len - (block_size - 1) / 2) / block_size) - 1 - rb)
     snap = max(rec + 1, round(mean_len - (steps - 1) / 2))
-    return {"sliding": E.entry("sliding").at_budget(b, sinks=4), "h2o": E.entry("h2o").at_budget(b, recent=rec, sinks=4),
-            "block": E.entry("block").at_budget(None, block_size=block_size, recent=rec, blocks=eb),
-            "snapkv": E.entry("snapkv").at_budget(snap, recent=rec)}
+    out = {"sliding": E.entry("sliding").at_budget(b, sinks=4), "h2o": E.entry("h2o").at_budget(b, recent=rec, sinks=4),
+           "block": E.entry("block").at_budget(None, block_size=block_size, recent=rec, blocks=eb),
+           "snapkv": E.entry("snapkv").at_budget(snap, recent=rec)}
+    if kvpress:
+        from kvlab.studies.kvpress.presses import make_press, policy
+
+        out.update({f"kvpress_{name}": policy(make_press(name), "decode", b, 4) for name in kvpress})
+    return out
 
 
 def needle_table(per_run: pd.DataFrame, order: Sequence[str] | None = None) -> pd.DataFrame:

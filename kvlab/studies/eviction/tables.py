@@ -65,7 +65,7 @@ def evict_tables(teacher, student, spec: RunSpec, store: RunStore, study: EvictS
     if grid is not None:
         cases = needle.make_cases(teacher.tokenizer, grid.lengths, grid.depths, grid.reps, grid.seed)
         nruns, used = needle.matched_needle_runs(teacher, cases, grid.budget, store, gamma=study.gamma,
-                                                 progress=progress, batch=spec.batch)
+                                                 progress=progress, batch=spec.batch, kvpress=study.kvpress)
         order = list(dict.fromkeys(n for u in used.values() for n in u))
         tables["evict_needle"] = needle.needle_table(nruns, order=order)
         tables["evict_needle_runs"] = nruns
