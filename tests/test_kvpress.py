@@ -170,23 +170,12 @@ def _kvpress_kept(lm, press, ids, n_kept):
     """Per layer, the positions kvpress's own ``compress`` keeps on the prefill of ``ids``, fed what its
     forward hook reads (the attention module's input kwargs and the layer's cache after the forward; its
     hook itself reads kwargs["past_key_values"], which transformers 5.24 renamed, so it is called here)."""
-    from transformers import DynamicCache
-
     from kvlab.cache.attention import attention_modules
-    from kvlab.core.compat import cache_kwarg
+    from kvlab.studies.kvpress.heads import capture_prefill
 
     model = lm.model
-    got, handles = {}, []
-    for m in attention_modules(model):
-        handles.append(m.register_forward_pre_hook(
-            lambda mod, a, kw, i=m.layer_idx: got.__setitem__(i, dict(kw)), with_kwargs=True))
-    cache = DynamicCache()
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, **{cache_kwarg(model): cache}, use_cache=True)
-    finally:
-        for h in handles:
-            h.remove()
+    with torch.no_grad():
+        _, cache, got = capture_prefill(model, ids[0].tolist())
     T = ids.shape[1]
     press.compression_ratio = 1 - n_kept / T
     base = model.model

@@ -34,8 +34,9 @@ COLUMNS = ["press", "budget", "kl_head_mean", "kl_per_head", "d", "lo", "hi", "m
            "check_max_abs"]
 
 
-def _capture_prefill(model, ids: list[int]):
-    """``(first_logprobs (V,), cache, kwargs per layer)``: the full prefill and each attention module's input."""
+def capture_prefill(model, ids: list[int]):
+    """``(first_logprobs (V,), cache, kwargs per layer)``: the full prefill of ``ids`` in an HF ``DynamicCache`` and each
+    attention module's input kwargs (what kvpress's forward hook reads), captured by removable pre-hooks."""
     from transformers import DynamicCache
 
     from kvlab.cache.attention import attention_modules
@@ -77,7 +78,7 @@ def hf_forced_logprobs(teacher, press, prompt_ids: list[int], reference: Sequenc
     if budget >= T:
         raise ValueError(f"budget={budget} must be below the prompt's {T} tokens (nothing would be compressed)")
     press.post_init_from_model(model)
-    first, cache, got = _capture_prefill(model, list(prompt_ids))
+    first, cache, got = capture_prefill(model, list(prompt_ids))
     press.compression_ratio = 1.0 - (budget + 0.5) / T       # kvpress keeps int(T * (1 - ratio)) = budget
     small = DynamicCache()
     for m in attention_modules(model):
