@@ -7,26 +7,10 @@ An eviction policy is a frozen dataclass that decides only, with one method::
 
     keep(view: EvictView) -> Keep
 
-and optional attributes the loop reads generically (no ``isinstance``), with these defaults:
-
-* ``needs_attention: bool = False`` — the loop measures attention mass on its forwards
-  (``KVCache.forward(..., attention=True)``) and the view carries ``attn``;
-* ``ema_decay: float = 0.9`` — β of the cache's EMA of attention mass (``KVCache.track_attention``);
-* ``rerotate: bool = False`` — survivors are moved to consecutive positions (RoPE re-rotation).
-* ``attention_window: int | None = None`` — only the last ``attention_window`` queries of a
-  multi-token forward (the prefill) are measured: SnapKV's observation window;
-* ``attention_pool: int = 1`` — each forward's mass is max-pooled over the entry and the next
-  ``attention_pool - 1`` entries before it is accumulated (OpenVINO GenAI's ``max_pool_window_size``);
-* ``attention_below: bool = False`` — the cache also counts, per entry, the measured queries that
-  gave it less than the uniform share of their attention (``attn["low"]``, Scissorhands);
-* ``ema_prefill: str = "query"`` — the EMA takes a multi-token forward (the prefill) as one update
-  per query in query order (``"sum"``: one update with the summed mass);
-* ``needs_kv: bool = False`` — the view carries ``kv`` (layer -> read-only copies of that layer's
-  cached keys and values) and ``modules`` (the decoder's attention modules, in layer order): score
-  functions that read the cache itself (kvpress-style scorers, :mod:`kvlab.eviction.scorer`);
-* ``score_stat: str | None`` — the statistic the policy ranks by, shown as the score by the cache
-  inspector (:func:`kvlab.viz.inspector.score_stat`; default ``"acc"`` when it ``needs_attention``,
-  else None).
+and optional attributes the loop reads generically (no ``isinstance``): each is declared once, with its
+default and meaning, in :data:`kvlab.decode.protocols.EVICT_ATTRS` (``needs_attention``, ``ema_decay``,
+``rerotate``, the attention-statistics settings, ``needs_kv``, ``needs_inputs``, ``score_stat``, ``batchable``, ...)
+and read through :func:`~kvlab.decode.protocols.evict_attr`.
 
 Attention sinks: every ranking policy takes ``sinks=k`` (the first ``k`` positions are never
 evicted, StreamingLLM; :func:`sink_counts`); sliding and block eviction keep theirs by default
