@@ -1,23 +1,10 @@
-"""Refresh machinery shared by the decode loop and the policies (seed 000, "KV Cache Refresh").
-Policies decide only; probes may advance the teacher's own cache, never the decoding cache; splices are the loop's,
-through the cache module.
-
-A refresh policy is a small frozen object with one decision method::
-
-    should_refresh(record: StepRecord) -> bool
-
-and three optional attributes the loop reads (with these defaults):
-
-* ``window: int | None = None`` — W, the most entries one refresh rewrites (None = ∞);
-* ``probe: str | None = None`` — the name of a signal source in :data:`PROBES`;
-* ``probe_every: int = 1`` — probe at steps ``t`` with ``t % probe_every == 0``.
-
-At a due step the loop calls ``PROBES[policy.probe](ctx)`` with a :class:`ProbeContext` and puts the
-returned :class:`ProbeResult`'s ``signals`` on the step's record (``record.signals``) *before*
-asking the policy, so a policy reads its probe as ``record.signals.get(name)``. The loop never
-looks at a policy's type. Probes must not edit the decoding cache; a probe that needs the teacher
-calls ``ctx.teacher_logits(n)``, which extends the teacher's own cache incrementally (the loop
-counts those teacher tokens and time; a later refresh reuses them, so they are counted once).
+"""What the refresh policies share: the calibration of thresholds (:func:`tau_from_percentile`,
+:func:`tau_for_budget`), and, re-exported from the loop that owns them, the protocol (``should_refresh(record) ->
+bool`` and its optional attributes ``window``, ``probe``, ``probe_every``, ``batchable``, each declared once with
+its default in :data:`kvlab.decode.protocols.REFRESH_ATTRS`), the probes (:mod:`kvlab.decode.probes`: at a due
+step the loop runs ``PROBES[policy.probe](ctx)`` and puts its signals on the record before asking the policy)
+and run-key dicts (:mod:`kvlab.decode.keys`). Policies decide only; splices are the loop's, through the cache
+module.
 """
 from __future__ import annotations
 
