@@ -15,7 +15,7 @@ The loop edits caches only through :mod:`kvlab.cache`; it imports no policy libr
 from kvlab.decode.config import MODES, REFRESH_NEXT, DecodeConfig, Sampling
 from kvlab.decode.keys import code_digest, policy_dict
 from kvlab.decode.probes import PROBES, ProbeContext, ProbeResult, register_probe
-from kvlab.decode.protocols import (EVICT_ATTRS, REFRESH_ATTRS, EvictionPolicy, EvictView, Keep, RefreshPolicy,
+from kvlab.decode.protocols import (EVICT_ATTRS, REFRESH_ATTRS, EvictView, Keep,
                                     evict_attr, keep_all, refresh_attr, validate_evict, validate_policy)
 from kvlab.decode.records import Signals, StepRecord, Trace
 from kvlab.decode.sampling import LN2, choose, token_stats, token_stats_rows
@@ -25,8 +25,8 @@ from kvlab.decode.loop import Decoding, _eos_ids, _trace, continue_from, run  # 
 from kvlab.decode.batch import BatchDecoding, BatchError, run_batch
 
 __all__ = ["MODES", "REFRESH_NEXT", "DecodeConfig", "Sampling", "code_digest", "policy_dict", "PROBES", "ProbeContext",
-           "ProbeResult", "register_probe", "EVICT_ATTRS", "REFRESH_ATTRS", "EvictionPolicy", "EvictView", "Keep",
-           "RefreshPolicy", "evict_attr", "keep_all", "refresh_attr", "validate_evict", "validate_policy", "Signals",
+           "ProbeResult", "register_probe", "EVICT_ATTRS", "REFRESH_ATTRS", "EvictView", "Keep",
+           "evict_attr", "keep_all", "refresh_attr", "validate_evict", "validate_policy", "Signals",
            "StepRecord", "Trace", "LN2", "choose", "token_stats", "token_stats_rows", "PROBE_TEACHER_UPTO",
            "RefreshPhases", "EvictPhases", "Decoding", "continue_from", "run", "BatchDecoding", "BatchError",
            "run_batch"]

@@ -5,9 +5,7 @@ decides on (:class:`EvictView`) and its answer (:class:`Keep`), and the checks t
 An **eviction policy** has ``keep(view: EvictView) -> Keep``; a **refresh policy** has
 ``should_refresh(record: StepRecord) -> bool``. Both are frozen dataclasses that decide and never mutate; the
 loop and the cache act on their answers. The optional attributes below are read through :func:`evict_attr` /
-:func:`refresh_attr` only (never by type), so a policy that lacks one gets the declared default. A policy
-class may inherit :class:`EvictionPolicy` / :class:`RefreshPolicy` to carry the defaults as class attributes
-(not dataclass fields: they leave run keys unchanged).
+:func:`refresh_attr` only (never by type), so a policy that lacks one gets the declared default.
 """
 from __future__ import annotations
 
@@ -66,25 +64,6 @@ def evict_attr(policy, name: str):
 def refresh_attr(policy, name: str):
     """A refresh policy's optional attribute ``name`` (declared in :data:`REFRESH_ATTRS`), or its default."""
     return getattr(policy, name, REFRESH_ATTRS[name].default)
-
-
-class EvictionPolicy:
-    """Optional base of an eviction policy: the declared defaults of :data:`EVICT_ATTRS` as class attributes.
-    A subclass implements ``keep(view) -> Keep`` (and overrides an attribute as a field or a property)."""
-
-    locals().update({k: a.default for k, a in EVICT_ATTRS.items() if k != "prepare"})
-
-    def keep(self, view: "EvictView") -> "Keep":
-        raise NotImplementedError
-
-
-class RefreshPolicy:
-    """Optional base of a refresh policy: the declared defaults of :data:`REFRESH_ATTRS` as class attributes."""
-
-    locals().update({k: a.default for k, a in REFRESH_ATTRS.items()})
-
-    def should_refresh(self, record) -> bool:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from kvlab.decode.protocols import (EVICT_ATTRS, EvictionPolicy, EvictView, Keep, evict_attr,  # noqa: F401
+from kvlab.decode.protocols import (EVICT_ATTRS, EvictView, Keep, evict_attr,  # noqa: F401
                                     keep_all, validate_evict)
 from kvlab.eviction.checks import (check_bool, check_observation_window, check_recent_budget,  # noqa: F401
                                    check_sinks, finite_float, nonneg_int, positive_int, protected_below, unit_float)

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvlab.decode.keys import code_digest, policy_dict  # noqa: F401  (the loop's: run keys)
 from kvlab.decode.probes import PROBES, LN2, ProbeContext, ProbeResult, register_probe, teacher_kl_probe  # noqa: F401
-from kvlab.decode.protocols import REFRESH_ATTRS, RefreshPolicy, refresh_attr, validate_policy  # noqa: F401
+from kvlab.decode.protocols import REFRESH_ATTRS, refresh_attr, validate_policy  # noqa: F401
 
 
 # --------------------------------------------------------------------------- calibration
