@@ -33,6 +33,8 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvlab.decode.protocols import evict_attr
+
 # what each attention statistic is called in hover titles and captions
 STAT_LABELS = {"acc": "accumulated attention", "ema": "EMA attention", "low": "low-attention queries",
                "count": "measured queries"}
@@ -44,7 +46,7 @@ def score_stat(policy) -> str | None:
     by position, at random)."""
     if policy is None:
         return None
-    default = "acc" if getattr(policy, "needs_attention", False) else None
+    default = "acc" if evict_attr(policy, "needs_attention") else None
     return getattr(policy, "score_stat", default)
 
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb  # noqa: F401
+from kvlab.decode.protocols import evict_attr
 
 
 def default_evict_policies(cache_len: int) -> dict:
@@ -91,7 +92,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
 
     def one(pol) -> dict:
         c = base.copy()
-        need = bool(getattr(pol, "needs_attention", False))
+        need = bool(evict_attr(pol, "needs_attention"))
         rows = []
         for step, tok in enumerate(new, start=1):
             t0 = time.perf_counter()
@@ -132,14 +133,14 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
         c = base.copy()
         c.crop(min(live[n], cache_len))  # the evicting run's length when its next forward starts
         plain_base[n] = c
-        plain(c.copy(), bool(getattr(pol, "needs_attention", False)))
+        plain(c.copy(), bool(evict_attr(pol, "needs_attention")))
     runs = {n: [] for n in policies}
     plains = {n: [] for n in policies}
     attn = {True: [], False: []}
     for _ in range(repeats):
         for n, pol in policies.items():
             runs[n].append(one(pol))
-            plains[n].append(plain(plain_base[n].copy(), bool(getattr(pol, "needs_attention", False))))
+            plains[n].append(plain(plain_base[n].copy(), bool(evict_attr(pol, "needs_attention"))))
         for flag in (False, True):
             c = base.copy()
             attn[flag].append(_timed(lambda: c.forward(model, [new[0]], writer="teacher", attention=flag)))
