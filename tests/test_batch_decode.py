@@ -15,7 +15,7 @@ from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.decode import BatchDecoding, BatchError, DecodeConfig, Decoding, Sampling, run, run_batch
 from kvlab.eviction import (EVICTION_POLICIES, H2O, BlockEvict, ConfKV, FullCache, Knorm, PyramidKV, RandomEvict,
-                            Scissorhands, SlidingWindow, SnapKV, SnapKVScorer)
+                            Scissorhands, SlidingWindow, SnapKV, SnapKVScorer, StreamingLLM)
 from kvlab.refresh.policies import EntropyGate, Periodic, ProbeKL, Speculative
 from kvlab.uncertainty.mc import MCGate
 
@@ -106,7 +106,8 @@ EVICT = {"full": FullCache(), "sliding": SlidingWindow(14, sinks=2), "h2o": H2O(
          "confkv": ConfKV(tight=12, loose=18, protect=4, int8_window=4, int8_group=4, pyramidal=True),
          "block": BlockEvict(4, 1, 3, 1), "snapkv": SnapKV(budget=8, window=3),
          "scissorhands": Scissorhands(14, 4), "pyramidkv": PyramidKV(budget=8, window=2, beta=4),
-         "knorm": Knorm(8), "snapkv_scorer": SnapKVScorer(budget=8, window=3)}
+         "knorm": Knorm(8), "snapkv_scorer": SnapKVScorer(budget=8, window=3),
+         "streamingllm": StreamingLLM(14, sinks=2)}
 # Key norms tie structurally: at layer 0 a token's pre-RoPE key depends on the token alone and RoPE keeps
 # norms, so every repeat of a token ties up to float rounding, and the batched forward's rounding (~1e-7)
 # may keep the other copy. Knorm's rows therefore compress prompts of distinct tokens, once (prefill only).

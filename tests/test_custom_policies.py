@@ -102,7 +102,7 @@ def test_importing_kvlab_registers_nothing_of_the_users():
     code = ("import kvlab; from kvlab.eviction import EVICTION_POLICIES as E; from kvlab.refresh.policies import "
             "REFRESH_POLICIES as R; print(E.user(), R.user(), len(E), len(R))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["()", "()", "11", "5"]
+    assert out == ["()", "()", "12", "5"]
 
 
 def test_the_decorator_form_and_rerunning_a_cell():

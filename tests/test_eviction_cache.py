@@ -393,3 +393,28 @@ def test_evict_failure_leaves_cache_unchanged(lm2, monkeypatch):
     assert all(torch.equal(a, b) for i in range(c.num_layers) for a, b in zip(c.kv(i), kv[i]))
     assert "evicted" not in c.events.event
     c.check()
+
+
+def test_streamingllm_positions_inside_the_cache(lm1):
+    """StreamingLLM as published: after each cut the survivors sit at positions 0 .. window - 1 and the next
+    query takes position ``window``; the logits equal a fresh cache of the same tokens at those positions."""
+    from kvlab.decode.evict_phase import apply_keep, evict_view
+    from kvlab.eviction import SlidingWindow, StreamingLLM
+
+    pol, slide = StreamingLLM(8, sinks=2), SlidingWindow(8, sinks=2)
+    c, _ = KVCache.prefill(lm1.model, IDS, writer="teacher")
+    s, _ = KVCache.prefill(lm1.model, IDS, writer="teacher")
+    for tok in (9, 10, 11):
+        for cache, p in ((c, pol), (s, slide)):
+            apply_keep(cache, p.keep(evict_view(cache, 1, None, 64)), lm1.model)
+            cache.forward(lm1.model, [tok], writer="teacher")
+    assert len(c) == 9 and c.positions == list(range(9)) and c.next_position == 9
+    assert s.positions[:2] == [0, 1] and s.positions[2] > 2                        # sliding keeps the gap
+    kept = [IDS[0], IDS[1]] + (IDS + [9, 10, 11])[-7:]
+    assert c.token_ids == kept and s.token_ids == kept
+    ref, _ = KVCache.prefill(lm1.model, kept, writer="teacher")
+    torch.testing.assert_close(c.kv(c.num_layers - 1)[0], ref.kv(c.num_layers - 1)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c.forward(lm1.model, [12], writer="teacher"),
+                               ref.forward(lm1.model, [12], writer="teacher"), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="sinks"):
+        StreamingLLM(4, sinks=4)

@@ -28,7 +28,7 @@ def view(n, record=CONFIDENT, layers=3, seed=0, step=1, positions=None):
 
 def test_registry_names():
     assert set(EVICTION_POLICIES) == {"full", "sliding", "h2o", "random", "confkv", "block", "snapkv", "scissorhands",
-                                      "pyramidkv", "knorm", "snapkv_scorer"}
+                                      "pyramidkv", "knorm", "snapkv_scorer", "streamingllm"}
     assert EVICTION_POLICIES["pyramidkv"] is PyramidKV
     assert EVICTION_POLICIES["confkv"] is ConfKV
 

@@ -24,11 +24,12 @@ from kvlab.eviction.scissorhands import Scissorhands
 from kvlab.eviction.scorer import ScorerPolicy
 from kvlab.eviction.scorers import KeyNorm, Knorm, SnapKVScorer, SnapKVWindow
 from kvlab.eviction.sliding import SlidingWindow
+from kvlab.eviction.streaming import StreamingLLM
 from kvlab.eviction.snapkv import SnapKV
 
 register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine") on your class
 unregister_eviction = EVICTION_POLICIES.unregister
 
 __all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
-           "RandomEvict", "RankedEviction", "Scissorhands", "SlidingWindow", "SnapKV", "confidence", "drawn_stats", "pyramid_weights",
+           "RandomEvict", "RankedEviction", "Scissorhands", "SlidingWindow", "SnapKV", "StreamingLLM", "confidence", "drawn_stats", "pyramid_weights",
            "validate_evict", "ScorerPolicy", "KeyNorm", "Knorm", "SnapKVScorer", "SnapKVWindow"]
