@@ -75,6 +75,7 @@ class Bank:
         self._check_row(b)
         for lay in self.rows[b]:
             lay.s = lay.n = 0
+            lay.holes = []
             lay.bind()
         return KVCache(hf=KVStore(list(self.rows[b])))
 
@@ -136,7 +137,11 @@ class Bank:
 
 class RowLayer(BufferLayer):
     """Row ``row`` of layer ``layer`` of a :class:`Bank`: a BufferLayer over the view ``bank.k[layer][row:row+1]``.
-    Growth goes through the bank (the whole layer grows); everything else is BufferLayer's, in place."""
+    Growth goes through the bank (the whole layer grows); everything else is BufferLayer's, in place. Evictions
+    leave holes (``lazy``): the batched forward masks them and the row compacts once they pass ``compact_at()``.
+    """
+
+    lazy = True
 
     def __init__(self, bank: Bank, row: int, layer: int):
         super().__init__()
@@ -166,5 +171,5 @@ class RowLayer(BufferLayer):
             self.bank.grow(self.layer, max(MIN_CAPACITY, 2 * t))
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
-        self.s, self.n = 0, t
+        self.s, self.n, self.holes = 0, t, []
         self._views()

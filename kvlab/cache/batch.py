@@ -109,15 +109,26 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         for b in active:
             caches[b]._store.materialize()
             materialized.append(b)
+        want = [b for b in active if attention[b]]
+        settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
+                    for b in want}
+        sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
+        hl, hb, hc = [], [], []                                 # holes a row's evictions left: masked below
         for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer
             c_row, s_row = [], []
-            for lay in row:
-                if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + n]: keep rows near
+            for i, lay in enumerate(row):
+                if lay.holes and (caches[b] is None or (want and sink is None)):
+                    lay.compact()                               # dummies and the capture's pass read dense rows
+                if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + p]: keep rows near
                     lay._to_front()                             # the front (amortized: once per n/4 columns)
                 lay.reserve(n_max)                              # (growth keeps every other row's s and n)
-                c_row.append(lay.s + lay.n)
+                c_row.append(lay.s + lay.p)
                 s_row.append(lay.s)
+                if lay.holes:
+                    hl += [i] * len(lay.holes)
+                    hb += [b] * len(lay.holes)
+                    hc += [lay.s + o for o in lay.holes]
             cols.append(c_row)
             starts.append(s_row if caches[b] is not None else c_row)
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
@@ -127,6 +138,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         ar = torch.arange(W, device=device)
         last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
         masks = (ar >= starts_t[..., None, None]) & (ar <= last[..., None])                # (L, B, n, W)
+        if hc:                                                                            # dead columns: unseen
+            masks[torch.tensor(hl, device=device), torch.tensor(hb, device=device), :,
+                  torch.tensor(hc, device=device)] = False
         step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i]) for i in range(L)])
         per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
         ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
@@ -138,10 +152,6 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         kwargs = dict(input_ids=ids, position_ids=pos, **{cache_kwarg(model): step_cache}, use_cache=True,
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
-        want = [b for b in active if attention[b]]
-        settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
-                    for b in want}
-        sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
         if sink is not None:                                    # one pass: the attention function measures
             out = model(**kwargs, **{MASS_KWARG: sink})
         elif want:                                              # rows measure differently: the capture's pass
@@ -197,12 +207,22 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple) -> d
     ema = sink.layers("ema", L) if decay is not None else None
     out = {}
     for b in rows:
-        spans = [(i, lay.s, lay.n) for i, lay in enumerate(bank.rows[b])]
+        spans = [(i, lay.s, lay.p, _alive(lay)) for i, lay in enumerate(bank.rows[b])]
 
         def pick(per_layer, b=b, spans=spans):
-            return None if per_layer is None else [per_layer[i][b, s:s + n] for i, s, n in spans]
+            return None if per_layer is None else [per_layer[i][b, s:s + p] if alive is None
+                                                   else per_layer[i][b, s:s + p][alive] for i, s, p, alive in spans]
         out[b] = (pick(mass), pick(low), pick(ema))
     return out
+
+
+def _alive(lay) -> torch.Tensor | None:
+    """Bool ``(p,)``: which of a row layer's used columns hold live entries (None: no holes, all of them)."""
+    if not lay.holes:
+        return None
+    alive = torch.ones(lay.p, dtype=torch.bool, device=lay.buf_k.device)
+    alive[torch.tensor(lay.holes, dtype=torch.long, device=lay.buf_k.device)] = False
+    return alive
 
 
 def _group_keys(bank: Bank, i: int, group: list[int]) -> torch.Tensor:

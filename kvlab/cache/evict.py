@@ -80,7 +80,7 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
             mask[torch.tensor(d, dtype=torch.long)] = False
             memo[key] = mask.nonzero().squeeze(1)                                # (T_l',) kept slots
         keeps.append(memo[key])
-    store.keep(keeps)
+    store.keep(keeps, drops)
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
     for i, d in enumerate(drops):

@@ -33,11 +33,19 @@ class BufferLayer(DynamicLayer):
     last removed one move up (and ``s`` grows) — so dropping the oldest non-sink entry of a sliding
     window moves the few sinks, not the whole window."""
 
+    lazy = False        # True (a bank row): drop() leaves holes, compacted when they pass compact_at()
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.n = 0
         self.s = 0
+        self.holes: list[int] = []      # dead columns (offsets from s, sorted) inside the used part [s, s + p)
         self.buf_k = self.buf_v = None
+
+    @property
+    def p(self) -> int:
+        """Columns the used part spans: the ``n`` live entries plus the holes among them."""
+        return self.n + len(self.holes)
 
     @classmethod
     def of(cls, k: torch.Tensor, v: torch.Tensor) -> "BufferLayer":
@@ -68,6 +76,8 @@ class BufferLayer(DynamicLayer):
         self._stale = True
 
     def _fresh(self) -> None:
+        if self.holes:
+            self.compact()
         self._keys = self.buf_k.narrow(2, self.s, self.n)          # the used part [s, s + n)
         self._values = self.buf_v.narrow(2, self.s, self.n)
         self._stale = False
@@ -99,7 +109,7 @@ class BufferLayer(DynamicLayer):
     def _to_front(self) -> None:
         """Move the used part to buffer column 0 (in place)."""
         if self.s:
-            n, s = self.n, self.s
+            n, s = self.p, self.s
             src_k, src_v = self.buf_k[:, :, s:s + n], self.buf_v[:, :, s:s + n]
             if s < n:                                             # overlapping ranges: copy via a temporary
                 src_k, src_v = src_k.clone(), src_v.clone()
@@ -112,6 +122,8 @@ class BufferLayer(DynamicLayer):
         """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.holes:
+            self.compact()
         m = key_states.shape[-2]
         self.reserve(m)
         end = self.s + self.n
@@ -124,11 +136,12 @@ class BufferLayer(DynamicLayer):
     def reserve(self, m: int) -> None:
         """Make room for ``m`` appends after the used part: move it to the front (if at most 3/4 full
         afterwards) or grow the capacity."""
-        if self.s + self.n + m > self.capacity:
-            if 4 * (self.n + m) <= 3 * self.capacity:             # room at the front: at least cap/4 appends away
+        p = self.p
+        if self.s + p + m > self.capacity:
+            if 4 * (p + m) <= 3 * self.capacity:                  # room at the front: at least cap/4 appends away
                 self._to_front()
             else:
-                self._alloc(self.buf_k, max(2 * self.capacity, self.n + m))
+                self._alloc(self.buf_k, max(2 * self.capacity, p + m))
 
     def get_seq_length(self) -> int:
         return self.n
@@ -144,12 +157,54 @@ class BufferLayer(DynamicLayer):
             self.is_initialized = True
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
-        self.s, self.n = 0, t
+        self.s, self.n, self.holes = 0, t, []
         self._views()
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """Remove the live entries ``slots`` (sorted ints). A :attr:`lazy` layer marks their columns dead
+        (``holes``: nothing moves; a batched forward masks them, :mod:`.batch`) and compacts once the holes
+        pass :meth:`compact_at`; any other layer, or a read of ``keys`` / ``values``, compacts at once."""
+        if not slots:
+            return
+        if not self.lazy:
+            gone = set(slots)
+            self.keep(torch.tensor([j for j in range(self.n) if j not in gone], dtype=torch.long))
+            return
+        holes, new, k = self.holes, [], 0
+        for j in slots:                                   # live slot j's column: j + the holes before it
+            o = j + k
+            while k < len(holes) and holes[k] <= o:
+                k += 1
+                o = j + k
+            new.append(o)
+        self.holes = sorted(holes + new)
+        self.n -= len(slots)
+        if len(self.holes) > self.compact_at():
+            self.compact()
+        else:
+            self._views()
+
+    def compact_at(self) -> int:
+        """Holes a lazy layer tolerates: about sqrt(2n) — the extra columns a step reads (half of them on average)
+        against the entries a compaction moves (spread over the steps that made the holes)."""
+        return max(16, int((2 * self.n) ** 0.5))
+
+    def compact(self) -> None:
+        """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns)."""
+        if not self.holes:
+            return
+        p = self.p
+        alive = torch.ones(p, dtype=torch.bool)
+        alive[torch.tensor(self.holes, dtype=torch.long)] = False
+        self.n, self.holes = p, []
+        self.keep(alive.nonzero().squeeze(1))
 
     def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
         """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =
         :func:`keep_plan` ``(idx, n)`` (computed if None)."""
+        if self.holes:
+            self.compact()
+            plan = None
         m = int(idx.numel())
         down, up = keep_plan(idx, self.n) if plan is None else plan
         if up < down:       # the `up` entries before the last removed one move up next to the unmoved tail
@@ -168,12 +223,16 @@ class BufferLayer(DynamicLayer):
         self._views()
 
     def truncate(self, n: int) -> None:
+        if self.holes:
+            self.compact()
         if n < self.n:
             self.n = n
             self._views()
 
     def drop_front(self, m: int) -> None:
         """Remove the first ``m`` entries (no copy: the used part starts ``m`` columns later)."""
+        if self.holes:
+            self.compact()
         if m:
             self.s += m
             self.n -= m
@@ -184,6 +243,7 @@ class BufferLayer(DynamicLayer):
         if self.is_initialized:
             lay.dtype, lay.device = self.dtype, self.device
             lay.buf_k, lay.buf_v, lay.n, lay.s = self.buf_k.clone(), self.buf_v.clone(), self.n, self.s
+            lay.holes = list(self.holes)
             lay.is_initialized = True
             lay._views()
         return lay
@@ -367,15 +427,19 @@ class Storage:
         for i, n in enumerate(lengths[:self.num_layers]):
             self.hf.layers[i].truncate(n - self.int8_len(i))
 
-    def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
-        """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place."""
+    def keep(self, keeps: Sequence[torch.Tensor | None], drops: Sequence[Sequence[int]] | None = None) -> None:
+        """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place.
+        ``drops[i]`` (optional): the same decision as the dropped slots; a lazy layer (a bank row) with no
+        INT8 entries then only marks them dead (:meth:`BufferLayer.drop`)."""
         plans: dict[tuple[int, int], tuple[int, int]] = {}   # per shared keep tensor (layers evicting alike)
         for i, keep_t in enumerate(keeps):
             if keep_t is None:
                 continue
             nq = self.int8_len(i)
             lay = self.hf.layers[i]
-            if nq:
+            if drops is not None and lay.lazy and not nq:
+                lay.drop(drops[i])
+            elif nq:
                 self.int8[i] = self.int8[i].gather(keep_t[keep_t < nq].to(lay.buf_k.device))
                 lay.keep(keep_t[keep_t >= nq] - nq)
             else:

@@ -9,6 +9,7 @@ loop and the cache act on their answers. The optional attributes below are read 
 """
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -112,6 +113,52 @@ class EvictView:
         return all(p == first for p in self.layer_positions)
 
 
+class Kept(abc.Sequence):
+    """A layer's kept slots ``0 .. n - 1`` minus the few ``drops`` (sorted), without building the tuple: a ranked
+    policy that drops one entry of a thousand per step says which one. Reads as the tuple of kept slots
+    (``len``, iteration, indexing, ``==`` with a tuple or list); :meth:`dropped` hands the cache the drops."""
+
+    __slots__ = ("n", "drops", "_kept")
+
+    def __init__(self, n: int, drops: Sequence[int]):
+        self.n, self.drops, self._kept = int(n), tuple(drops), None
+
+    def _tuple(self) -> tuple[int, ...]:
+        if self._kept is None:
+            gone = set(self.drops)
+            self._kept = tuple(s for s in range(self.n) if s not in gone)
+        return self._kept
+
+    def __len__(self) -> int:
+        return self.n - len(self.drops)
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Kept) and other.n == self.n:
+            return other.drops == self.drops
+        return tuple(self) == tuple(other) if isinstance(other, (tuple, list, Kept)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return repr(self._tuple())
+
+    def dropped(self, length: int) -> list[int]:
+        """The slots of ``length`` not kept (the drops when ``length`` is this layer's ``n``)."""
+        return list(self.drops) if length == self.n else sorted(set(range(length)).difference(self))
+
+
+def _dropped(kept, length: int) -> list[int]:
+    fast = getattr(kept, "dropped", None)
+    return fast(length) if fast is not None else sorted(set(range(length)).difference(kept))
+
+
 @dataclass(frozen=True)
 class Keep:
     """A decision: the slots to keep (sorted), plus what the policy computed on the way.
@@ -128,7 +175,7 @@ class Keep:
     layers: tuple[tuple[int, ...], ...] | None = None   # per-layer kept slots; None: slots on every layer
 
     def dropped(self, length: int) -> list[int]:
-        return sorted(set(range(length)).difference(self.slots))
+        return _dropped(self.slots, length)
 
     def dropped_layers(self, lengths: Sequence[int]) -> list[list[int]] | None:
         """Per layer, the slots to drop (``lengths[l]`` = layer ``l``'s live length); ``None`` when
@@ -139,7 +186,7 @@ class Keep:
             raise ValueError(f"Keep.layers has {len(self.layers)} entries for a cache of {len(lengths)} layers")
         out = []
         for kept, n in zip(self.layers, lengths):
-            out.append(sorted(set(range(n)).difference(kept)))
+            out.append(_dropped(kept, n))
         return out
 
     def signals(self) -> dict[str, float]:

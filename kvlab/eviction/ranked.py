@@ -50,7 +50,7 @@ from typing import Sequence
 
 import torch
 
-from kvlab.decode.protocols import EvictView, Keep, keep_all
+from kvlab.decode.protocols import EvictView, Keep, Kept, keep_all
 
 # --------------------------------------------------------------------------- ranking helpers
 
@@ -80,6 +80,18 @@ def _top_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     m = x.shape[1]
     order = torch.argsort(x.flip(1), dim=1, descending=True, stable=True)[:, :k]   # newer slots first among ties
     return (m - 1 - order).sort(dim=1).values
+
+
+def _bottom_rows(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` ``(L, m)``: per row, the ``d`` columns :func:`_top_rows` leaves out when it keeps ``m - d`` (the lowest;
+    ties: the older column goes first), sorted ascending, ``(L, d)``. O(m) per row: the ``d``-th lowest value by
+    ``topk``, then every column below it and the oldest columns equal to it."""
+    t = torch.topk(x, d, dim=1, largest=False).values[:, -1:]                      # (L, 1) the d-th lowest
+    less = x < t
+    eq = x == t
+    need = d - less.sum(1, keepdim=True)                                            # how many ties go
+    drop = less | (eq & (eq.cumsum(1) <= need))
+    return drop.nonzero()[:, 1].view(x.shape[0], d)                                 # row-major: sorted per row
 
 
 def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
@@ -128,6 +140,12 @@ def top_and_recent_layers(scores: Sequence[torch.Tensor | None], lengths: Sequen
                 kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(n - recent, n))
             continue
         m = int(rows[0].numel())
+        if 0 < m - k <= k:                                    # few drops: name them (no kept tuples built)
+            x = _stack_scores(rows)
+            if not torch.isnan(x).any():
+                for l, d in zip(ls, (_bottom_rows(x, m - k).cpu() + s).tolist()):
+                    kept[l] = Kept(n, d)
+                continue
         if k <= 0:
             mid = torch.empty(len(ls), 0, dtype=torch.long)
         elif k >= m:
@@ -191,7 +209,7 @@ def layer_row(view: EvictView, name: str, layer: int) -> torch.Tensor:
 def per_layer(kept: Sequence[Sequence[int]], **kw) -> Keep:
     """A per-layer decision (``kept[l]``: layer ``l``'s kept slots) as a :class:`Keep`: ``slots`` are
     layer 0's, ``layers`` all of them."""
-    layers = tuple(tuple(k) for k in kept)
+    layers = tuple(k if isinstance(k, Kept) else tuple(k) for k in kept)
     return Keep(layers[0], layers=layers, **kw)
 
 

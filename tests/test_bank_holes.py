@@ -1,0 +1,80 @@
+"""Evictions in a bank row leave holes instead of moving memory: the batched forward masks the dead columns, the
+row compacts once they pass ``compact_at()``, and every reader of ``keys`` / ``values`` sees a dense layer. The
+decision side names its few drops (:class:`kvlab.decode.protocols.Kept`) instead of a tuple of a thousand slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_lm
+from kvlab.cache import KVCache
+from kvlab.cache.batch import Bank, forward_rows
+from kvlab.decode.protocols import Keep, Kept
+from kvlab.eviction.ranked import _bottom_rows, _top_rows
+
+IDS = [3, 17, 5, 9, 22, 41, 8, 13, 2, 30, 11, 6, 27, 19, 4, 35, 12, 7, 44, 1]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_tiny_lm(seed=3)
+
+
+def _rows(lm, drops):
+    """A 2-row bank, both rows the prefill of IDS; row 0 drops ``drops`` (per layer), and so does a single cache."""
+    src, _ = KVCache.prefill(lm.model, IDS, writer="teacher")
+    bank = Bank.for_model(lm.model, 2, capacity=64)
+    rows = [bank.adopt(b, src) for b in range(2)]
+    ref = src.copy()
+    for c in (rows[0], ref):
+        c.evict([], model=lm.model, layers=drops)
+    return bank, rows, ref
+
+
+def test_drops_leave_holes_that_the_batched_forward_masks(lm):
+    L = lm.model.config.num_hidden_layers
+    drops = [[2, 7], [5], [0, 3, 9]][:L] + [[1]] * max(0, L - 3)
+    bank, rows, ref = _rows(lm, drops)
+    lays = bank.rows[0]
+    assert [len(x.holes) for x in lays] == [len(d) for d in drops]              # nothing moved ...
+    assert [x.n for x in lays] == [len(IDS) - len(d) for d in drops]
+    assert rows[0].layer_lengths() == ref.layer_lengths()
+    logits = forward_rows(bank, lm.model, rows, [9, 9], writer="teacher", steps=[1, 1])
+    want = ref.forward(lm.model, [9], writer="teacher")
+    torch.testing.assert_close(logits[0], want.reshape(-1), rtol=1e-4, atol=1e-4)  # ... and the forward skips them
+    assert [len(x.holes) for x in lays] == [len(d) for d in drops]              # the step appended after them
+    for i in range(L):                                                          # a reader sees the dense layer
+        torch.testing.assert_close(rows[0].kv(i)[0], ref.kv(i)[0])
+    assert not any(x.holes for x in lays)                                       # (reading compacted it)
+    rows[0].check()
+
+
+def test_holes_compact_once_they_pass_the_threshold(lm):
+    bank, rows, _ = _rows(lm, [[0]] * lm.model.config.num_hidden_layers)
+    lay = bank.rows[0][0]
+    keys = rows[0].kv(0)[0].clone()                                             # compacts (1 hole)
+    for _ in range(lay.compact_at() + 1):
+        if not lay.n:
+            break
+        rows[0].evict([0])
+    assert len(lay.holes) <= lay.compact_at()
+    assert rows[0].kv(0)[0].shape[2] == keys.shape[2] - min(len(IDS) - 1, lay.compact_at() + 1)
+
+
+def test_kept_reads_as_its_tuple_and_names_its_drops():
+    k = Kept(6, (1, 4))
+    assert tuple(k) == (0, 2, 3, 5) and k == (0, 2, 3, 5) and (0, 2, 3, 5) == k and len(k) == 4 and k[1] == 2
+    assert k.dropped(6) == [1, 4] and k.dropped(7) == [1, 4, 6]
+    keep = Keep(k, layers=(k, (0, 1, 2)))
+    assert keep.dropped(6) == [1, 4] and keep.dropped_layers([6, 4]) == [[1, 4], [3]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bottom_rows_is_the_complement_of_top_rows_ties_included(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 4, (5, 23), generator=g).float()                        # many ties
+    for d in (1, 3, 11):
+        top = _top_rows(x, 23 - d)
+        bottom = _bottom_rows(x, d)
+        for r in range(5):
+            assert sorted(set(range(23)) - set(top[r].tolist())) == bottom[r].tolist()
