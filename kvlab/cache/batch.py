@@ -166,7 +166,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         masses = {}
         try:
             if sink is not None:
-                masses = _sink_rows(sink, bank, want, settings[want[0]])
+                masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer)
             elif want:                                          # all measured rows at once (QueryCapture.mass_rows)
                 masses = cap.mass_rows(want, n_max, lambda i, group: _group_keys(bank, i, group),
                                        lambda b, i: bank.rows[b][i].n, settings)
@@ -197,32 +197,26 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
     return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
 
 
-def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple) -> dict[int, tuple]:
+def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, masks: list[torch.Tensor]) -> dict:
     """Each measured row's per-layer ``(mass, low, ema_mass)`` (lists of ``(T_i,)``; None where not kept) out of
-    the sink's ``(B, W_i)`` bank columns: row ``b``'s own span ``[s, s + n)`` of every layer (views)."""
+    the sink's ``(B, W_i)`` bank columns: row ``b``'s live columns of every layer — those its last query saw
+    (``masks[i]`` ``(B, 1, n, W_i)``: its used span, holes left out, the new columns in). One boolean pick per
+    layer for all rows, split by row."""
     _, below, decay = setting
     L = bank.num_layers
-    mass = sink.layers("mass", L)
-    low = sink.layers("low", L) if below else None
-    ema = sink.layers("ema", L) if decay is not None else None
+    got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below else None,
+           "ema": sink.layers("ema", L) if decay is not None else None}
+    seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
+    counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
+    split = {}
+    for name, per_layer in got.items():
+        if per_layer is not None:
+            split[name] = [t[:, :seen[i].shape[1]][seen[i]].split(counts[i]) for i, t in enumerate(per_layer)]
     out = {}
     for b in rows:
-        spans = [(i, lay.s, lay.p, _alive(lay)) for i, lay in enumerate(bank.rows[b])]
-
-        def pick(per_layer, b=b, spans=spans):
-            return None if per_layer is None else [per_layer[i][b, s:s + p] if alive is None
-                                                   else per_layer[i][b, s:s + p][alive] for i, s, p, alive in spans]
-        out[b] = (pick(mass), pick(low), pick(ema))
+        out[b] = tuple(None if name not in split else [split[name][i][b] for i in range(L)]
+                       for name in ("mass", "low", "ema"))
     return out
-
-
-def _alive(lay) -> torch.Tensor | None:
-    """Bool ``(p,)``: which of a row layer's used columns hold live entries (None: no holes, all of them)."""
-    if not lay.holes:
-        return None
-    alive = torch.ones(lay.p, dtype=torch.bool, device=lay.buf_k.device)
-    alive[torch.tensor(lay.holes, dtype=torch.long, device=lay.buf_k.device)] = False
-    return alive
 
 
 def _group_keys(bank: Bank, i: int, group: list[int]) -> torch.Tensor:

@@ -69,17 +69,19 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
         return EvictReport(0, 0, len(cache), 0.0, 0.0)
     if rerotate and store.int8 is not None:
         store.dequantize()
-    keeps, memo = [], {}
-    for d, live in zip(drops, lives):
-        if not d:
-            keeps.append(None)
-            continue
-        key = (len(live), tuple(d))
-        if key not in memo:                    # one kept-slot tensor per distinct (length, drops): shared by layers
-            mask = torch.ones(len(live), dtype=torch.bool)
-            mask[torch.tensor(d, dtype=torch.long)] = False
-            memo[key] = mask.nonzero().squeeze(1)                                # (T_l',) kept slots
-        keeps.append(memo[key])
+    keeps = None if uniform_drop else _keep_matrix(drops, lives)
+    if keeps is None:
+        keeps, memo = [], {}
+        for d, live in zip(drops, lives):
+            if not d:
+                keeps.append(None)
+                continue
+            key = (len(live), tuple(d))
+            if key not in memo:                # one kept-slot tensor per distinct (length, drops): shared by layers
+                mask = torch.ones(len(live), dtype=torch.bool)
+                mask[torch.tensor(d, dtype=torch.long)] = False
+                memo[key] = mask.nonzero().squeeze(1)                            # (T_l',) kept slots
+            keeps.append(memo[key])
     store.keep(keeps, drops)
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
@@ -102,6 +104,18 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
     cache.check_lengths()
     return EvictReport(len(drops[0]), moved, len(cache), t1 - t0, time.perf_counter() - t1,
                        tuple(len(d) for d in drops))
+
+
+def _keep_matrix(drops: list[list[int]], lives) -> list[torch.Tensor] | None:
+    """Every layer the same length and dropping the same number of slots (a ranked policy's usual step): the kept
+    slots of all layers as the rows of one ``(L, m)`` matrix, built at once. None otherwise (built per layer)."""
+    n, k = len(lives[0]), len(drops[0])
+    if not k or any(len(d) != k for d in drops) or any(len(live) != n for live in lives):
+        return None
+    L = len(drops)
+    mask = torch.ones(L, n, dtype=torch.bool)
+    mask[torch.arange(L).repeat_interleave(k), torch.tensor([s for d in drops for s in d], dtype=torch.long)] = False
+    return list(mask.nonzero()[:, 1].view(L, n - k).unbind(0))                    # (m,) rows of one (L, m) matrix
 
 
 def _check_rerotate(mirror, drops: list[list[int]]) -> None:

@@ -278,6 +278,7 @@ class Storage:
         self.hf = hf if hf is not None else KVStore()
         self.int8 = int8                  # per layer: its oldest int8_len(i) slots, INT8 (or None)
         self._materialized: list[int] | None = None
+        self._checked: tuple | None = None  # ids of the layers check() verified (type, batch 1)
 
     # ------------------------------------------------------------------ sizes
 
@@ -305,6 +306,9 @@ class Storage:
 
     def check(self, lengths: Sequence[int]) -> None:
         """Layer ``i`` holds exactly ``lengths[i]`` entries, batch 1."""
+        if self.int8 is None and self._checked is not None and [lay.n for lay in self.hf.layers] == list(lengths) \
+                and self._checked == tuple(map(id, self.hf.layers)):
+            return                              # the per-step case: lengths match, the layers were checked before
         if self.num_layers and len(lengths) != self.num_layers:
             raise AssertionError(f"mirror has {len(lengths)} live maps, storage {self.num_layers} layers")
         for i, layer in enumerate(self.hf.layers):
@@ -317,6 +321,8 @@ class Storage:
                 raise AssertionError(f"layer {i} has batch {layer.buf_k.shape[0]}; KVCache holds one sequence")
         if self.int8 is not None and len(self.int8) != self.num_layers:
             raise AssertionError("INT8 stores and FP layers differ in number")
+        self._checked = tuple(map(id, self.hf.layers)) \
+            if self.num_layers and all(lay.buf_k is not None for lay in self.hf.layers) else None
 
     def nbytes(self) -> int:
         """Bytes of the live K/V over all layers: FP entries at their dtype (the used part of each
