@@ -1,0 +1,246 @@
+"""One layer's full-precision K/V buffer (:class:`BufferLayer`) and the plan of an in-place keep
+(:func:`keep_plan`); part of :mod:`.storage`, which re-exports both."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 64
+
+
+class BufferLayer(DynamicLayer):
+    """One layer's FP entries: ``buf_k`` / ``buf_v`` (1, H_kv, capacity, D), the used part being
+    buffer columns ``[s, s + n)``; ``keys`` / ``values`` are views of it. Appends write after the used
+    part; when the end of the buffer is reached the used part moves back to column 0 (if at most 3/4
+    full) or the capacity doubles. Eviction (:meth:`keep`) moves whichever side of the removed
+    entries is smaller: the entries after the first removed one move down, or the entries before the
+    last removed one move up (and ``s`` grows) — so dropping the oldest non-sink entry of a sliding
+    window moves the few sinks, not the whole window."""
+
+    lazy = False        # True (a bank row): drop() leaves holes, compacted when they pass compact_at()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.n = 0
+        self.s = 0
+        self.holes: list[int] = []      # dead columns (offsets from s, sorted) inside the used part [s, s + p)
+        self.buf_k = self.buf_v = None
+
+    @property
+    def p(self) -> int:
+        """Columns the used part spans: the ``n`` live entries plus the holes among them."""
+        return self.n + len(self.holes)
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "BufferLayer":
+        lay = cls()
+        lay.assign(k, v)
+        return lay
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._alloc(key_states, max(MIN_CAPACITY, 2 * key_states.shape[-2]))
+        self.is_initialized = True
+
+    def _alloc(self, like: torch.Tensor, capacity: int) -> None:
+        b, h, _, d = like.shape
+        k = torch.empty(b, h, capacity, d, dtype=like.dtype, device=like.device)     # (1, H_kv, cap, D)
+        v = torch.empty_like(k)
+        if self.buf_k is not None and self.n:
+            k[:, :, :self.n] = self.keys
+            v[:, :, :self.n] = self.values
+        self.buf_k, self.buf_v, self.s = k, v, 0
+        self._views()
+
+    _stale = False      # keys / values need rebuilding from (buf, s, n)
+
+    def _views(self) -> None:
+        """``s`` / ``n`` / the buffers changed: ``keys`` / ``values`` are rebuilt when next read (a batched
+        step changes every row and layer's ``n`` but reads few of them in Python)."""
+        self._stale = True
+
+    def _fresh(self) -> None:
+        if self.holes:
+            self.compact()
+        self._keys = self.buf_k.narrow(2, self.s, self.n)          # the used part [s, s + n)
+        self._values = self.buf_v.narrow(2, self.s, self.n)
+        self._stale = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._fresh()
+        return self._keys
+
+    @keys.setter
+    def keys(self, t) -> None:          # DynamicLayer.__init__ sets None; nothing else assigns it
+        self._keys = t
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._fresh()
+        return self._values
+
+    @values.setter
+    def values(self, t) -> None:
+        self._values = t
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf_k is None else int(self.buf_k.shape[2])
+
+    def _to_front(self) -> None:
+        """Move the used part to buffer column 0 (in place)."""
+        if self.s:
+            n, s = self.p, self.s
+            src_k, src_v = self.buf_k[:, :, s:s + n], self.buf_v[:, :, s:s + n]
+            if s < n:                                             # overlapping ranges: copy via a temporary
+                src_k, src_v = src_k.clone(), src_v.clone()
+            self.buf_k[:, :, :n] = src_k
+            self.buf_v[:, :, :n] = src_v
+            self.s = 0
+            self._views()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.holes:
+            self.compact()
+        m = key_states.shape[-2]
+        self.reserve(m)
+        end = self.s + self.n
+        self.buf_k[:, :, end:end + m] = key_states
+        self.buf_v[:, :, end:end + m] = value_states
+        self.n += m
+        self._views()
+        return self.keys, self.values
+
+    def reserve(self, m: int) -> None:
+        """Make room for ``m`` appends after the used part: move it to the front (if at most 3/4 full
+        afterwards) or grow the capacity."""
+        p = self.p
+        if self.s + p + m > self.capacity:
+            if 4 * (p + m) <= 3 * self.capacity:                  # room at the front: at least cap/4 appends away
+                self._to_front()
+            else:
+                self._alloc(self.buf_k, max(2 * self.capacity, p + m))
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def assign(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the whole content with ``k, v`` (1, H_kv, T, D) (copied into the buffer)."""
+        t = k.shape[-2]
+        if not self.is_initialized or t > self.capacity or self.buf_k.dtype != k.dtype:
+            self.buf_k = self.buf_v = None
+            self.n = 0
+            self.dtype, self.device = k.dtype, k.device
+            self._alloc(k, max(MIN_CAPACITY, 2 * t))
+            self.is_initialized = True
+        self.buf_k[:, :, :t] = k
+        self.buf_v[:, :, :t] = v
+        self.s, self.n, self.holes = 0, t, []
+        self._views()
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """Remove the live entries ``slots`` (sorted ints). A :attr:`lazy` layer marks their columns dead
+        (``holes``: nothing moves; a batched forward masks them, :mod:`.batch`) and compacts once the holes
+        pass :meth:`compact_at`; any other layer, or a read of ``keys`` / ``values``, compacts at once."""
+        if not slots:
+            return
+        if not self.lazy:
+            gone = set(slots)
+            self.keep(torch.tensor([j for j in range(self.n) if j not in gone], dtype=torch.long))
+            return
+        holes, new, k = self.holes, [], 0
+        for j in slots:                                   # live slot j's column: j + the holes before it
+            o = j + k
+            while k < len(holes) and holes[k] <= o:
+                k += 1
+                o = j + k
+            new.append(o)
+        self.holes = sorted(holes + new)
+        self.n -= len(slots)
+        if len(self.holes) > self.compact_at():
+            self.compact()
+        else:
+            self._views()
+
+    def compact_at(self) -> int:
+        """Holes a lazy layer tolerates: about sqrt(2n) — the extra columns a step reads (half of them on average)
+        against the entries a compaction moves (spread over the steps that made the holes)."""
+        return max(16, int((2 * self.n) ** 0.5))
+
+    def compact(self) -> None:
+        """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns)."""
+        if not self.holes:
+            return
+        p = self.p
+        alive = torch.ones(p, dtype=torch.bool)
+        alive[torch.tensor(self.holes, dtype=torch.long)] = False
+        self.n, self.holes = p, []
+        self.keep(alive.nonzero().squeeze(1))
+
+    def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
+        """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =
+        :func:`keep_plan` ``(idx, n)`` (computed if None)."""
+        if self.holes:
+            self.compact()
+            plan = None
+        m = int(idx.numel())
+        down, up = keep_plan(idx, self.n) if plan is None else plan
+        if up < down:       # the `up` entries before the last removed one move up next to the unmoved tail
+            if up:
+                src = idx[:up].to(self.buf_k.device) + self.s
+                dst = self.s + self.n - m
+                self.buf_k[:, :, dst:dst + up] = self.buf_k.index_select(2, src)    # gather, then copy
+                self.buf_v[:, :, dst:dst + up] = self.buf_v.index_select(2, src)
+            self.s += self.n - m
+        elif down:          # the `down` entries after the first removed one move down
+            first = m - down
+            src = idx[first:].to(self.buf_k.device) + self.s
+            self.buf_k[:, :, self.s + first:self.s + m] = self.buf_k.index_select(2, src)
+            self.buf_v[:, :, self.s + first:self.s + m] = self.buf_v.index_select(2, src)
+        self.n = m
+        self._views()
+
+    def truncate(self, n: int) -> None:
+        if self.holes:
+            self.compact()
+        if n < self.n:
+            self.n = n
+            self._views()
+
+    def drop_front(self, m: int) -> None:
+        """Remove the first ``m`` entries (no copy: the used part starts ``m`` columns later)."""
+        if self.holes:
+            self.compact()
+        if m:
+            self.s += m
+            self.n -= m
+            self._views()
+
+    def clone_layer(self) -> "BufferLayer":
+        lay = BufferLayer()
+        if self.is_initialized:
+            lay.dtype, lay.device = self.dtype, self.device
+            lay.buf_k, lay.buf_v, lay.n, lay.s = self.buf_k.clone(), self.buf_v.clone(), self.n, self.s
+            lay.holes = list(self.holes)
+            lay.is_initialized = True
+            lay._views()
+        return lay
+
+
+def keep_plan(idx: torch.Tensor, n: int) -> tuple[int, int]:
+    """How many entries each way of keeping slots ``idx`` (sorted, of ``n``) moves: ``(down, up)``.
+    ``down``: the kept entries from the first removed slot on; ``up``: the kept entries before the last
+    removed slot (the rest stays where it is either way)."""
+    m = int(idx.numel())
+    gaps = idx - torch.arange(m)            # removed slots before each kept one: nondecreasing, 0 .. n - m
+    down = m - int((gaps == 0).sum())
+    up = int((gaps < n - m).sum())
+    return down, up
