@@ -78,3 +78,14 @@ def test_bottom_rows_is_the_complement_of_top_rows_ties_included(seed):
         bottom = _bottom_rows(x, d)
         for r in range(5):
             assert sorted(set(range(23)) - set(top[r].tolist())) == bottom[r].tolist()
+
+
+def test_live_positions_read_as_the_positions_and_stay_as_taken(lm):
+    c, _ = KVCache.prefill(lm.model, IDS, writer="teacher")
+    c.evict([], model=lm.model, layers=[[1, 4]] + [[2]] * (c.num_layers - 1))
+    lp = c.live_positions()
+    assert [tuple(p) for p in lp] == [tuple(p) for p in c.layer_positions()]
+    assert lp[0] == c.layer_positions()[0] and len(lp[1]) == len(IDS) - 1 and lp[0][:3] == (0, 2, 3)
+    before = tuple(lp[0])
+    c.evict([0])                                                                # the view does not follow the cache
+    assert tuple(lp[0]) == before and lp[0] != c.live_positions()[0]

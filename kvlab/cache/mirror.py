@@ -12,6 +12,7 @@ No tensors here: the cache edits its storage (:mod:`.storage`) and this mirror i
 """
 from __future__ import annotations
 
+from collections import abc
 from operator import itemgetter
 from typing import Sequence
 
@@ -24,6 +25,46 @@ def _gather(values: list, rows: list[int]) -> tuple:
     if len(rows) > 1:
         return itemgetter(*rows)(values)
     return (values[rows[0]],) if rows else ()
+
+
+class LivePositions(abc.Sequence):
+    """One layer's live positions as a read-only sequence, gathered from the ledger only when read whole:
+    ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
+    never change), so it stays what it was when taken. Equal to the tuple of the same positions."""
+
+    __slots__ = ("_pos", "_rows", "_t")
+
+    def __init__(self, position: list, rows: list[int]):
+        self._pos, self._rows, self._t = position, list(rows), None
+
+    def _tuple(self) -> tuple:
+        if self._t is None:
+            self._t = _gather(self._pos, self._rows)
+        return self._t
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._tuple()[i] if self._t is not None else _gather(self._pos, self._rows[i])
+        return self._pos[self._rows[i]]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LivePositions):
+            if other._pos is self._pos and other._rows == self._rows:
+                return True
+            return self._tuple() == other._tuple()
+        return self._tuple() == tuple(other) if isinstance(other, (tuple, list)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return repr(self._tuple())
 
 
 class Mirror:
@@ -88,6 +129,14 @@ class Mirror:
         if self.uniform:
             return (_gather(pos, self.live),) * len(self.lives)
         return tuple(_gather(pos, live) for live in self.lives)
+
+    def live_positions(self) -> tuple:
+        """:meth:`layer_positions` as :class:`LivePositions` (what an eviction policy's view carries): per
+        layer, gathered only if a policy reads them whole."""
+        pos = self.ledger.position
+        if self.uniform:
+            return (LivePositions(pos, self.live),) * len(self.lives)
+        return tuple(LivePositions(pos, live) for live in self.lives)
 
     def held(self, positions: Sequence[int]) -> list[int]:
         """Those of ``positions`` that some layer holds (in the order given)."""

@@ -55,6 +55,11 @@ class CacheViews:
         """Per layer, the absolute position of each live slot."""
         return self._mirror.layer_positions()
 
+    def live_positions(self) -> tuple:
+        """:meth:`layer_positions` as read-only sequences gathered only when read whole (``len`` and slices are
+        free): what an eviction policy's view carries."""
+        return self._mirror.live_positions()
+
     @property
     def lives(self) -> list[list[int]]:
         """Per layer, ``slot -> ledger row`` (``lives[0]`` is :attr:`live`); read only."""

@@ -78,7 +78,7 @@ def evict_view(cache: KVCache, step: int, record, vocab_size: int, **extra) -> E
     """The :class:`EvictView` a policy decides from at ``step`` (the loop's phase 5 and the eviction
     benchmarks build it here): the cache's per-layer positions and attention statistics, ``record``
     (the step's signals), ``extra`` (logits, sampling, ``kv`` access)."""
-    lp = cache.layer_positions()
+    lp = cache.live_positions()
     return EvictView(step=step, length=len(cache), positions=lp[0], record=record, vocab_size=vocab_size,
                      num_layers=cache.num_layers, attn=cache.layer_attn(), layer_positions=lp, **extra)
 
