@@ -166,6 +166,23 @@ def test_refresh_long_end_to_end_on_tiny_models(tiny_teacher, tiny_student, tmp_
     assert len(paths) >= 8
 
 
+def test_refresh_long_runs_a_subset_without_calibrating(tiny_teacher, tiny_student, tmp_path, monkeypatch):
+    from kvlab.decode import Sampling
+    from kvlab.harness.experiment import RunSpec
+    from kvlab.store import RunStore
+
+    monkeypatch.setattr(L, "MIN_TOKENS", 8)
+    spec = RunSpec(prompts=tuple(f"Explain {i}." for i in range(5)), tokens=20, sampling=Sampling(seed=0), batch=5)
+    store = RunStore(tmp_path / "runs")
+    tables = L.refresh_long(tiny_teacher, tiny_student, spec, spec, store, timing_repeats=0,
+                            policies=["periodic_T64"], progress=False)
+    assert list(tables["refresh_long"].policy) == ["no_refresh", "periodic_T64"]
+    assert "refresh_long_calibration" not in tables
+    with pytest.raises(ValueError, match="--policies"):
+        L.refresh_long(tiny_teacher, tiny_student, spec, spec, store, timing_repeats=0, policies=["periodic_T7"],
+                       progress=False)
+
+
 def test_refresh_long_refuses_short_generations(tiny_teacher, tiny_student, tmp_path):
     from kvlab.harness.experiment import RunSpec
     from kvlab.store import RunStore
@@ -183,6 +200,7 @@ def test_refresh_long_refuses_short_generations(tiny_teacher, tiny_student, tmp_
     (["--prompt-set", "long"], "refresh-long needs long-form answers"),
     (["--timing-repeats", "-1"], "--timing-repeats=-1 must be >= 0"),
     (["--rebuild-student-cache"], "cannot be used with refresh-long"),
+    (["--policies", " , "], "--policies=' , ' names no row"),
 ])
 def test_bad_flags_get_clear_errors(argv, needle, capsys):
     from kvlab.cli import main

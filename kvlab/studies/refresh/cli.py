@@ -32,6 +32,9 @@ def register(sub) -> None:
                    help="prompts timed side by side for latency_overhead (the first ones)")
     q.add_argument("--timing-repeats", type=int, default=1,
                    help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+    q.add_argument("--policies", default=None,
+                   help="comma-separated rows to run (default: every row; no_refresh is always run), e.g. "
+                        "periodic_T64,periodic_T128,periodic_T256 (no calibration runs without entropy / probe-KL rows)")
     q.set_defaults(fn=cmd_refresh_long)
 
 
@@ -148,12 +151,14 @@ def cmd_refresh_long(args) -> list[Path]:
     if getattr(args, "rebuild_student_cache", False):
         raise ValueError("--rebuild-student-cache cannot be used with refresh-long: a refresh splices teacher K/V "
                          "into the student cache, which needs the teacher's KV geometry")
+    _policies(args)
     spec = _spec(args)
     calib = _replace(spec, prompts=tuple(r["prompt"] for r in load_prompts(calibration_file(),
                                                                              n=min(args.calib_prompts, 32))))
     teacher, student = cli_common.pair(args)
     tables = refresh_long(teacher, student, spec, calib, RunStore(args.runs), timing_prompts=args.timing_prompts,
-                          timing_repeats=args.timing_repeats, progress=not args.no_progress)
+                          timing_repeats=args.timing_repeats, policies=_policies(args),
+                          progress=not args.no_progress)
     paths = write_long(tables, args.out, spec, calib)
     if (p := _render("refresh_long", args.out)) is not None:
         paths.append(p)
@@ -161,6 +166,17 @@ def cmd_refresh_long(args) -> list[Path]:
         print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
     print(f"refresh-long: {(time.perf_counter() - t0) / 60:.1f} min wall", flush=True)
     return paths
+
+
+def _policies(args):
+    """``--policies`` as a list of row names (None: every row)."""
+    raw = getattr(args, "policies", None)
+    if raw is None:
+        return None
+    names = [p.strip() for p in raw.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--policies={raw!r} names no row; give comma-separated names such as periodic_T64,periodic_T128")
+    return names
 
 
 # `kvlab all`'s size: N = 512 (the issue's floor) on the first ALL_PROMPTS prompts, no latency timing (untracked,

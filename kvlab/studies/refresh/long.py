@@ -119,9 +119,9 @@ class LongCalibration:
         return tau_for_budget(self.kl[M - 1::M] if len(self.kl) >= M else self.kl, per_1k, probe_every=M)
 
 
-def long_policies(tokens: int, cal: LongCalibration) -> tuple[dict, pd.DataFrame]:
+def long_policies(tokens: int, cal: LongCalibration | None) -> tuple[dict, pd.DataFrame]:
     """Every configuration the two tables need, by name, and a frame describing each (``family``, ``knob``,
-    ``target_per_1k``). Speculative k at about 2 and 8 refreshes per 1,000 tokens is not run: with
+    ``target_per_1k``); ``cal=None``: only the rows without a calibrated threshold. Speculative k at about 2 and 8 refreshes per 1,000 tokens is not run: with
     ``refresh_next="rerun"`` it leaves the same cache as periodic T = k (kvlab.refresh.policies.speculative;
     the blog: "same post-refresh KV") at the same teacher tokens, so the periodic rows stand for it."""
     from kvlab.decode import DecodeConfig
@@ -142,12 +142,13 @@ def long_policies(tokens: int, cal: LongCalibration) -> tuple[dict, pd.DataFrame
     for r in COST_TIERS:
         T = period_for_rate(tokens, r)
         add(f"periodic_T{T}", Periodic(T), "periodic", f"T={T}", r)
-    for r in (MAIN_BUDGET, COST_TIERS[1]):
+    for r in (MAIN_BUDGET, COST_TIERS[1]) if cal is not None else ():
         tau = round(cal.tau(r), 3)
         add(f"entropy_b{r:g}", EntropyGate(tau), "entropy", f"tau={tau:g} bits", r)
     add(f"speculative_k{SPEC_K}", Speculative(SPEC_K), "speculative", f"k={SPEC_K}", 1000.0 / SPEC_K)
-    kappa = round(cal.kappa(MAIN_BUDGET), 4)
-    add(f"probe_kl_M{PROBE_M}", ProbeKL(PROBE_M, kappa), "probe_kl", f"M={PROBE_M}, kappa={kappa:g}", MAIN_BUDGET)
+    if cal is not None:
+        kappa = round(cal.kappa(MAIN_BUDGET), 4)
+        add(f"probe_kl_M{PROBE_M}", ProbeKL(PROBE_M, kappa), "probe_kl", f"M={PROBE_M}, kappa={kappa:g}", MAIN_BUDGET)
     return cfgs, pd.DataFrame(rows)
 
 
@@ -220,11 +221,15 @@ def _log(msg: str, progress: bool) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] refresh-long: {msg}", flush=True)
 
 
+CALIBRATED = ("entropy", "probe_kl")      # row-name prefixes whose threshold needs the calibration runs
+
+
 def refresh_long(teacher, student, spec, calib, store, *, timing_prompts: int = 1, timing_repeats: int = 1,
-                 progress: bool = True) -> dict[str, pd.DataFrame]:
+                 policies: Sequence[str] | None = None, progress: bool = True) -> dict[str, pd.DataFrame]:
     """Calibrate on ``calib`` (no-refresh OverFill runs), run every policy of :func:`long_policies` on ``spec``
     (stored, paired seeds), score each on the teacher-forced reference, time each against no refresh side by side
-    (``timing_repeats=0``: no timing, ``latency_overhead`` NaN) and build the tables."""
+    (``timing_repeats=0``: no timing, ``latency_overhead`` NaN) and build the tables. ``policies``: only these
+    rows (and ``no_refresh``); without entropy / probe-KL rows nothing is calibrated."""
     from kvlab.harness.experiment import scored_runs
     from kvlab.harness.forced import forced_columns
     from kvlab.studies.refresh.tables import calibrate, overhead_table, paired_timing
@@ -232,10 +237,19 @@ def refresh_long(teacher, student, spec, calib, store, *, timing_prompts: int = 
     if spec.tokens < MIN_TOKENS:
         raise ValueError(f"--tokens={spec.tokens} is below {MIN_TOKENS}: the blog's regime is long generations "
                          f"(N = 1,200; this study needs N >= {MIN_TOKENS})")
-    _log(f"calibration: {len(calib.prompts)} no-refresh runs × {calib.tokens} tokens", progress)
-    c = calibrate(teacher, student, calib, store, progress=progress)
-    cal = LongCalibration(c.entropy, c.kl)
+    wanted = None if policies is None else [BASE, *[p for p in policies if p != BASE]]
+    cal = None
+    if wanted is None or any(p.startswith(CALIBRATED) for p in wanted):
+        _log(f"calibration: {len(calib.prompts)} no-refresh runs × {calib.tokens} tokens", progress)
+        c = calibrate(teacher, student, calib, store, progress=progress)
+        cal = LongCalibration(c.entropy, c.kl)
     cfgs, info = long_policies(spec.tokens, cal)
+    if wanted is not None:
+        unknown = [p for p in wanted if p not in cfgs]
+        if unknown:
+            raise ValueError(f"--policies: {unknown} not among this run's rows {list(cfgs)}")
+        cfgs = {p: cfgs[p] for p in wanted}
+        info = info.set_index("policy").loc[wanted].reset_index()
     _log(f"free runs: {len(cfgs)} policies × {len(spec.prompts)} prompts × {spec.tokens} tokens (stored runs reused)",
          progress)
     keys = [(i, name) for name in cfgs for i in range(len(spec.prompts))]
@@ -253,16 +267,17 @@ def refresh_long(teacher, student, spec, calib, store, *, timing_prompts: int = 
         overhead = overhead_table(paired_timing(teacher, student, spec, cfgs, base=BASE, prompts=timing_prompts,
                                                 repeats=timing_repeats, progress=progress))
     table = long_table(per_run, info, overhead)
-    calib_row = pd.DataFrame([{"calib_prompts": len(calib.prompts), "tokens": calib.tokens,
+    tables = {"refresh_long": table, "refresh_equal_cost": equal_cost_table(table, info), "refresh_long_runs": per_run}
+    if overhead is not None:
+        tables["refresh_long_timing"] = overhead
+    if cal is None:
+        return tables
+    tables["refresh_long_calibration"] = pd.DataFrame([{"calib_prompts": len(calib.prompts), "tokens": calib.tokens,
                                "n_steps": len(cal.entropy), **{f"tau_b{r:g}": cal.tau(r) for r in (MAIN_BUDGET,
                                                                                                COST_TIERS[1])},
                                f"kappa_b{MAIN_BUDGET:g}_M{PROBE_M}": cal.kappa(MAIN_BUDGET),
                                **{f"open_loop_per_1k_b{r:g}": achieved_rate(cal.entropy, cal.tau(r))
                                   for r in (MAIN_BUDGET, COST_TIERS[1])}}])
-    tables = {"refresh_long": table, "refresh_equal_cost": equal_cost_table(table, info),
-              "refresh_long_calibration": calib_row, "refresh_long_runs": per_run}
-    if overhead is not None:
-        tables["refresh_long_timing"] = overhead
     return tables
 
 
@@ -305,10 +320,11 @@ def write_long(tables: dict[str, pd.DataFrame], out, spec, calib) -> list:
         "free runs. Speculative k at these rates is periodic T = k (same post-refresh cache, same teacher "
         "tokens with refresh_next = rerun), so the periodic row stands for it.",
         "`d_*`: paired difference against `no_refresh`, bootstrap 95 % interval over prompts (refresh_long.md)."])
-    paths += write_table(tables["refresh_long_calibration"].round(4), out, "refresh_long_calibration", notes=[
-        "Thresholds from no-refresh OverFill runs on data/calibration.jsonl: τ (bits) for the entropy gate at b "
-        "refreshes per 1,000 tokens, κ (nats) for probe-KL every M steps; `open_loop_per_1k_*`: the rate τ fires "
-        "at on the calibration trace itself."])
+    if "refresh_long_calibration" in tables:
+        paths += write_table(tables["refresh_long_calibration"].round(4), out, "refresh_long_calibration", notes=[
+            "Thresholds from no-refresh OverFill runs on data/calibration.jsonl: τ (bits) for the entropy gate at b "
+            "refreshes per 1,000 tokens, κ (nats) for probe-KL every M steps; `open_loop_per_1k_*`: the rate τ "
+            "fires at on the calibration trace itself."])
     paths += write_table(tables["refresh_long_runs"].round(5), out, "refresh_long_runs", notes=["Per run."])
     if "refresh_long_timing" in tables:
         tables["refresh_long_timing"].to_csv(out / "refresh_long_timing.csv", index=False)
