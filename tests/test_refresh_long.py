@@ -215,3 +215,17 @@ def test_bad_prompts_flag_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["refresh-long", "--prompts", "0"])
     assert "--prompts" in capsys.readouterr().err
+
+
+def test_main_job_runs_refresh_long_at_n_512(monkeypatch):
+    """`kvlab all` runs refresh-long at N = 512 on >= 16 prompts (the issue's floor), with its rows named."""
+    from kvlab import cli
+    from kvlab.studies.refresh import cli as rcli
+
+    assert "refresh-long" in [n for n, _ in cli.JOBS] and "refresh-long" in cli.NEEDS_SAME_GEOMETRY
+    seen = {}
+    monkeypatch.setattr(rcli, "cmd_refresh_long", lambda a: seen.update(vars(a)) or [])
+    args = cli.build_parser().parse_args(["all"])
+    rcli.refresh_long_all(args)
+    assert seen["tokens"] == 512 and seen["prompts"] >= 16 and seen["timing_repeats"] == 0
+    assert set(seen["policies"].split(",")) == {"periodic_T64", "periodic_T128", "periodic_T256"}
