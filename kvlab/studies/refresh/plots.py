@@ -230,6 +230,7 @@ def refresh_long_cost(tables):
                 ax.annotate(str(k), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0.0, color="black", lw=0.8, ls="--")
         ax.set_xscale("symlog", linthresh=0.01)
+        ax.set_xlim(left=0.0)
         ax.set_xlabel("teacher tokens per generated token (free runs)")
         ax.set_ylabel(lab + " vs no refresh")
         ax.grid(alpha=0.3)
