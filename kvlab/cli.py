@@ -53,12 +53,13 @@ def cmd_sweep(args):
 JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.cmd_baselines),
         ("baselines-long", baselines_cli.baselines_long), ("mc-sim", mc_cli.cmd_mc_sim),
         ("mc-real", mc_cli.mc_real_small), ("refresh", refresh_cli.cmd_refresh),
-        ("evict", eviction_cli.cmd_evict), ("train-study", training_cli.cmd_train_study)]
+        ("refresh-long", refresh_cli.refresh_long_all), ("evict", eviction_cli.cmd_evict),
+        ("train-study", training_cli.cmd_train_study)]
 
 
 # Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
-# evict: its OverFill + refresh row; train-study: OverFill (+ refresh) with each trained student.
-NEEDS_SAME_GEOMETRY = ("refresh", "evict", "train-study")
+# refresh-long: OverFill + refresh; evict: its OverFill + refresh row; train-study: OverFill (+ refresh) with each trained student.
+NEEDS_SAME_GEOMETRY = ("refresh", "refresh-long", "evict", "train-study")
 
 
 def cmd_all(args) -> list[Path]:

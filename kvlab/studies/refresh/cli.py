@@ -22,6 +22,20 @@ def register(sub) -> None:
                    help="calibration prompts (data/calibration.jsonl) for the entropy/KL thresholds")
     _refresh_options(p)
     p.set_defaults(fn=cmd_refresh)
+    q = sub.add_parser("refresh-long", help="the blog's refresh regime: long generations (N >= 512), periodic T = "
+                                            "64/128/256, entropy / probe-KL at ~2.5 per 1k tokens, speculative k = 8; "
+                                            "refresh_long + refresh_equal_cost tables and figure")
+    cli_common.add_common_arguments(q, prompts=16, tokens=512)
+    q.add_argument("--calib-prompts", type=positive_int("--calib-prompts"), default=8,
+                   help="calibration prompts (data/calibration.jsonl) for τ and κ, run at the same --tokens")
+    q.add_argument("--timing-prompts", type=positive_int("--timing-prompts"), default=1,
+                   help="prompts timed side by side for latency_overhead (the first ones)")
+    q.add_argument("--timing-repeats", type=int, default=1,
+                   help="paired (no refresh, policy) timings per prompt and policy (0 = no timing)")
+    q.add_argument("--policies", default=None,
+                   help="comma-separated rows to run (default: every row; no_refresh is always run), e.g. "
+                        "periodic_T64,periodic_T128,periodic_T256 (no calibration runs without entropy / probe-KL rows)")
+    q.set_defaults(fn=cmd_refresh_long)
 
 
 def _refresh_options(p: argparse.ArgumentParser) -> None:
@@ -114,6 +128,76 @@ def cmd_refresh(args) -> list[Path]:
         if (args.out / f"{name}{suffix}.md").is_file():
             print(f"### {name}{suffix}\n" + (args.out / f"{name}{suffix}.md").read_text())
     return paths
+
+
+def cmd_refresh_long(args) -> list[Path]:
+    """``refresh-long``: kvlab.studies.refresh.long (flags checked before any model loads)."""
+    import time
+    from dataclasses import replace as _replace
+
+    from kvlab.core.data import calibration_file, load_prompts
+    from kvlab.store import RunStore
+    from kvlab.studies.refresh.long import MIN_TOKENS, refresh_long, write_long
+
+    t0 = time.perf_counter()
+    if getattr(args, "prompt_set", "default") != "default" and getattr(args, "prompts_file", None) is None:
+        raise ValueError("--prompt-set long holds short-answer prompts; refresh-long needs long-form answers "
+                         "(the default set, data/prompts.jsonl, or --prompts-file)")
+    if args.tokens is not None and args.tokens < MIN_TOKENS:
+        raise ValueError(f"--tokens={args.tokens} must be >= {MIN_TOKENS}: refresh-long measures long generations "
+                         "(the blog's N = 1,200); for short runs use `python -m kvlab refresh`")
+    if args.timing_repeats < 0:
+        raise ValueError(f"--timing-repeats={args.timing_repeats} must be >= 0 (0 = no latency timing)")
+    if getattr(args, "rebuild_student_cache", False):
+        raise ValueError("--rebuild-student-cache cannot be used with refresh-long: a refresh splices teacher K/V "
+                         "into the student cache, which needs the teacher's KV geometry")
+    _policies(args)
+    spec = _spec(args)
+    calib = _replace(spec, prompts=tuple(r["prompt"] for r in load_prompts(calibration_file(),
+                                                                             n=min(args.calib_prompts, 32))))
+    teacher, student = cli_common.pair(args)
+    tables = refresh_long(teacher, student, spec, calib, RunStore(args.runs), timing_prompts=args.timing_prompts,
+                          timing_repeats=args.timing_repeats, policies=_policies(args),
+                          progress=not args.no_progress)
+    paths = write_long(tables, args.out, spec, calib)
+    if (p := _render("refresh_long", args.out)) is not None:
+        paths.append(p)
+    for name in ("refresh_long", "refresh_equal_cost"):
+        print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+    print(f"refresh-long: {(time.perf_counter() - t0) / 60:.1f} min wall", flush=True)
+    return paths
+
+
+def _policies(args):
+    """``--policies`` as a list of row names (None: every row)."""
+    raw = getattr(args, "policies", None)
+    if raw is None:
+        return None
+    names = [p.strip() for p in raw.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--policies={raw!r} names no row; give comma-separated names such as periodic_T64,periodic_T128")
+    return names
+
+
+# `kvlab all`'s size: N = 512 (issue 37's floor) on the first ALL_PROMPTS prompts; only the rows without calibration
+# runs or step-by-step forced scoring (periodic: a few batched forwards on the forced path), and no latency timing
+# (untracked, machine-dependent). NOT MEASURED in the session that added it (the shared CPU was busy): a rough
+# estimate from a 2-prompt × 128-token timing is several minutes per row at 16 × 512; the full table of every row
+# is `python -m kvlab refresh-long` (docs/refresh.md).
+ALL_PROMPTS = 16
+ALL_POLICIES = "periodic_T64,periodic_T128,periodic_T256"
+
+
+def refresh_long_all(args) -> list[Path]:
+    """refresh-long inside the main job (`kvlab all`): N = 512, ALL_PROMPTS prompts, the ALL_POLICIES rows."""
+    import argparse as _ap
+
+    if getattr(args, "prompts_file", None) is not None or getattr(args, "prompt_set", "default") != "default":
+        print("refresh-long: skipped (the prompt set is not the default one)", flush=True)
+        return []
+    return cmd_refresh_long(_ap.Namespace(**{**vars(args), "prompts": min(args.prompts, ALL_PROMPTS), "tokens": 512,
+                                             "calib_prompts": 8, "timing_prompts": 1, "timing_repeats": 0,
+                                             "policies": ALL_POLICIES}))
 
 
 def _render(name: str, out):

@@ -205,3 +205,37 @@ def plot_provenance(matrix, prompt_len: int, every: int = 1, title: str = ""):
     ax.set_title(title or "Cache provenance: teacher (green) vs student (orange)")
     fig.tight_layout()
     return fig
+
+
+@figure("refresh_long", needs=("refresh_long",))
+def refresh_long_cost(tables):
+    """Long generations (kvlab.studies.refresh.long): teacher tokens per generated token (x) against the paired
+    change in quality vs no refresh (y, bootstrap 95 % interval over prompts), free-running teacher-PPL and
+    teacher-forced KL in separate panels; each policy family one curve over its knob."""
+    t = tables["refresh_long"]
+    t = t[t.family != "none"]
+    fig = new_figure(figsize=(10.5, 4.2))
+    axes = fig.subplots(1, 2)
+    n = int(t.n_prompts.iloc[0]) if len(t) else 0
+    N = int(t.tokens.iloc[0]) if len(t) else 0
+    for ax, m, lab in ((axes[0], "teacher_ppl", "Δ teacher-PPL (free-running)"),
+                       (axes[1], "kl_forced", "Δ kl_forced (teacher-forced, nats)")):
+        for fam, g in t.groupby("family", sort=False):
+            g = g.sort_values("teacher_tokens_per_token")
+            x, y = g.teacher_tokens_per_token.to_numpy(), g[f"d_{m}"].to_numpy()
+            err = np.vstack([y - g[f"d_{m}_lo"].to_numpy(), g[f"d_{m}_hi"].to_numpy() - y])
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, lw=1.2, color=REFRESH_COLORS.get(fam, "gray"),
+                        label=fam)
+            for xi, yi, k in zip(x, y, g.knob):
+                ax.annotate(str(k), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0.0, color="black", lw=0.8, ls="--")
+        ax.set_xscale("symlog", linthresh=0.01)
+        ax.set_xlim(left=0.0)
+        ax.set_xlabel("teacher tokens per generated token (free runs)")
+        ax.set_ylabel(lab + " vs no refresh")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Refresh over long generations: N = {N} tokens, {plural(n, 'prompt')}; below 0 = better than no "
+                 "refresh", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -36,6 +36,22 @@ VIEWS = {
     "refresh_calibration": View("refresh_calibration", [
         ("student steps", "n_steps"), ("entropy p90 (bits)", "entropy_p90"), ("p95", "entropy_p95"),
         ("p99", "entropy_p99"), ("KL p90 (nats)", "kl_p90")]),
+    # kvlab.studies.refresh.long: the blog's regime (long generations, a few refreshes per 1,000 tokens)
+    "refresh_long": View("refresh_long", [
+        ("policy", "policy"), ("knob", ("text", "knob")), ("refreshes / 1k", "refreshes_per_1k"),
+        ("teacher tokens / token", "teacher_tokens_per_token"),
+        ("Δ teacher-PPL vs none (95 % CI)", ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi")),
+        ("MDE", "d_teacher_ppl_mde"),
+        ("Δ tail log-prob (95 % CI)", ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi")),
+        ("Δ repeat@3 (95 % CI)", ("d_repeat3", "d_repeat3_lo", "d_repeat3_hi")),
+        ("Δ forced KL (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")),
+        ("overhead %", "latency_overhead"), ("prompts", "n_prompts")]),
+    "refresh_equal_cost": View("refresh_equal_cost", [
+        ("tier / 1k", "tier_per_1k"), ("policy", "policy"), ("knob", ("text", "knob")),
+        ("achieved / 1k", "refreshes_per_1k"), ("teacher tokens / token", "teacher_tokens_per_token"),
+        ("Δ teacher-PPL (95 % CI)", ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi")),
+        ("Δ tail log-prob (95 % CI)", ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi")),
+        ("Δ forced KL (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))]),
 }
 
 
