@@ -30,11 +30,11 @@ POLICIES = {
     "student": DecodeConfig(mode="student"),
     "standalone": DecodeConfig(mode="student"),
 }
-FORCED = ["kl_forced", "nll_forced", "distinct2"]
+FORCED = ["kl_forced", "nll_forced", "kl_forced_step1", "nll_forced_step1", "distinct2"]
 PAIRED = ("kl_forced", "kl", "teacher_ppl")
 # Quality columns: deterministic for fixed seeds on one machine (tracked in figures/).
 COLUMNS = ["policy", "tokens", "teacher_ppl", "kl", "kl_all", "repeat3", "distinct2", "kl_forced", "nll_forced",
-           "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "d_kl", "d_kl_lo", "d_kl_hi",
+           "kl_forced_step1", "nll_forced_step1", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "d_kl", "d_kl_lo", "d_kl_hi",
            "d_kl_mde", "d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi", "tail_logprob", "chars",
            "teacher_ppl_std", "kl_std", "repeat3_std", "kl_forced_std", "n_prompts"]
 # Timing columns: machine- and load-dependent, written to baselines_timing (not tracked).
