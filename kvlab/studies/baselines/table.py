@@ -119,7 +119,8 @@ def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path, name:
 def regimes_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """OverFill vs each baseline, side by side per prompt set (``tables``: regime name → baselines table):
     one row per (regime, baseline) with the paired ``kl_forced`` / ``kl`` / teacher-PPL differences
-    baseline − overfill (positive: OverFill better)."""
+    baseline − overfill (positive: OverFill better), and both rows' step-1 KL (``kl_forced_step1_*``; the
+    paired scores average steps 2..N) when the tables have it."""
     rows = []
     for regime, t in tables.items():
         t = t.set_index("policy")
@@ -132,5 +133,7 @@ def regimes_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                          **{c: r[c] for c in ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde",
                                               "d_kl", "d_kl_lo", "d_kl_hi", "d_teacher_ppl", "d_teacher_ppl_lo",
                                               "d_teacher_ppl_hi")},
-                         "repeat3_OF": t.loc["overfill", "repeat3"], "repeat3_base": r.repeat3})
+                         "repeat3_OF": t.loc["overfill", "repeat3"], "repeat3_base": r.repeat3,
+                         **({"kl_forced_step1_OF": t.loc["overfill", "kl_forced_step1"],
+                             "kl_forced_step1_base": r.kl_forced_step1} if "kl_forced_step1" in t.columns else {})})
     return pd.DataFrame(rows)
