@@ -47,3 +47,16 @@ def test_too_few_prompts_give_no_interval_and_the_row_holds_every_column():
     row = correlation_row(_traces(16), p=0.1, n_passes=8, prompts=16)
     assert list(row)[:7] == ["p", "n_passes", "steps", "prompts", "r_u", "r_u_lo", "r_u_hi"]
     assert row["steps"] == 16 * 30 and {"r_flip_hi", "mean_mi"} <= set(row)
+
+
+def test_quotes_show_the_intervals_when_the_table_has_them(tmp_path):
+    from kvlab.studies.mc.quotes import key_results, mc_real_view
+
+    rows = [correlation_row(_traces(16, seed=s), p=p, n_passes=8, prompts=16) for s, p in ((0, 0.05), (1, 0.1))]
+    pd.DataFrame(rows).to_csv(tmp_path / "mc_real_correlations.csv", index=False)
+    what, text, _ = key_results(tmp_path)[0]
+    assert "16 prompts, 95 % interval" in what and text.count("[") == 3
+    assert "bootstrap 95 % interval over prompts" in mc_real_view(tmp_path)
+    old = pd.DataFrame(rows).drop(columns=[c for c in rows[0] if c.endswith(("_lo", "_hi"))])
+    old.to_csv(tmp_path / "mc_real_correlations.csv", index=False)        # a table from before: no intervals
+    assert "[" not in key_results(tmp_path)[0][1] and "interval" not in mc_real_view(tmp_path)
