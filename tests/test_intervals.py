@@ -80,3 +80,17 @@ def test_needle_key_result_lists_every_policy_of_the_grid(tmp_path):
     policies = set(pd.read_csv(root / "evict_needle.csv").policy)
     assert rows and all(f"{p} " in r[1] for r in rows for p in policies)
     assert "snapkv" in policies and rows[0][1].startswith("full 1.00, confkv")
+
+
+def test_refresh_views_show_the_forced_path_costs_when_the_table_has_them(tmp_path):
+    import pandas as pd
+
+    from kvlab.studies.refresh.quotes import VIEWS
+
+    df = pd.read_csv(Path(__file__).resolve().parents[1] / "figures" / "refresh_methods.csv")
+    df.drop(columns=[c for c in ("refreshes_forced", "teacher_tokens_forced") if c in df]).to_csv(
+        tmp_path / "refresh_methods.csv", index=False)
+    assert "forced path" not in VIEWS["refresh_methods"](tmp_path)
+    df.assign(refreshes_forced=2.5, teacher_tokens_forced=40.0).to_csv(tmp_path / "refresh_methods.csv", index=False)
+    head = VIEWS["refresh_methods"](tmp_path).splitlines()[0]
+    assert "| refreshes (forced path) | teacher tokens (forced path) | teacher-forced KL ↓ |" in head
