@@ -107,7 +107,8 @@ display(curves.dropna(subset=["heldout_kl"])[["variant", "step", "heldout_kl", "
 # the `overfill` student, and both baselines: `student` = the same `overfill` decoder alone on its own
 # prefill (the blog's Student row) and `standalone` = the separately trained student (the OverFill
 # paper's equal-budget baseline). `kl_forced` scores every row teacher-forced on the teacher's own
-# sampled continuation, so a decoder that loops cannot look better by writing easy text.
+# sampled continuation, so a decoder that loops cannot look better by writing easy text; every row averages
+# steps 2..N (OverFill's step 1 is the teacher's own prediction), step 1 apart in `kl_forced_step1`.
 # **Smoke mode / untrained cache:** only the untrained pair is shown (a note says so).
 
 # %%

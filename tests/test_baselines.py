@@ -3,6 +3,7 @@ and the minimum detectable difference; the regimes table side by side."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from kvlab.core.tiny import make_tiny_lm
 from kvlab.decode import Sampling
@@ -40,6 +41,32 @@ def test_baselines_has_both_baselines_and_forced_scores(tiny_teacher, tiny_stude
     assert reg[["regime", "baseline"]].values.tolist() == [["short", "student"], ["short", "standalone"],
                                                            ["long", "student"]]
     assert reg.d_kl_forced.iloc[0] == t.loc["student", "d_kl_forced"]
+    assert reg.kl_forced_step1_OF.iloc[0] == 0.0 and reg.kl_forced_step1_base.iloc[0] == t.loc["student", "kl_forced_step1"]
+
+
+def test_every_row_of_the_baselines_table_is_scored_on_the_same_steps(tiny_teacher, tiny_student, tmp_path):
+    """Issue 37: OverFill's step 1 is the teacher's (KL 0), the student rows' their own; every row's kl_forced
+    averages steps 2..N all the same, and step 1 is its own column (0 for OverFill, > 0 for the students)."""
+    from dataclasses import replace
+
+    from kvlab.harness.forced import forced_scores, reference_tokens
+    from kvlab.studies.baselines.table import POLICIES
+
+    spec = RunSpec(prompts=PROMPTS[:2], tokens=6, sampling=Sampling(temperature=0.8, top_p=0.9, seed=0))
+    store = RunStore(tmp_path / "runs")
+    table, per = baselines(tiny_teacher, tiny_student, spec, store, progress=False)
+    t = table.set_index("policy")
+    assert t.loc["overfill", "kl_forced_step1"] == 0.0 and t.loc["student", "kl_forced_step1"] > 0
+    assert t.loc["teacher", "kl_forced_step1"] == 0.0
+    for i, prompt in enumerate(spec.prompts):
+        ref = reference_tokens(tiny_teacher, prompt, 6, spec.sampling_for(i), store)
+        for name in ("overfill", "student"):
+            cfg = replace(POLICIES[name], max_new_tokens=6)
+            one = forced_scores(tiny_teacher, tiny_student, prompt, cfg, ref)
+            assert one["forced_steps"] == 5                                  # steps 2..6 in both rows
+            row = per[(per.policy == name) & (per.prompt_idx == i)].iloc[0]
+            assert row.kl_forced == pytest.approx(one["kl_forced"], abs=1e-6)
+            assert row.kl_forced == pytest.approx(sum(one["kl_forced_steps"][1:]) / 5, abs=1e-6)
 
 
 def test_train_study_table_reads_both_baselines_and_kl_forced(tiny_teacher, tiny_student, tmp_path):

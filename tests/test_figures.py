@@ -99,4 +99,4 @@ def test_all_job_includes_a_bounded_mc_real(monkeypatch):
     seen = {}
     monkeypatch.setattr(mc_cli, "cmd_mc_real", lambda a, **kw: seen.update(vars(a)) or [])
     mc_cli.mc_real_small(Namespace(prompts=50, tokens=1200, out="x"))
-    assert seen["prompts"] == 4 and seen["tokens"] == 64 and seen["passes"] == 8 and len(seen["dropout"]) == 3
+    assert seen["prompts"] == 16 and seen["tokens"] == 64 and seen["passes"] == 8 and len(seen["dropout"]) == 3

@@ -51,6 +51,7 @@ def test_bad_parameters(tiny_teacher, kw, name):
 from kvlab.decode import DecodeConfig, Sampling, run  # noqa: E402
 from kvlab.harness.forced import (ForcedDecoding, distinct_n, forced_columns, forced_dists, forced_scores,  # noqa: E402
                                    reference_tokens)
+from kvlab.harness.forced import _forced_run, forced_costs  # noqa: E402
 from kvlab.refresh.policies import EntropyGate, Periodic  # noqa: E402
 
 FORCED_CONFIGS = {
@@ -83,6 +84,7 @@ def test_forced_scorer_matches_step_by_step_forced_decode(tiny_teacher, tiny_stu
     assert src_fast == [r.source for r in recs]
     if cfg.refresh is not None:
         assert [r.step for r in recs if r.refreshed] == [t for t in range(1, 14) if t % cfg.refresh.T == 0]
+    assert _forced_run(tiny_teacher, tiny_student, "a fixed prompt", cfg, reference)[2] == forced_costs(recs)
     p = teacher_logprobs(tiny_teacher, d.prompt_ids, reference)
     torch.testing.assert_close(q_fast, q_loop, atol=2e-5, rtol=0)
     torch.testing.assert_close(kl_rows(p, q_fast), kl_rows(p, q_loop), atol=2e-5, rtol=0)
@@ -101,9 +103,10 @@ def test_forced_decoding_equals_free_run_on_its_own_tokens(tiny_teacher, tiny_st
 
 def test_forced_scores_fallback_policy_and_zero_for_teacher(tiny_teacher, tiny_student, reference):
     t = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["teacher"], reference)
-    assert abs(t["kl_forced"]) < 1e-6 and t["forced_steps"] == 14 and t["nll_forced"] > 0
+    assert abs(t["kl_forced"]) < 1e-6 and t["forced_steps"] == 13 and t["nll_forced"] > 0
     of = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["overfill"], reference)
     assert of["forced_steps"] == 13 and of["kl_forced"] > 0 and of["kl_forced_steps"][0] == 0.0
+    assert of["kl_forced_step1"] == 0.0 and of["nll_forced_step1"] == pytest.approx(t["nll_forced_step1"], abs=1e-5)
     # windowed refresh is not on the fast path: the forced loop scores it
     w = forced_scores(tiny_teacher, tiny_student, "a fixed prompt",
                       DecodeConfig(mode="overfill", max_new_tokens=14, refresh=Periodic(4, 2)), reference)
@@ -131,7 +134,8 @@ def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_pat
     spec = RunSpec(prompts=("abc", "xyz q"), tokens=8, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0))
     pol = {k: FORCED_CONFIGS[k] for k in ("teacher", "overfill", "periodic_T4")}
     cols = forced_columns(tiny_teacher, tiny_student, spec, pol, store)
-    assert list(cols.columns) == ["policy", "prompt_idx", "kl_forced", "nll_forced", "distinct2"]
+    assert list(cols.columns) == ["policy", "prompt_idx", "kl_forced", "nll_forced", "kl_forced_step1",
+                                  "nll_forced_step1", "refreshes_forced", "teacher_tokens_forced", "distinct2"]
     assert len(cols) == 6 and cols.set_index("policy").loc["teacher", "kl_forced"].abs().max() < 1e-6
     ref = reference_tokens(tiny_teacher, "abc", 8, spec.sampling_for(0), store)
     teacher_run = run(tiny_teacher, None, "abc", mode="teacher", max_new_tokens=8, sampling=spec.sampling_for(0))
@@ -140,6 +144,93 @@ def test_forced_columns_store_reference_once(tiny_teacher, tiny_student, tmp_pat
     assert kinds["reference"] == 2 and kinds["forced_score"] == 6
     again = forced_columns(tiny_teacher, tiny_student, spec, pol, RunStore(tmp_path))
     assert again.equals(cols)
+
+
+def test_every_row_of_a_table_averages_the_same_steps(tiny_teacher, tiny_student, reference):
+    """Issue 37: an OverFill row (step 1 is the teacher's prefill) and a student row (step 1 is its own) average
+    the same steps 2..N; step 1 is reported apart. Recomputed here from the per-step KL and the distributions."""
+    from kvlab.core.metrics import kl_rows, teacher_logprobs
+
+    rows = {name: forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS[name], reference)
+            for name in ("overfill", "student", "teacher", "periodic_T4")}
+    rows["entropy"] = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", SLOW_CONFIGS["entropy"], reference)
+    assert {r["forced_steps"] for r in rows.values()} == {13}            # 14 tokens, steps 2..14 in every row
+    x = tiny_teacher.encode_prompt("a fixed prompt", chat=True)
+    p = teacher_logprobs(tiny_teacher, x, reference)
+    for name in ("overfill", "student"):
+        q, _ = forced_dists(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS[name], reference)
+        kl = kl_rows(p, q)
+        if name == "overfill":
+            kl[0] = 0.0                                                  # step 1 is the teacher's own distribution
+        nll = -q[torch.arange(14), torch.tensor(reference)]
+        assert rows[name]["kl_forced"] == pytest.approx(float(kl[1:].mean()), abs=1e-5)
+        assert rows[name]["nll_forced"] == pytest.approx(float(nll[1:].mean()), abs=1e-5)
+        assert rows[name]["kl_forced_step1"] == pytest.approx(float(kl[0]), abs=1e-5)
+        assert rows[name]["nll_forced_step1"] == pytest.approx(float(nll[0]), abs=1e-5)
+    assert rows["student"]["kl_forced_step1"] > 0 and rows["overfill"]["kl_forced_step1"] == 0.0
+
+
+def test_forced_columns_rows_share_steps_and_a_new_definition_is_recomputed(tiny_teacher, tiny_student, tmp_path,
+                                                                          monkeypatch):
+    """Every row of a table's forced columns averages steps 2..N, and a stored score of another definition
+    (another FORCED_SCORE_VERSION) is not reused: the version is part of its key."""
+    from dataclasses import replace
+
+    import kvlab.harness.forced as forced
+    from kvlab.harness.experiment import RunSpec
+
+    spec = RunSpec(prompts=("abc",), tokens=8, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0))
+    pol = {k: FORCED_CONFIGS[k] for k in ("overfill", "student")}
+    store = RunStore(tmp_path)
+    cols = forced_columns(tiny_teacher, tiny_student, spec, pol, store).set_index("policy")
+    ref = reference_tokens(tiny_teacher, "abc", 8, spec.sampling_for(0), store)
+    for name in pol:
+        cfg = replace(FORCED_CONFIGS[name], max_new_tokens=8)
+        one = forced_scores(tiny_teacher, tiny_student, "abc", cfg, ref)
+        assert one["forced_steps"] == 7
+        assert cols.loc[name, "kl_forced"] == pytest.approx(one["kl_forced"], abs=1e-5)
+        assert cols.loc[name, "kl_forced_step1"] == pytest.approx(one["kl_forced_step1"], abs=1e-5)
+    assert len(RunStore(tmp_path).load().query("kind == 'forced_score'")) == 2
+    monkeypatch.setattr(forced, "FORCED_SCORE_VERSION", forced.FORCED_SCORE_VERSION + 1)
+    forced_columns(tiny_teacher, tiny_student, spec, pol, RunStore(tmp_path))
+    assert len(RunStore(tmp_path).load().query("kind == 'forced_score'")) == 4       # recomputed, not reused
+
+
+def test_forced_path_records_its_own_refresh_costs(tiny_teacher, tiny_student, reference, tmp_path):
+    """Issue 37: ``refreshes_forced`` / ``teacher_tokens_forced`` are the refreshes the policy's own schedule fires
+    on the reference text and the teacher tokens it reads there — the forced loop's records, fast path or not."""
+    from dataclasses import replace
+
+    from kvlab.harness.experiment import RunSpec
+
+    t4 = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["periodic_T4"], reference)
+    assert t4["refreshes_forced"] == 3 and t4["teacher_tokens_forced"] == 12      # after steps 4, 8, 12 of 14
+    none = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", FORCED_CONFIGS["overfill"], reference)
+    assert none["refreshes_forced"] == 0 and none["teacher_tokens_forced"] == 0
+    ent = forced_scores(tiny_teacher, tiny_student, "a fixed prompt", SLOW_CONFIGS["entropy"], reference)
+    d = ForcedDecoding(tiny_teacher, tiny_student, "a fixed prompt", SLOW_CONFIGS["entropy"], reference)
+    fired = [r.step for r in d if r.refreshed]
+    assert fired and ent["refreshes_forced"] == len(fired) and ent["teacher_tokens_forced"] == max(fired)
+    # the batched forced loop counts the same
+    many = forced_scores_many(tiny_teacher, tiny_student, [("a fixed prompt", SLOW_CONFIGS["entropy"], reference),
+                                                          ("x", SLOW_CONFIGS["entropy"], reference)], batch=2)
+    assert many[0]["refreshes_forced"] == ent["refreshes_forced"]
+    assert many[0]["teacher_tokens_forced"] == ent["teacher_tokens_forced"]
+    # and forced_columns carries them per run
+    spec = RunSpec(prompts=("abc",), tokens=8, sampling=Sampling(temperature=0.7, top_p=0.9, seed=0))
+    store = RunStore(tmp_path)
+    cols = forced_columns(tiny_teacher, tiny_student, spec, {"p": FORCED_CONFIGS["periodic_T4"],
+                                                             "e": SLOW_CONFIGS["entropy"]}, store).set_index("policy")
+    assert cols.loc["p", "refreshes_forced"] == 1 and cols.loc["p", "teacher_tokens_forced"] == 4   # step 4 of 8
+    ref8 = reference_tokens(tiny_teacher, "abc", 8, spec.sampling_for(0), store)
+    alone = forced_scores(tiny_teacher, tiny_student, "abc", replace(SLOW_CONFIGS["entropy"], max_new_tokens=8), ref8)
+    assert cols.loc["e", "refreshes_forced"] == alone["refreshes_forced"]
+    assert cols.loc["e", "teacher_tokens_forced"] == alone["teacher_tokens_forced"]
+
+
+def test_forced_scores_need_a_second_step(tiny_teacher, tiny_student):
+    with pytest.raises(ValueError, match="max_new_tokens >= 2"):
+        forced_scores(tiny_teacher, tiny_student, "x", DecodeConfig(mode="overfill", max_new_tokens=1), [5])
 
 
 # --------------------------------------------------------------------------- batched forced scores and references

@@ -358,6 +358,11 @@ def test_refresh_tables_on_tiny_pair(tiny_teacher, tiny_student, tmp_path):
     per = tabs["refresh_periodic"].set_index("policy")
     assert list(per.index) == ["none"] + [f"periodic_T{T}" for T in periods_for(24)]
     assert per.loc["none", "teacher_tokens"] == 0
+    # the forced path's own costs (issue 37): a periodic schedule fires at the same steps on both paths
+    assert (per["refreshes_forced"] == per["refreshes"]).all()
+    assert (per["teacher_tokens_forced"] == per["teacher_tokens"]).all() and per.loc["none", "teacher_tokens_forced"] == 0
+    assert {"refreshes_forced", "teacher_tokens_forced"} <= set(tabs["refresh_entropy"].columns)
+    assert (tabs["refresh_all"]["kl_forced_step1"] == 0).all()    # every row is OverFill: step 1 is the teacher's
     # overhead: every policy timed against no refresh side by side, 2 prompts × 2 repeats
     timing = tabs["refresh_timing"].set_index("policy")
     assert list(timing.index) == list(tabs["refresh_all"].policy)

@@ -28,8 +28,24 @@ from kvlab.store import RunStore
 FORCED_SCORE_NOTE = ("`kl_forced`: mean KL(p_T‖q) in nats over a fixed reference continuation per prompt (the teacher's "
                      "own sampled continuation, stored once), each decoder fed those tokens teacher-forced and conditioned "
                      "as its mode says (OverFill: teacher prefill of the prompt; student: its own; refresh: at the "
-                     "policy's steps on the forced path); averaged over the steps the decoder predicts (as `kl`); "
-                     "`nll_forced`: the decoder's mean NLL of the reference over the same steps; neither rewards loops.")
+                     "policy's steps on the forced path); averaged over steps 2..N in every row (the same N−1 steps "
+                     "for every decoder; a step whose distribution the teacher gave counts at KL 0); `nll_forced`: the "
+                     "decoder's mean NLL of the reference over the same steps; neither rewards loops. Step 1 (the "
+                     "prefill's prediction: the teacher's own in OverFill rows, KL 0) is its own column, "
+                     "`kl_forced_step1` / `nll_forced_step1`.")
+FORCED_COST_NOTE = ("`refreshes_forced` / `teacher_tokens_forced`: the refreshes the policy's own schedule fired on the "
+                    "forced path (the teacher's reference text) and the teacher tokens it read there (refresh prefills "
+                    "+ probes), per run — what `kl_forced` cost, beside the free runs' `refreshes` / `teacher_tokens`.")
+# The first step ``kl_forced`` / ``nll_forced`` average from (1-based): step 1 is the prefill's prediction, the
+# teacher's own in OverFill rows (KL 0, and the one step the OverFill decoder is never trained on) but the
+# student's in student rows; averaging from step 2 scores every row on the same N−1 steps (issue 37).
+FORCED_FIRST_STEP = 2
+# Part of every stored forced score's key: bumped whenever what a stored score means changes, so a store
+# holding scores of an older definition recomputes them instead of reusing them (1: steps 2..N, step 1 apart).
+FORCED_SCORE_VERSION = 1
+FORCED_STEP_COLUMNS = ("kl_forced_step1", "nll_forced_step1")
+# What the forced path's own refresh schedule cost on the teacher's text (issue 37; :func:`forced_costs`).
+FORCED_COST_COLUMNS = ("refreshes_forced", "teacher_tokens_forced")
 DISTINCT_NOTE = "`distinct2`: distinct bigrams / bigrams of the generated text (1 = no repeated bigram; loops pull it down)."
 
 
@@ -109,10 +125,37 @@ def _fast_path(config) -> bool:
     return pol is None or (type(pol) is Periodic and pol.W is None and config.refresh_next == "rerun")
 
 
-@torch.inference_mode()
 def forced_dists(teacher, student, prompt: str, config, reference) -> tuple[torch.Tensor, list[str]]:
     """``(q, sources)``: the decoder's log-distributions ``(N, V)`` over the reference tokens (row ``t``:
-    ``log q(· | x, y_<t)`` under ``config``'s conditioning) and which model produced each row.
+    ``log q(· | x, y_<t)`` under ``config``'s conditioning) and which model produced each row
+    (:func:`_forced_run` without its costs)."""
+    q, sources, _ = _forced_run(teacher, student, prompt, config, reference)
+    return q, sources
+
+
+def forced_costs(records) -> dict:
+    """What the forced path's own refresh schedule cost, from its records (:func:`kvlab.harness.costs.run_costs`
+    on the teacher's reference text): ``refreshes_forced``, ``teacher_tokens_forced`` (refresh prefills +
+    probe tokens the teacher read) and ``probe_tokens_forced``."""
+    from kvlab.harness.costs import run_costs
+
+    c = run_costs(records)
+    return {"refreshes_forced": c["refreshes"], "teacher_tokens_forced": c["teacher_tokens"],
+            "probe_tokens_forced": c["probe_tokens"]}
+
+
+def _fast_costs(config) -> dict:
+    """:func:`forced_costs` of a fast-path config (:func:`_fast_path`) without its records: ``Periodic(T)``
+    refreshes after every step ``r`` < N with ``r % T == 0``, and the teacher, which keeps its own cache, reads
+    ``y_1 .. y_r`` up to the last one (the prompt's prefill is not counted, as in a free run); no probes."""
+    pol, N = config.refresh, config.max_new_tokens
+    steps = [] if pol is None else [r for r in range(1, N) if r % pol.T == 0]
+    return {"refreshes_forced": len(steps), "teacher_tokens_forced": max(steps, default=0), "probe_tokens_forced": 0}
+
+
+@torch.inference_mode()
+def _forced_run(teacher, student, prompt: str, config, reference) -> tuple[torch.Tensor, list[str], dict]:
+    """``(q, sources, costs)``: :func:`forced_dists`' distributions and sources, and :func:`forced_costs`.
 
     Fast path (see :func:`_fast_path`): teacher → one teacher forward; student → its prefill of ``x`` and
     one forward over ``y_<N``; OverFill → the teacher's prefill of ``x`` (row 1 is ``p_T``) and one
@@ -127,11 +170,11 @@ def forced_dists(teacher, student, prompt: str, config, reference) -> tuple[torc
     if not _fast_path(config):
         d = ForcedDecoding(teacher, student, prompt, config, y)
         recs = list(d)
-        return torch.stack(d.dists).float(), [r.source for r in recs]
+        return torch.stack(d.dists).float(), [r.source for r in recs], forced_costs(recs)
     probe = Decoding(teacher, student, prompt, config)       # validates; knows who prefills and decodes
     x = list(probe.prompt_ids)
     if config.mode == "teacher":
-        return teacher_logprobs(teacher, x, y), ["teacher"] * N
+        return teacher_logprobs(teacher, x, y), ["teacher"] * N, _fast_costs(config)
     model = student.model
     if config.mode == "student":
         cache, first = KVCache.prefill(model, x, writer="student")
@@ -154,32 +197,38 @@ def forced_dists(teacher, student, prompt: str, config, reference) -> tuple[torc
         q = q.reshape(b - a, -1)
         rows.append(torch.log_softmax(q.float(), -1).cpu())
         sources += ["student"] * (b - a)
-    return torch.cat(rows)[:N], sources[:N]
+    return torch.cat(rows)[:N], sources[:N], _fast_costs(config)
 
 
 def forced_scores(teacher, student, prompt: str, config, reference) -> dict:
     """``kl_forced`` / ``nll_forced`` of one decode config on the reference tokens, plus the per-step KL.
-    Averages run over the steps whose distribution is the decoder's own (``source`` = the decoder; all steps
-    in teacher mode, where KL = 0), as ``kl`` does for free-running runs."""
+    Averages run over steps 2..N for every config (:data:`FORCED_FIRST_STEP`): the same steps in every row of a
+    table, whoever produced step 1's distribution (the teacher's prefill in OverFill, the student's own
+    prefill in student mode). Step 1 is reported alone as ``kl_forced_step1`` / ``nll_forced_step1``."""
     N = config.max_new_tokens
     y = [int(t) for t in reference[:N]]
-    q, sources = forced_dists(teacher, student, prompt, config, y)
-    return _scores(teacher, prompt, config, y, q, sources)
+    q, sources, costs = _forced_run(teacher, student, prompt, config, y)
+    return _scores(teacher, prompt, config, y, q, sources, costs)
 
 
-def _scores(teacher, prompt: str, config, y: list[int], q: torch.Tensor, sources: list[str]) -> dict:
-    """:func:`forced_scores` from the decoder's log-distributions ``q`` ``(N, V)`` over ``y`` and their sources."""
+def _scores(teacher, prompt: str, config, y: list[int], q: torch.Tensor, sources: list[str], costs: dict) -> dict:
+    """:func:`forced_scores` from the decoder's log-distributions ``q`` ``(N, V)`` over ``y``, their sources and
+    the forced path's own costs (:func:`forced_costs`)."""
     N = config.max_new_tokens
     x = teacher.encode_prompt(prompt, chat=config.chat)
     p = teacher_logprobs(teacher, x, y)                                   # (N, V)
     kl = kl_rows(p, q)
-    own = "teacher" if config.mode == "teacher" else "student"
-    mine = torch.tensor([s == own for s in sources], dtype=torch.bool)
+    if len(sources) != N or q.shape[0] != N:
+        raise ValueError(f"{q.shape[0]} distributions / {len(sources)} sources for max_new_tokens={N} (one per step)")
     kl = torch.where(torch.tensor([s == "teacher" for s in sources]), torch.zeros_like(kl), kl) \
         if config.evict is None else kl
     nll = -q[torch.arange(N), torch.tensor(y)]
-    return {"kl_forced": float(kl[mine].mean()), "nll_forced": float(nll[mine].mean()), "forced_steps": int(mine.sum()),
-            "kl_forced_steps": kl.tolist()}
+    k = FORCED_FIRST_STEP - 1                 # index of step 2: steps 2..N, the same in every row
+    if N <= k:
+        raise ValueError(f"max_new_tokens={N}: the forced scores average steps {FORCED_FIRST_STEP}..N; "
+                         f"pass max_new_tokens >= {FORCED_FIRST_STEP}")
+    return {"kl_forced": float(kl[k:].mean()), "nll_forced": float(nll[k:].mean()), "forced_steps": N - k,
+            "kl_forced_step1": float(kl[0]), "nll_forced_step1": float(nll[0]), **costs, "kl_forced_steps": kl.tolist()}
 
 
 def forced_scores_many(teacher, student, items, batch: int | None = None, on_result=None) -> list[dict]:
@@ -215,15 +264,16 @@ def forced_scores_many(teacher, student, items, batch: int | None = None, on_res
                 ys.append(y)
                 cfgs.append(replace(config, forced=tuple(y), keep_dists=True, sampling=Sampling(), ignore_eos=True))
             bd = BatchDecoding(teacher, student, [items[j][0] for j in chunk], cfgs)
-            sources: list[list[str]] = [[] for _ in chunk]
+            recs: list[list] = [[] for _ in chunk]
             for b, rec in bd:
-                sources[b].append(rec.source)
+                recs[b].append(rec)
             if bd.errors:
                 b, e = next(iter(bd.errors.items()))
                 raise RuntimeError(f"forced scoring failed on items[{chunk[b]}]: {e}") from e
             for b, j in enumerate(chunk):
                 q = torch.stack(bd.rows[b].dists).float()
-                out[j] = _scores(teacher, items[j][0], cfgs[b], ys[b], q, sources[b])
+                out[j] = _scores(teacher, items[j][0], cfgs[b], ys[b], q, [r.source for r in recs[b]],
+                                 forced_costs(recs[b]))
                 if on_result is not None:
                     on_result(j, out[j])
     return out
@@ -236,8 +286,9 @@ def distinct_n(tokens, n: int = 2) -> float:
 
 
 def forced_columns(teacher, students, spec, policies: dict, store: RunStore, progress: bool = False) -> pd.DataFrame:
-    """Per (policy, prompt): ``kl_forced``, ``nll_forced`` (stored under the reference's hash) and
-    ``distinct2`` of the stored free-running run. ``students``: one model, or a dict policy → model
+    """Per (policy, prompt): ``kl_forced``, ``nll_forced`` (steps 2..N), ``kl_forced_step1``, ``nll_forced_step1``,
+    the forced path's own ``refreshes_forced`` / ``teacher_tokens_forced`` (stored under the reference's hash and
+    :data:`FORCED_SCORE_VERSION`) and ``distinct2`` of the stored free-running run. ``students``: one model, or a dict policy → model
     (e.g. the ``standalone`` row decodes with another student). The references and the missing scores
     are computed in batches of ``spec.batch`` rows (:func:`reference_tokens_many`, :func:`forced_scores_many`)."""
     import hashlib
@@ -252,7 +303,7 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
         for name, cfg in policies.items():
             st = students.get(name) if isinstance(students, dict) else students
             cfg = replace(cfg, max_new_tokens=spec.tokens, sampling=spec.sampling_for(i))
-            key = {"kind": "forced_score", "teacher": teacher.fingerprint,
+            key = {"kind": "forced_score", "score_version": FORCED_SCORE_VERSION, "teacher": teacher.fingerprint,
                    "student": None if st is None else st.fingerprint, "prompt": prompt,
                    "decode": replace(cfg, sampling=Sampling()).to_dict(), "reference": h, "ref_tokens": spec.tokens}
             jobs.append((i, name, st, cfg, key))
@@ -278,5 +329,5 @@ def forced_columns(teacher, students, spec, policies: dict, store: RunStore, pro
             run_ = scored_run(teacher, st, prompt, cfg, store)
         toks = run_["steps"]["token_id"]
         rows.append({"policy": name, "prompt_idx": i, "kl_forced": res["kl_forced"], "nll_forced": res["nll_forced"],
-                     "distinct2": distinct_n(toks, 2)})
+                     **{c: res[c] for c in FORCED_STEP_COLUMNS + FORCED_COST_COLUMNS}, "distinct2": distinct_n(toks, 2)})
     return pd.DataFrame(rows)

@@ -11,7 +11,8 @@ from kvlab.harness.quotes import View, as_number, cell, mde_note, read
 VIEWS = {
     "baselines": View("baselines", [
         ("policy", "policy"), ("teacher-PPL ↓", ("teacher_ppl", "teacher_ppl_std")),
-        ("KL(p_T‖q) ↓", ("kl", "kl_std")), ("teacher-forced KL ↓", ("kl_forced", "kl_forced_std")),
+        ("KL(p_T‖q) ↓", ("kl", "kl_std")), ("teacher-forced KL, steps 2..N ↓", ("kl_forced", "kl_forced_std")),
+        ("step 1", "kl_forced_step1"),
         ("Δ forced KL vs OverFill (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")),
         ("MDE", "d_kl_forced_mde"), ("repeat@3 ↓", ("repeat3", "repeat3_std")), ("distinct-2 ↑", "distinct2"),
         ("prompts", "n_prompts")]),

@@ -30,11 +30,11 @@ POLICIES = {
     "student": DecodeConfig(mode="student"),
     "standalone": DecodeConfig(mode="student"),
 }
-FORCED = ["kl_forced", "nll_forced", "distinct2"]
+FORCED = ["kl_forced", "nll_forced", "kl_forced_step1", "nll_forced_step1", "distinct2"]
 PAIRED = ("kl_forced", "kl", "teacher_ppl")
 # Quality columns: deterministic for fixed seeds on one machine (tracked in figures/).
 COLUMNS = ["policy", "tokens", "teacher_ppl", "kl", "kl_all", "repeat3", "distinct2", "kl_forced", "nll_forced",
-           "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "d_kl", "d_kl_lo", "d_kl_hi",
+           "kl_forced_step1", "nll_forced_step1", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "d_kl", "d_kl_lo", "d_kl_hi",
            "d_kl_mde", "d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi", "tail_logprob", "chars",
            "teacher_ppl_std", "kl_std", "repeat3_std", "kl_forced_std", "n_prompts"]
 # Timing columns: machine- and load-dependent, written to baselines_timing (not tracked).
@@ -119,7 +119,8 @@ def write_baselines(table: pd.DataFrame, per_run: pd.DataFrame, out: Path, name:
 def regimes_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """OverFill vs each baseline, side by side per prompt set (``tables``: regime name → baselines table):
     one row per (regime, baseline) with the paired ``kl_forced`` / ``kl`` / teacher-PPL differences
-    baseline − overfill (positive: OverFill better)."""
+    baseline − overfill (positive: OverFill better), and both rows' step-1 KL (``kl_forced_step1_*``; the
+    paired scores average steps 2..N) when the tables have it."""
     rows = []
     for regime, t in tables.items():
         t = t.set_index("policy")
@@ -132,5 +133,7 @@ def regimes_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                          **{c: r[c] for c in ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde",
                                               "d_kl", "d_kl_lo", "d_kl_hi", "d_teacher_ppl", "d_teacher_ppl_lo",
                                               "d_teacher_ppl_hi")},
-                         "repeat3_OF": t.loc["overfill", "repeat3"], "repeat3_base": r.repeat3})
+                         "repeat3_OF": t.loc["overfill", "repeat3"], "repeat3_base": r.repeat3,
+                         **({"kl_forced_step1_OF": t.loc["overfill", "kl_forced_step1"],
+                             "kl_forced_step1_base": r.kl_forced_step1} if "kl_forced_step1" in t.columns else {})})
     return pd.DataFrame(rows)

@@ -72,7 +72,9 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
         for st in settings:
             part = nd if st is None else nd[nd["setting"] == st]
             acc = (part["accuracy"] * part["n"]).groupby(part["policy"]).sum() / part["n"].groupby(part["policy"]).sum()
-            got = [p for p in ("full", "confkv", "h2o", "block", "sliding") if p in acc.index]
+            # every policy of the grid: these first, then the rest in the table's order (SnapKV, ...)
+            got = [p for p in dict.fromkeys(("full", "confkv", "h2o", "block", "sliding", *part["policy"]))
+                   if p in acc.index]
             label = "Passkey retrieval under eviction (exact match)" + (f", {st} setting" if st else "")
             rows.append((label, ", ".join(f"{p} {fmt(acc[p], 2)}" for p in got), "evict_needle"))
     return rows

@@ -10,6 +10,9 @@ from kvlab.harness import cli_common
 from kvlab.harness.args import run_spec as _spec
 
 
+MC_REAL_PROMPTS = 16     # the main job's mc-real prompts: ≥ 16, so the intervals over prompts mean something
+
+
 def register(sub) -> None:
     """Add this study's subcommand(s) to ``sub`` (the router's subparsers)."""
     p = sub.add_parser("mc-sim", help="the blog's MC-dropout simulation: CSVs + figures, thresholds as JSON")
@@ -53,9 +56,9 @@ def cmd_mc_real(args) -> list[Path]:
 
 
 def mc_real_small(args):
-    """mc-real inside the main job: a small, bounded size (at most 4 prompts × 64 tokens, N = 8,
-    p ∈ {0.05, 0.1, 0.2})."""
-    return cmd_mc_real(argparse.Namespace(**{**vars(args), "prompts": min(args.prompts, 4),
+    """mc-real inside the main job: a bounded size (at most 16 prompts × 64 tokens, N = 8, p ∈ {0.05, 0.1, 0.2}):
+    16 prompts so that the correlations' bootstrap intervals over prompts mean something (issue 37)."""
+    return cmd_mc_real(argparse.Namespace(**{**vars(args), "prompts": min(args.prompts, MC_REAL_PROMPTS),
                                              "tokens": min(args.tokens, 64), "passes": 8,
                                              "dropout": [0.05, 0.1, 0.2]}))
 

@@ -15,6 +15,38 @@ def correlations(df, against: str = "entropy", signals: Sequence[str] = SIGNALS)
     return {s: float(df[s].corr(df[against])) for s in signals}
 
 
+def correlation_intervals(df, against: str = "entropy", signals: Sequence[str] = SIGNALS, by: str = "prompt",
+                          n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Bootstrap 95 % intervals of :func:`correlations` over prompts: resample whole prompts (column ``by``) with
+    replacement, pool their steps, recompute each Pearson r. ``{"r_<s>_lo": ..., "r_<s>_hi": ...}``; NaN with
+    fewer than ``MIN_PAIRS`` prompts (an interval from 2-4 resampled prompts says nothing)."""
+    import numpy as np
+
+    from kvlab.harness.experiment import MIN_PAIRS
+
+    groups = df.groupby(by, sort=True)
+    n = len(groups)
+    out: dict[str, float] = {}
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(n, [1.0 / n] * n, size=n_boot) if n else np.zeros((n_boot, 0))   # (B, prompts)
+    for sig in signals:
+        if n < MIN_PAIRS:
+            out[f"r_{sig}_lo"] = out[f"r_{sig}_hi"] = float("nan")
+            continue
+        # per prompt sums of x, y, x², y², xy and the step count: a resample's r from the weighted sums
+        st = np.array([[len(g), g[sig].sum(), g[against].sum(), (g[sig] ** 2).sum(), (g[against] ** 2).sum(),
+                        (g[sig] * g[against]).sum()] for _, g in groups], dtype=float)
+        m, sx, sy, sxx, syy, sxy = (counts @ st).T
+        cov = sxy - sx * sy / m
+        var = (sxx - sx ** 2 / m) * (syy - sy ** 2 / m)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = cov / np.sqrt(var)
+        r = r[np.isfinite(r)]
+        out[f"r_{sig}_lo"], out[f"r_{sig}_hi"] = (np.percentile(r, [2.5, 97.5]) if len(r) else (np.nan, np.nan))
+        out[f"r_{sig}_lo"], out[f"r_{sig}_hi"] = float(out[f"r_{sig}_lo"]), float(out[f"r_{sig}_hi"])
+    return out
+
+
 @dataclass(frozen=True)
 class ReplayRecord:
     """What the refresh loop's record carries for a gate: step, signals, steps since refresh."""
@@ -57,7 +89,9 @@ def correlation_study(teacher, student, prompts: Sequence[str], *, ps: Sequence[
     ``sampling`` is given — the same decode for every ``p``).
 
     Returns ``(traces, table)``: all trace rows with a ``p`` column, and one row per ``p`` with the
-    Pearson r of u / mi / flip against the student's entropy, and the number of steps pooled.
+    Pearson r of u / mi / flip against the student's entropy over the pooled steps, its bootstrap 95 %
+    interval over prompts (``r_<s>_lo`` / ``r_<s>_hi``, :func:`correlation_intervals`) and the number of
+    steps pooled.
     """
     import pandas as pd
 
@@ -69,11 +103,18 @@ def correlation_study(teacher, student, prompts: Sequence[str], *, ps: Sequence[
                        sampling=sampling)
         df.insert(0, "p", p)
         frames.append(df)
-        r = correlations(df)
-        rows.append({"p": p, "n_passes": n_passes, "steps": len(df), "prompts": len(prompts),
-                     **{f"r_{k}": v for k, v in r.items()},
-                     **{f"mean_{k}": float(df[k].mean()) for k in SIGNALS}})
+        rows.append(correlation_row(df, p=p, n_passes=n_passes, prompts=len(prompts)))
     return pd.concat(frames, ignore_index=True), pd.DataFrame(rows)
+
+
+def correlation_row(df, *, p: float, n_passes: int, prompts: int) -> dict:
+    """One row of the correlation table from one ``p``'s traces (``prompt``, ``entropy`` and signal columns):
+    each signal's r with the entropy, then its interval, then the signals' means."""
+    r, ci = correlations(df), correlation_intervals(df)
+    return {"p": p, "n_passes": n_passes, "steps": len(df), "prompts": prompts,
+            **{c: v for k in SIGNALS for c, v in ((f"r_{k}", r[k]), (f"r_{k}_lo", ci[f"r_{k}_lo"]),
+                                                  (f"r_{k}_hi", ci[f"r_{k}_hi"]))},
+            **{f"mean_{k}": float(df[k].mean()) for k in SIGNALS}}
 
 
 def plot_real_trace(df, fires: Mapping[str, Sequence[int]] | None = None, title: str = ""):

@@ -4,6 +4,7 @@ the student reading its own prompt cache − the teacher's).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from kvlab.harness.quotes import View, as_number, cell, mde_note, pick, quote, read
@@ -53,6 +54,26 @@ VIEWS = {
         ("Δ tail log-prob (95 % CI)", ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi")),
         ("Δ forced KL (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))]),
 }
+
+FORCED_COSTS = [("refreshes (forced path)", "refreshes_forced"), ("teacher tokens (forced path)", "teacher_tokens_forced")]
+
+
+def _with_forced_costs(view: View):
+    """``view`` with the forced path's own costs (``refreshes_forced``, ``teacher_tokens_forced``; tables since
+    issue 37) right after its ``kl_forced`` columns when its table has them — the cost of the Δ it shows."""
+    def render(figures: Path) -> str:
+        if "refreshes_forced" not in read(figures, view.csv).columns:
+            return view.render(figures)
+        cols = list(view.columns)
+        at = next(i for i, (_, spec) in enumerate(cols) if spec == "kl_forced")
+        return replace(view, columns=cols[:at] + FORCED_COSTS + cols[at:]).render(figures)
+
+    render.__doc__ = f"The {view.csv} view, with the forced path's costs when the table has them."
+    return render
+
+
+for _name in ("refresh_entropy", "refresh_methods"):        # the gated policies: their forced schedule differs
+    VIEWS[_name] = _with_forced_costs(VIEWS[_name])
 
 
 def key_results(figures: Path) -> list[tuple[str, str, str]]:

@@ -127,8 +127,9 @@ def summary(per_run: pd.DataFrame, info: pd.DataFrame) -> pd.DataFrame:
     return info.merge(s, on="policy")
 
 
-FORCED_COLS = ["kl_forced", "nll_forced", "distinct2"]
-_FORCED_D = ["kl_forced", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "nll_forced", "distinct2"]
+FORCED_COLS = ["kl_forced", "nll_forced", "kl_forced_step1", "refreshes_forced", "teacher_tokens_forced", "distinct2"]
+_FORCED_D = ["kl_forced", "d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi", "d_kl_forced_mde", "refreshes_forced",
+             "teacher_tokens_forced", "nll_forced", "distinct2"]
 PERIODIC_COLS = ["policy", "T", *_FORCED_D, "teacher_ppl", "teacher_ppl_std", "kl", "kl_std", "d_kl", "d_kl_lo",
                  "d_kl_hi", "d_kl_mde", "repeat3", "repeat3_std", "refreshes", "teacher_tokens", "n_prompts"]
 ENTROPY_COLS = ["policy", "tau_bits", "percentile", "refreshes", "refreshes_std", "refreshes_per_1k", *_FORCED_D,
@@ -242,7 +243,8 @@ def refresh_tables(teacher, student, spec: RunSpec, store: RunStore, calib: RunS
 def with_forced(teacher, student, spec: RunSpec, cfgs: dict, store: RunStore, per_run: pd.DataFrame,
                 progress: bool = False) -> pd.DataFrame:
     """``per_run`` with ``kl_forced`` / ``nll_forced`` / ``distinct2`` per run (kvlab.harness.forced: every
-    policy scored on the teacher's stored reference continuation, refreshing at its own steps on it)."""
+    policy scored on the teacher's stored reference continuation, refreshing at its own steps on it) and what
+    that forced path's own schedule cost (``refreshes_forced`` / ``teacher_tokens_forced``)."""
     from kvlab.harness.forced import forced_columns
 
     if progress:
@@ -282,7 +284,7 @@ CSV_ONLY = ("refresh_provenance", "refresh_timing_runs")   # long tables nobody 
 def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """CSV + Markdown per table; timing tables' Markdown starts with how the overhead was measured."""
     from kvlab.core.metrics import KL_ALL_NOTE, KL_NOTE, MDE_NOTE
-    from kvlab.harness.forced import DISTINCT_NOTE, FORCED_SCORE_NOTE
+    from kvlab.harness.forced import DISTINCT_NOTE, FORCED_COST_NOTE, FORCED_SCORE_NOTE
     from kvlab.studies.refresh.forced import FORCED_NOTE
 
     paths = []
@@ -296,7 +298,8 @@ def write_refresh(tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
         if base == "refresh_forced":
             notes = [FORCED_NOTE]
         elif "kl_forced" in df:
-            notes = [KL_NOTE, FORCED_SCORE_NOTE, DISTINCT_NOTE, MDE_NOTE,
+            notes = [KL_NOTE, FORCED_SCORE_NOTE] + ([FORCED_COST_NOTE] if "refreshes_forced" in df else []) + [
+                     DISTINCT_NOTE, MDE_NOTE,
                      "`d_*`: paired mean difference policy − `none` (no refresh) over the same prompts and seeds, "
                      "bootstrap 95 % interval (`_lo`, `_hi`); negative = refresh lowers it."]
             if "kl_all" in df:
