@@ -1,0 +1,383 @@
+"""Retrieval at 2k–8k tokens under KV-cache eviction: the RULER-style tasks of :mod:`.ruler`, one prefill per
+case shared by every policy and both settings, accuracy with Wilson intervals (issue 36, item 5).
+
+**One prefill per case.** The case's context (instruction + haystack) is prefilled ONCE, in chunks of ``chunk``
+tokens, with the full cache, measuring the attention mass the tracking policies rank by (H2O's accumulated
+mass and Conf-KV's EMA share one tracker: every query, β = 0.9). Every (setting, policy) then branches from a
+copy of that cache (:meth:`KVCache.copy`) and decodes on its own (:meth:`Decoding.resume`):
+
+* ``prefill`` — the copy also takes the question as one more chunk (the whole prompt prefilled with the full
+  cache, attention measured); the first answer token comes from the full cache, the policy cuts the cache to
+  its budget at that step, and every later answer token is read from the cut cache (the setting of
+  :mod:`.needle`).
+* ``streamed`` — the question is fed through the decode loop teacher-forced, one token per step, the policy
+  evicting at every step (the first cut on the haystack alone): the mechanism of :mod:`.needle`'s
+  ``streamed`` setting. The policy never sees the question before it must cut.
+
+SnapKV measures only its observation window (the last ``window`` queries before its cut). Its branch copies
+the shared cache minus its last ``window`` entries (:meth:`KVCache.append_from`) and re-runs those tokens
+with the window's attention measured: a ``window``-token forward over the context, not a second prefill.
+
+Budgets: every policy holds at most ``budget`` entries after its first cut. Sliding (4 sinks + newest, original
+positions), StreamingLLM (4 sinks + newest, re-rotated to positions inside the cache), H2O (half heavy hitters,
+half recent: ``recent = budget // 2``, as the paper), SnapKV (its one cut at ``budget`` minus the tokens the
+run appends afterwards, window ``budget // 8``, so its peak is ``budget`` too), Conf-KV (:func:`.needle.needle_confkv`:
+``loose = budget``, ``tight = 3/4·budget``; its mean memory, which its confidence sets, is the table's
+``mean_cache_len``). The answer is decoded greedily until a newline or the task's answer length.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+
+from kvlab.studies.eviction.ruler import TASKS, RulerCase, make_cases, score
+
+SETTINGS = ("prefill", "streamed")
+POLICIES = ("full", "sliding", "streamingllm", "h2o", "snapkv", "confkv")
+LENGTHS = (2048, 4096, 8192)
+MAX_POSITIONS = 8192          # the embedded SmolLM2-135M-Instruct's max_position_embeddings
+TABLE_COLS = ["task", "setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "partial",
+              "mean_cache_len", "max_cache_len", "budget", "full_accuracy"]
+
+
+@dataclass(frozen=True)
+class LongGrid:
+    """What ``python -m kvlab needle-long`` runs: ``n`` cases of every (task, length), each policy at ``budget``
+    in each setting; cells whose full-cache accuracy is below ``threshold`` are left out of the table."""
+
+    tasks: tuple[str, ...] = TASKS
+    lengths: tuple[int, ...] = LENGTHS
+    n: int = 60
+    budget: int = 256
+    policies: tuple[str, ...] = POLICIES
+    settings: tuple[str, ...] = SETTINGS
+    gamma: float = 0.9
+    threshold: float = 0.8
+    chunk: int = 1024
+    seed: int = 0
+
+    def __post_init__(self):
+        check_grid(self)
+
+
+def _ints(name: str, values, lo: int) -> None:
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < lo for v in values):
+        raise ValueError(f"{name}={list(values)!r} must be ints >= {lo}")
+
+
+def check_grid(g: LongGrid) -> None:
+    """Validate a grid before any model loads (ValueError naming the parameter and the fix)."""
+    bad = [t for t in g.tasks if t not in TASKS]
+    if not g.tasks or bad:
+        raise ValueError(f"tasks={list(g.tasks)!r}: unknown {bad}; choose from {TASKS}")
+    _ints("lengths", g.lengths, 64)
+    if max(g.lengths) > MAX_POSITIONS:
+        raise ValueError(f"lengths={list(g.lengths)!r}: the embedded model has {MAX_POSITIONS} positions; "
+                         f"use lengths <= {MAX_POSITIONS - 64} tokens of prompt (the answer needs positions too)")
+    _ints("n", [g.n], 1)
+    _ints("budget", [g.budget], 64)
+    _ints("chunk", [g.chunk], 16)
+    if g.budget >= min(g.lengths):
+        raise ValueError(f"budget={g.budget} must be below the shortest length {min(g.lengths)}: otherwise nothing "
+                         "is evicted")
+    for name, vals, allowed in (("policies", g.policies, POLICIES), ("settings", g.settings, SETTINGS)):
+        badv = [v for v in vals if v not in allowed]
+        if not vals or badv:
+            raise ValueError(f"{name}={list(vals)!r}: unknown {badv}; choose from {allowed}")
+    if not 0.0 <= g.gamma <= 1.0:
+        raise ValueError(f"gamma={g.gamma!r} must be in [0, 1] (Conf-KV's confidence threshold)")
+    if not 0.0 <= g.threshold <= 1.0:
+        raise ValueError(f"threshold={g.threshold!r} must be in [0, 1] (full-cache accuracy a cell needs)")
+
+
+def policy(name: str, budget: int, appended: int, gamma: float = 0.9):
+    """The registered policy ``name`` at ``budget`` (module docstring); ``appended``: tokens the run appends
+    after the first cut (SnapKV's cut leaves room for them). ``full`` is None (no eviction)."""
+    from kvlab.eviction import EVICTION_POLICIES as E
+    from kvlab.studies.eviction.needle import needle_confkv
+
+    window = budget // 8
+    made = {"full": lambda: None,
+            "sliding": lambda: E.entry("sliding").at_budget(budget, sinks=4),
+            "streamingllm": lambda: E.entry("streamingllm").at_budget(budget, sinks=4),
+            "h2o": lambda: E.entry("h2o").at_budget(budget, recent=budget // 2),
+            "snapkv": lambda: E.entry("snapkv").at_budget(max(window + 1, budget - appended), recent=window),
+            "confkv": lambda: needle_confkv(budget, gamma)}
+    if name not in made:
+        raise ValueError(f"policy={name!r} must be one of {POLICIES}")
+    return made[name]()
+
+
+def tracker(pol) -> dict | None:
+    """The attention tracking ``pol`` asks of the cache (:meth:`KVCache.track_attention`'s arguments), or None."""
+    from kvlab.decode.protocols import evict_attr
+
+    if pol is None or not evict_attr(pol, "needs_attention"):
+        return None
+    return {"ema_decay": evict_attr(pol, "ema_decay"), "window": evict_attr(pol, "attention_window"),
+            "pool": evict_attr(pol, "attention_pool"), "below": evict_attr(pol, "attention_below"),
+            "ema_prefill": evict_attr(pol, "ema_prefill")}
+
+
+def shared_tracker(pols: Sequence) -> dict | None:
+    """The one tracker of the shared prefill: that of every policy measuring all queries (they must agree);
+    window policies (SnapKV) measure their window on their own branch."""
+    full = {tuple(sorted(t.items())) for t in map(tracker, pols) if t is not None and t["window"] is None}
+    if len(full) > 1:
+        raise ValueError(f"the policies track attention differently ({sorted(full)}): one shared prefill cannot "
+                         "serve them; give them the same ema_decay / pool / below / ema_prefill")
+    return dict(next(iter(full))) if full else None
+
+
+def prefill(lm, ids: Sequence[int], track: dict | None, chunk: int):
+    """A new full cache of ``ids`` prefilled ``chunk`` tokens per forward, attention measured when ``track``;
+    returns ``(cache, last logits)``. The one prefill of a case (the tests count its calls)."""
+    import torch
+
+    from kvlab.cache import KVCache
+
+    cache = KVCache()
+    if track is not None:
+        cache.track_attention(**track)
+    with torch.inference_mode():
+        for i in range(0, len(ids), chunk):
+            logits = cache.forward(lm.model, list(ids[i:i + chunk]), writer="teacher", step=-1,
+                                   attention=track is not None)
+    return cache, logits
+
+
+def _extend(lm, cache, ids: Sequence[int], track: dict | None):
+    import torch
+
+    with torch.inference_mode():
+        return cache.forward(lm.model, list(ids), writer="teacher", step=-1, attention=track is not None)
+
+
+def window_branch(lm, src, ids: Sequence[int], track: dict):
+    """A cache of ``ids`` for a window-measuring policy: ``src``'s entries but the last ``window`` copied
+    (no recomputation), those re-run with the window's attention measured. Returns ``(cache, logits)``."""
+    from kvlab.cache import KVCache
+
+    w = min(int(track["window"]), len(ids) - 1)
+    cache = KVCache()
+    cache.append_from(src, len(ids) - w)
+    cache.track_attention(**track)
+    return cache, _extend(lm, cache, ids[len(ids) - w:], track)
+
+
+def _decode(lm, cache, logits, pol, forced: Sequence[int], answer_tokens: int) -> dict:
+    """Greedy answer on ``cache`` under ``pol`` after the teacher-forced ``forced`` tokens; stops at a newline."""
+    import torch
+
+    from kvlab.decode import DecodeConfig, Decoding, Sampling
+
+    cfg = DecodeConfig(mode="teacher", max_new_tokens=answer_tokens + len(forced), sampling=Sampling(), chat=False,
+                       evict=pol, forced=tuple(forced))
+    d = Decoding.resume(lm, cache, logits=logits, role="teacher", config=cfg)
+    recs, t0 = [], time.perf_counter()
+    with torch.inference_mode():
+        for rec in d:
+            recs.append(rec)
+            if len(recs) > len(forced) and "\n" in lm.tokenizer.decode(d.tokens[len(forced):]):
+                break
+    lens = [r.cache_len for r in recs]
+    return {"text": lm.tokenizer.decode(d.tokens[len(forced):], skip_special_tokens=True),
+            "question_steps": len(forced), "cache_len": lens, "evicted": sum(r.evicted for r in recs),
+            "decode_s": time.perf_counter() - t0}
+
+
+def _config(lm, case: RulerCase, setting: str, name: str, pol, forced: Sequence[int], chunk: int) -> dict:
+    from kvlab.decode import DecodeConfig, Sampling
+
+    cfg = DecodeConfig(mode="teacher", max_new_tokens=case.answer_tokens + len(forced), sampling=Sampling(),
+                       chat=False, evict=pol, forced=tuple(forced))
+    return {"kind": "needle_long", "teacher": lm.fingerprint, "task": case.task, "prompt": case.prompt,
+            "answers": list(case.answers), "setting": setting, "policy_name": name, "decode": cfg.to_dict(),
+            "chunk": chunk, "stop": "newline"}
+
+
+def question_ids(lm, case: RulerCase) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): the question's tokens as they follow the context in the prompt's tokenization."""
+    hay, full = lm.encode_prompt(case.context, chat=False), lm.encode_prompt(case.prompt, chat=False)
+    if full[: len(hay)] == hay:
+        return hay, full[len(hay):]
+    return hay, [int(i) for i in lm.tokenizer(case.question, add_special_tokens=False)["input_ids"]]
+
+
+def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
+    """Every (setting, policy) run of ``case``, stored; at most ONE prefill of the case (none when every run is
+    stored already). One dict per run: the stored result plus ``setting`` and ``policy``."""
+    hay, q = question_ids(lm, case)
+    jobs = []
+    for setting in grid.settings:
+        forced = q if setting == "streamed" else []
+        appended = case.answer_tokens + len(forced)
+        for name in grid.policies:
+            pol = policy(name, grid.budget, appended, grid.gamma)
+            jobs.append((setting, name, pol, forced, _config(lm, case, setting, name, pol, forced, grid.chunk)))
+    got = [store.reused(j[4]) for j in jobs]
+    if any(g is None for g in got):
+        track = shared_tracker([j[2] for j in jobs])
+        t0 = time.perf_counter()
+        base, base_logits = prefill(lm, hay, track, grid.chunk)
+        prefill_s = time.perf_counter() - t0
+        whole = None
+        for i, (setting, name, pol, forced, key) in enumerate(jobs):
+            if got[i] is not None:
+                continue
+            if setting == "prefill" and whole is None:
+                whole = base.copy()
+                whole_logits = _extend(lm, whole, q, track)
+            src, ids, logits = (whole, hay + q, whole_logits) if setting == "prefill" else (base, hay, base_logits)
+            own = tracker(pol)
+            if own is not None and own["window"] is not None:
+                cache, logits = window_branch(lm, src, ids, own)
+            else:
+                cache = src.copy()
+            res = _decode(lm, cache, logits, pol, forced, case.answer_tokens)
+            res.update(prompt_tokens=len(hay) + len(q), prefill_s=prefill_s)
+            got[i] = store.get_or_run(key, lambda res=res: res)
+    return [{**g, "setting": j[0], "policy": j[1]} for j, g in zip(jobs, got)]
+
+
+def run_grid(lm, grid: LongGrid, store, progress: bool = True, log=print) -> pd.DataFrame:
+    """Every case of ``grid`` (per-run rows, :func:`run_row`), resuming from ``store``."""
+    cases = make_cases(lm.tokenizer, grid.tasks, grid.lengths, grid.n, grid.seed)
+    rows, t0 = [], time.perf_counter()
+    for k, case in enumerate(cases):
+        for r in case_runs(lm, case, grid, store):
+            rows.append(run_row(case, r, grid.budget))
+        if progress:
+            log(f"[{time.strftime('%H:%M:%S')}] needle-long {k + 1}/{len(cases)} {case.task} {case.length} "
+                f"rep {case.rep}: {time.perf_counter() - t0:.0f} s")
+    return pd.DataFrame(rows)
+
+
+def run_row(case: RulerCase, res: dict, budget: int) -> dict:
+    correct, partial = score(case.task, res["text"], case.answers)
+    q = res.get("question_steps", 0)
+    lens = res["cache_len"]
+    ans = lens[q:] or lens
+    return {"task": case.task, "setting": res["setting"], "policy": res["policy"], "length": case.length,
+            "rep": case.rep, "depth": case.depth, "prompt_tokens": res["prompt_tokens"], "budget": budget,
+            "answers": " ".join(case.answers), "text": res["text"], "correct": correct, "partial": partial,
+            "mean_cache_len": sum(ans) / len(ans), "max_cache_len": max(ans), "prefill_s": res["prefill_s"],
+            "decode_s": res["decode_s"]}
+
+
+def wilson(k: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of ``k`` successes in ``n`` trials (95 % at the default ``z``)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def _acc(g: pd.DataFrame) -> pd.Series:
+    n, k = len(g), float(g.correct.sum())
+    lo, hi = wilson(k, n)
+    return pd.Series({"accuracy": k / n, "n": n, "ci_lo": lo, "ci_hi": hi, "partial": g.partial.mean(),
+                      "mean_cache_len": g.mean_cache_len.mean(), "max_cache_len": g.max_cache_len.max()})
+
+
+def full_cells(runs: pd.DataFrame, threshold: float) -> pd.DataFrame:
+    """Full-cache accuracy of every (task, length) cell (prefill setting when run, else streamed) and
+    ``kept``: at least ``threshold``."""
+    full = runs[runs.policy == "full"]
+    if full.empty:
+        raise ValueError("the grid has no full-cache runs: add 'full' to the policies (cells are kept by it)")
+    setting = "prefill" if (full.setting == "prefill").any() else "streamed"
+    full = full[full.setting == setting]
+    out = full.groupby(["task", "length"], sort=False).apply(_acc, include_groups=False).reset_index()
+    out["n"] = out.n.astype(int)
+    out["kept"] = out.accuracy >= threshold
+    return out[["task", "length", "accuracy", "n", "ci_lo", "ci_hi", "partial", "kept"]]
+
+
+def long_table(runs: pd.DataFrame, threshold: float = 0.8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(table, cells): accuracy with Wilson 95 % intervals per (task, setting, policy, length) over the cells the
+    full cache passes (:func:`full_cells`), and the full-cache accuracy of every cell."""
+    cells = full_cells(runs, threshold)
+    kept = cells[cells.kept][["task", "length", "accuracy"]].rename(columns={"accuracy": "full_accuracy"})
+    keep = runs.merge(kept, on=["task", "length"])
+    if keep.empty:
+        return pd.DataFrame(columns=TABLE_COLS), cells
+    g = keep.groupby(["task", "setting", "policy", "length"], sort=False)
+    out = g.apply(_acc, include_groups=False).reset_index()
+    out = out.merge(keep.groupby(["task", "length"]).agg(budget=("budget", "first"),
+                                                         full_accuracy=("full_accuracy", "first")).reset_index(),
+                    on=["task", "length"])
+    out["n"] = out.n.astype(int)
+    order = {p: i for i, p in enumerate(POLICIES)}
+    out = out.sort_values(["task", "setting", "length", "policy"], key=lambda s: s.map(order) if s.name == "policy"
+                          else s, kind="stable")
+    return out[TABLE_COLS].reset_index(drop=True), cells
+
+
+NOTES = ["accuracy: exact retrieval (niah_single / niah_multikey: the first number of the answer is the asked "
+         "one; niah_multivalue: all values; vt: every variable of the chain); partial: the mean fraction found",
+         "ci_lo / ci_hi: Wilson 95 % interval of accuracy over the n cases (one case = one generated prompt)",
+         "a (task, length) cell enters only when the full cache retrieves in it (full_accuracy >= the threshold); "
+         "every cell's full-cache accuracy is in evict_needle_long_full.csv",
+         "one prefill per case (chunked, full cache) shared by every policy and both settings; greedy answer up to a "
+         "newline; mean_cache_len / max_cache_len: cache entries while answering"]
+
+
+def _cell(r) -> str:
+    return f"{r.accuracy:.2f} [{r.ci_lo:.2f}, {r.ci_hi:.2f}]"
+
+
+def long_markdown(table: pd.DataFrame, cells: pd.DataFrame, threshold: float) -> str:
+    """The full cache per cell, then per setting a pivot: policy × (task, length), accuracy [Wilson 95 %]."""
+    from kvlab.harness.experiment import to_markdown
+
+    c = cells.assign(**{"full accuracy [95 %]": [_cell(r) for r in cells.itertuples()],
+                        "in table": cells.kept.map({True: "yes", False: "no"})})
+    parts = [f"Full cache per (task, length) cell (a cell enters the table at accuracy >= {threshold:g}):\n\n"
+             + to_markdown(c[["task", "length", "n", "full accuracy [95 %]", "partial", "in table"]],
+                           floatfmt=".2f")]
+    for setting in dict.fromkeys(table.setting):
+        t = table[table.setting == setting].copy()
+        t["col"] = [f"{r.task} {r.length}" for r in t.itertuples()]
+        t["val"] = [_cell(r) for r in t.itertuples()]
+        pv = t.pivot(index="policy", columns="col", values="val")
+        pv = pv.loc[[p for p in POLICIES if p in pv.index], list(dict.fromkeys(t.col))]
+        cache = t.groupby("policy").mean_cache_len.mean().round(0).astype(int)
+        pv["mean cache"] = cache.loc[pv.index]
+        n = int(t.n.min())
+        parts.append(f"Setting `{setting}`: accuracy [Wilson 95 %], n = {n} cases per cell, budget "
+                     f"{int(t.budget.iloc[0])} entries:\n\n" + to_markdown(pv.reset_index()))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_long(runs: pd.DataFrame, grid: LongGrid, out) -> list:
+    """``evict_needle_long.csv`` (+ ``.md`` with the pivots and notes), ``evict_needle_long_full.csv`` (every
+    cell's full-cache accuracy) and ``evict_needle_long_runs.csv`` (one row per run) under ``out``."""
+    from pathlib import Path
+
+    from kvlab.harness.experiment import provenance_note
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, cells = long_table(runs, grid.threshold)
+    paths = []
+    for name, df in (("evict_needle_long", table), ("evict_needle_long_full", cells),
+                     ("evict_needle_long_runs", runs.drop(columns=["text"]))):
+        df.round(5).to_csv(out / f"{name}.csv", index=False)
+        paths.append(out / f"{name}.csv")
+    md = out / "evict_needle_long.md"
+    md.write_text(long_markdown(table, cells, grid.threshold) + "\n"
+                  + "\n".join(f"- {n}" for n in NOTES + [provenance_note()]) + "\n")
+    return paths + [md]
+
+
+__all__ = ["LongGrid", "SETTINGS", "POLICIES", "LENGTHS", "TABLE_COLS", "check_grid", "policy", "tracker",
+           "shared_tracker", "prefill", "window_branch", "case_runs", "run_grid", "run_row", "wilson", "full_cells",
+           "long_table", "question_ids", "long_markdown", "write_long"]
