@@ -28,7 +28,7 @@ def test_cases_are_deterministic_and_hold_their_needles(tiny_teacher):
     assert single.context.count("special magic numbers for") == 1 and single.answers[0] in single.context
     multi = ruler.make_case(tok, "niah_multikey", 900, 0)
     assert multi.context.count("One of the special magic numbers for") == ruler.DISTRACTORS + 1
-    asked = multi.question.split("number for ")[1].split(" mentioned")[0]
+    asked = multi.question.split("number for ")[1].split("?")[0]
     assert f"for {asked} is: {multi.answers[0]}." in multi.context
     mv = ruler.make_case(tok, "niah_multivalue", 900, 0)
     assert len(mv.answers) == ruler.VALUES and all(v in mv.context for v in mv.answers)
@@ -138,9 +138,12 @@ def test_table_columns_and_cells():
                 rows.append({"task": task, "setting": "prefill", "policy": pol, "length": 2048, "rep": rep,
                              "correct": ok if rep else 1.0, "partial": ok, "mean_cache_len": 10.0,
                              "max_cache_len": 10, "budget": 256})
-    table, cells = nl.long_table(pd.DataFrame(rows), threshold=0.8)
+    pooled, table, cells = nl.long_table(pd.DataFrame(rows), threshold=0.8)
+    assert {"setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "task"} <= set(pooled.columns)
     assert {"setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "task"} <= set(table.columns)
     assert set(table.task) == {"niah_single"}                   # vt: the full cache fails, the cell is out
+    assert len(pooled) == len(pooled.groupby(["setting", "policy", "length"]).size())   # one row per (s, p, L)
+    assert pooled.task.tolist() == ["niah_single"] * 2
     assert cells.set_index("task").kept.to_dict() == {"niah_single": True, "vt": False}
     assert cells.set_index("task").accuracy["vt"] == pytest.approx(0.2)
     sl = table[table.policy == "sliding"].iloc[0]

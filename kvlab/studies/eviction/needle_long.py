@@ -40,8 +40,9 @@ SETTINGS = ("prefill", "streamed")
 POLICIES = ("full", "sliding", "streamingllm", "h2o", "snapkv", "confkv")
 LENGTHS = (2048, 4096, 8192)
 MAX_POSITIONS = 8192          # the embedded SmolLM2-135M-Instruct's max_position_embeddings
-TABLE_COLS = ["task", "setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "partial",
-              "mean_cache_len", "max_cache_len", "budget", "full_accuracy"]
+TABLE_COLS = ["setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "task", "partial", "mean_cache_len",
+              "max_cache_len", "budget", "full_accuracy"]
+TASK_COLS = ["task"] + [c for c in TABLE_COLS if c != "task"]
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ def window_branch(lm, src, ids: Sequence[int], track: dict):
 
 
 def _decode(lm, cache, logits, pol, forced: Sequence[int], answer_tokens: int) -> dict:
-    """Greedy answer on ``cache`` under ``pol`` after the teacher-forced ``forced`` tokens; stops at a newline."""
+    """Greedy answer on ``cache`` under ``pol`` after the teacher-forced ``forced`` tokens; stops at a newline
+    that follows some answer text (a leading newline, as vt's answers start, does not stop it)."""
     import torch
 
     from kvlab.decode import DecodeConfig, Decoding, Sampling
@@ -182,7 +184,7 @@ def _decode(lm, cache, logits, pol, forced: Sequence[int], answer_tokens: int) -
     with torch.inference_mode():
         for rec in d:
             recs.append(rec)
-            if len(recs) > len(forced) and "\n" in lm.tokenizer.decode(d.tokens[len(forced):]):
+            if len(recs) > len(forced) and "\n" in lm.tokenizer.decode(d.tokens[len(forced):]).lstrip():
                 break
     lens = [r.cache_len for r in recs]
     return {"text": lm.tokenizer.decode(d.tokens[len(forced):], skip_special_tokens=True),
@@ -247,6 +249,7 @@ def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
 def run_grid(lm, grid: LongGrid, store, progress: bool = True, log=print) -> pd.DataFrame:
     """Every case of ``grid`` (per-run rows, :func:`run_row`), resuming from ``store``."""
     cases = make_cases(lm.tokenizer, grid.tasks, grid.lengths, grid.n, grid.seed)
+    cases.sort(key=lambda c: c.rep)     # rep-major: a cut-short run has covered every cell about equally
     rows, t0 = [], time.perf_counter()
     for k, case in enumerate(cases):
         for r in case_runs(lm, case, grid, store):
@@ -301,83 +304,100 @@ def full_cells(runs: pd.DataFrame, threshold: float) -> pd.DataFrame:
     return out[["task", "length", "accuracy", "n", "ci_lo", "ci_hi", "partial", "kept"]]
 
 
-def long_table(runs: pd.DataFrame, threshold: float = 0.8) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(table, cells): accuracy with Wilson 95 % intervals per (task, setting, policy, length) over the cells the
-    full cache passes (:func:`full_cells`), and the full-cache accuracy of every cell."""
+def _grouped(keep: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    out = keep.groupby(by, sort=False).apply(_acc, include_groups=False).reset_index()
+    out["n"] = out.n.astype(int)
+    rank = {**{p: i for i, p in enumerate(POLICIES)}, **{x: i for i, x in enumerate(SETTINGS)}}
+    return out.sort_values(by[:-2] + ["length", "policy"] if "task" in by else ["setting", "length", "policy"],
+                           key=lambda c: c.map(rank) if c.name in ("policy", "setting") else c, kind="stable")
+
+
+def long_table(runs: pd.DataFrame, threshold: float = 0.8) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(pooled, per_task, cells) over the (task, length) cells the full cache passes (:func:`full_cells`):
+    accuracy with Wilson 95 % intervals per (setting, policy, length) pooled over those cells' tasks (``task``
+    names them), the same per task, and the full-cache accuracy of every cell."""
     cells = full_cells(runs, threshold)
     kept = cells[cells.kept][["task", "length", "accuracy"]].rename(columns={"accuracy": "full_accuracy"})
     keep = runs.merge(kept, on=["task", "length"])
     if keep.empty:
-        return pd.DataFrame(columns=TABLE_COLS), cells
-    g = keep.groupby(["task", "setting", "policy", "length"], sort=False)
-    out = g.apply(_acc, include_groups=False).reset_index()
-    out = out.merge(keep.groupby(["task", "length"]).agg(budget=("budget", "first"),
-                                                         full_accuracy=("full_accuracy", "first")).reset_index(),
-                    on=["task", "length"])
-    out["n"] = out.n.astype(int)
-    order = {p: i for i, p in enumerate(POLICIES)}
-    out = out.sort_values(["task", "setting", "length", "policy"], key=lambda s: s.map(order) if s.name == "policy"
-                          else s, kind="stable")
-    return out[TABLE_COLS].reset_index(drop=True), cells
+        return pd.DataFrame(columns=TABLE_COLS), pd.DataFrame(columns=TASK_COLS), cells
+    per = _grouped(keep, ["task", "setting", "policy", "length"]).merge(
+        keep.groupby(["task", "length"]).agg(budget=("budget", "first"), full_accuracy=("full_accuracy", "first"))
+        .reset_index(), on=["task", "length"])
+    ref = "prefill" if (keep.setting == "prefill").any() else "streamed"
+    full = keep[(keep.policy == "full") & (keep.setting == ref)].groupby("length").correct.mean()
+    info = keep.groupby("length").agg(task=("task", lambda t: "+".join(dict.fromkeys(t))), budget=("budget", "first"))
+    pooled = _grouped(keep, ["setting", "policy", "length"]).merge(
+        info.assign(full_accuracy=full).reset_index(), on="length")
+    return pooled[TABLE_COLS].reset_index(drop=True), per[TASK_COLS].reset_index(drop=True), cells
 
 
-NOTES = ["accuracy: exact retrieval (niah_single / niah_multikey: the first number of the answer is the asked "
+NOTES = ["evict_needle_long.csv pools the tasks of every kept cell per (setting, policy, length) (column task names "
+         "them); evict_needle_long_tasks.csv has one row per (task, setting, policy, length)",
+         "accuracy: exact retrieval (niah_single / niah_multikey: the first number of the answer is the asked "
          "one; niah_multivalue: all values; vt: every variable of the chain); partial: the mean fraction found",
          "ci_lo / ci_hi: Wilson 95 % interval of accuracy over the n cases (one case = one generated prompt)",
          "a (task, length) cell enters only when the full cache retrieves in it (full_accuracy >= the threshold); "
          "every cell's full-cache accuracy is in evict_needle_long_full.csv",
          "one prefill per case (chunked, full cache) shared by every policy and both settings; greedy answer up to a "
-         "newline; mean_cache_len / max_cache_len: cache entries while answering"]
+         "newline after answer text; mean_cache_len / max_cache_len: cache entries while answering"]
 
 
 def _cell(r) -> str:
     return f"{r.accuracy:.2f} [{r.ci_lo:.2f}, {r.ci_hi:.2f}]"
 
 
-def long_markdown(table: pd.DataFrame, cells: pd.DataFrame, threshold: float) -> str:
-    """The full cache per cell, then per setting a pivot: policy × (task, length), accuracy [Wilson 95 %]."""
+def _pivot(t: pd.DataFrame, col) -> pd.DataFrame:
+    t = t.assign(col=[col(r) for r in t.itertuples()], val=[_cell(r) for r in t.itertuples()])
+    pv = t.pivot(index="policy", columns="col", values="val")
+    pv = pv.loc[[p for p in POLICIES if p in pv.index], list(dict.fromkeys(t.col))]
+    pv["mean cache"] = t.groupby("policy").mean_cache_len.mean().round(0).astype(int).loc[pv.index]
+    return pv.reset_index()
+
+
+def long_markdown(pooled: pd.DataFrame, per_task: pd.DataFrame, cells: pd.DataFrame, threshold: float) -> str:
+    """The full cache per cell; per setting the pooled pivot (policy × length) and the per-task pivot
+    (policy × task and length), accuracy [Wilson 95 %]."""
     from kvlab.harness.experiment import to_markdown
 
     c = cells.assign(**{"full accuracy [95 %]": [_cell(r) for r in cells.itertuples()],
                         "in table": cells.kept.map({True: "yes", False: "no"})})
-    parts = [f"Full cache per (task, length) cell (a cell enters the table at accuracy >= {threshold:g}):\n\n"
-             + to_markdown(c[["task", "length", "n", "full accuracy [95 %]", "partial", "in table"]],
-                           floatfmt=".2f")]
-    for setting in dict.fromkeys(table.setting):
-        t = table[table.setting == setting].copy()
-        t["col"] = [f"{r.task} {r.length}" for r in t.itertuples()]
-        t["val"] = [_cell(r) for r in t.itertuples()]
-        pv = t.pivot(index="policy", columns="col", values="val")
-        pv = pv.loc[[p for p in POLICIES if p in pv.index], list(dict.fromkeys(t.col))]
-        cache = t.groupby("policy").mean_cache_len.mean().round(0).astype(int)
-        pv["mean cache"] = cache.loc[pv.index]
-        n = int(t.n.min())
-        parts.append(f"Setting `{setting}`: accuracy [Wilson 95 %], n = {n} cases per cell, budget "
-                     f"{int(t.budget.iloc[0])} entries:\n\n" + to_markdown(pv.reset_index()))
+    parts = [f"Full cache per (task, length) cell (a cell enters the tables at accuracy >= {threshold:g}):\n\n"
+             + to_markdown(c[["task", "length", "n", "full accuracy [95 %]", "partial", "in table"]], floatfmt=".2f")]
+    for setting in dict.fromkeys(pooled.setting):
+        t, pt = pooled[pooled.setting == setting], per_task[per_task.setting == setting]
+        tasks = "; ".join(f"{L}: {x}" for L, x in dict(zip(t.length, t.task)).items())
+        parts.append(f"Setting `{setting}`, pooled over the tasks the full cache passes ({tasks}): accuracy "
+                     f"[Wilson 95 %], budget {int(t.budget.iloc[0])} entries, n = "
+                     f"{', '.join(str(v) for v in dict.fromkeys(t.n))} cases per length:\n\n"
+                     + to_markdown(_pivot(t, lambda r: f"{r.length} tokens (n={r.n})")))
+        parts.append(f"Setting `{setting}` per task:\n\n"
+                     + to_markdown(_pivot(pt, lambda r: f"{r.task} {r.length} (n={r.n})")))
     return "\n\n".join(parts) + "\n"
 
 
 def write_long(runs: pd.DataFrame, grid: LongGrid, out) -> list:
-    """``evict_needle_long.csv`` (+ ``.md`` with the pivots and notes), ``evict_needle_long_full.csv`` (every
-    cell's full-cache accuracy) and ``evict_needle_long_runs.csv`` (one row per run) under ``out``."""
+    """``evict_needle_long.csv`` (pooled; its ``.md`` has every pivot and the notes), ``evict_needle_long_tasks.csv``
+    (per task), ``evict_needle_long_full.csv`` (every cell's full-cache accuracy) and ``evict_needle_long_runs.csv``
+    (one row per run) under ``out``."""
     from pathlib import Path
 
     from kvlab.harness.experiment import provenance_note
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    table, cells = long_table(runs, grid.threshold)
+    pooled, per_task, cells = long_table(runs, grid.threshold)
     paths = []
-    for name, df in (("evict_needle_long", table), ("evict_needle_long_full", cells),
-                     ("evict_needle_long_runs", runs.drop(columns=["text"]))):
+    for name, df in (("evict_needle_long", pooled), ("evict_needle_long_tasks", per_task),
+                     ("evict_needle_long_full", cells), ("evict_needle_long_runs", runs)):
         df.round(5).to_csv(out / f"{name}.csv", index=False)
         paths.append(out / f"{name}.csv")
     md = out / "evict_needle_long.md"
-    md.write_text(long_markdown(table, cells, grid.threshold) + "\n"
+    md.write_text(long_markdown(pooled, per_task, cells, grid.threshold) + "\n"
                   + "\n".join(f"- {n}" for n in NOTES + [provenance_note()]) + "\n")
     return paths + [md]
 
 
 __all__ = ["LongGrid", "SETTINGS", "POLICIES", "LENGTHS", "TABLE_COLS", "check_grid", "policy", "tracker",
            "shared_tracker", "prefill", "window_branch", "case_runs", "run_grid", "run_row", "wilson", "full_cells",
-           "long_table", "question_ids", "long_markdown", "write_long"]
+           "long_table", "question_ids", "long_markdown", "write_long", "TASK_COLS"]

@@ -2,7 +2,8 @@
 long-context language models?"), generated deterministically from a seed, with one scorer per task.
 
 Four tasks, each RULER's template adapted to a raw completion prompt (``chat=False``, as the passkey needle of
-:mod:`kvlab.studies.eviction.needle` is: the question ends with the answer's prefix, so the model completes it):
+:mod:`kvlab.studies.eviction.needle` is: the question ends with the answer's prefix, so the model completes it; RULER's questions shortened to ~20-35 tokens, since the ``streamed``
+setting feeds them one decode step per token):
 
 * ``niah_single``   — one needle ``"One of the special magic numbers for {key} is: {value}."`` in RULER's noise
   haystack (the passkey filler, "The grass is green. ..."); asked for the key's number. Score: the first number
@@ -38,14 +39,11 @@ ANSWER_TOKENS = {"niah_single": 8, "niah_multikey": 8, "niah_multivalue": 32, "v
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
               "I will quiz you about the numbers afterwards.\n")
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}. "
-NIAH_Q = ("\nWhat is the special magic number for {key} mentioned in the provided text? "
-          "The special magic number for {key} mentioned in the provided text is")
-NIAH_QS = ("\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
-           "The special magic numbers for {key} mentioned in the provided text are")
+NIAH_Q = "\nWhat is the special magic number for {key}? The special magic number for {key} is"
+NIAH_QS = "\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are"
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-VT_Q = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: According to "
-        "the chain(s) of variable assignment in the text above, {n} variables are assigned the value {value}, "
-        "they are:")
+VT_Q = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: The {n} "
+        "variables assigned the value {value} are:")
 
 _WORDS = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
           "misty", "noble", "odd", "proud", "quiet", "rapid", "silent", "tidy", "urban", "vivid", "wild", "young")
