@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from kvlab.studies.eviction import needle_long as nl
+from kvlab.studies.eviction import needle_long_table as nt
 from kvlab.studies.eviction import ruler
 
 GRID = dict(lengths=(640,), n=2, budget=64, chunk=128)
@@ -67,14 +68,14 @@ def test_scorers_on_known_answers():
 
 
 def test_wilson_on_known_values():
-    lo, hi = nl.wilson(4, 30)
+    lo, hi = nt.wilson(4, 30)
     assert (round(lo, 2), round(hi, 2)) == (0.05, 0.30)                   # the 4/30
     assert math.isclose(lo, 0.053, abs_tol=1e-3) and math.isclose(hi, 0.297, abs_tol=1e-3)
-    lo, hi = nl.wilson(0, 10)
+    lo, hi = nt.wilson(0, 10)
     assert lo == 0.0 and math.isclose(hi, 0.2775, abs_tol=1e-4)
-    lo, hi = nl.wilson(10, 10)
+    lo, hi = nt.wilson(10, 10)
     assert math.isclose(lo, 0.7225, abs_tol=1e-4) and math.isclose(hi, 1.0)
-    lo, hi = nl.wilson(30, 60)
+    lo, hi = nt.wilson(30, 60)
     assert math.isclose(lo + hi, 1.0, abs_tol=1e-12) and math.isclose(lo, 0.3773, abs_tol=1e-3)
 
 
@@ -138,7 +139,7 @@ def test_table_columns_and_cells():
                 rows.append({"task": task, "setting": "prefill", "policy": pol, "length": 2048, "rep": rep,
                              "correct": ok if rep else 1.0, "partial": ok, "mean_cache_len": 10.0,
                              "max_cache_len": 10, "budget": 256})
-    pooled, table, cells = nl.long_table(pd.DataFrame(rows), threshold=0.8)
+    pooled, table, cells = nt.long_table(pd.DataFrame(rows), threshold=0.8)
     assert {"setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "task"} <= set(pooled.columns)
     assert {"setting", "policy", "length", "accuracy", "n", "ci_lo", "ci_hi", "task"} <= set(table.columns)
     assert set(table.task) == {"niah_single"}                   # vt: the full cache fails, the cell is out
@@ -147,9 +148,9 @@ def test_table_columns_and_cells():
     assert cells.set_index("task").kept.to_dict() == {"niah_single": True, "vt": False}
     assert cells.set_index("task").accuracy["vt"] == pytest.approx(0.2)
     sl = table[table.policy == "sliding"].iloc[0]
-    assert (sl.accuracy, sl.n) == (0.2, 5) and (sl.ci_lo, sl.ci_hi) == pytest.approx(nl.wilson(1, 5))
+    assert (sl.accuracy, sl.n) == (0.2, 5) and (sl.ci_lo, sl.ci_hi) == pytest.approx(nt.wilson(1, 5))
     with pytest.raises(ValueError, match="full"):
-        nl.long_table(pd.DataFrame(rows).query("policy != 'full'"))
+        nt.long_table(pd.DataFrame(rows).query("policy != 'full'"))
 
 
 def test_cli_names_match_the_study():
@@ -186,3 +187,15 @@ def test_bad_grids_name_the_flag(kw, msg):
                 gamma=0.9, threshold=0.8, chunk=1024, seed=0)
     with pytest.raises(SystemExit, match=msg):
         grid_of(argparse.Namespace(**{**base, **kw}))
+
+
+def test_main_job_size_is_a_valid_grid(monkeypatch):
+    from kvlab import cli
+    from kvlab.studies.eviction import cli_long
+
+    got = []
+    monkeypatch.setattr(cli_long, "cmd_needle_long", lambda ns: got.append(cli_long.grid_of(ns)) or [])
+    args = cli.build_parser().parse_args(["all"])
+    assert ("needle-long", cli_long.needle_long_small) in cli.JOBS
+    cli_long.needle_long_small(args)
+    assert got[0].lengths == (2048,) and got[0].n == cli_long.ALL_SIZE["n"] and got[0].policies == nl.POLICIES

@@ -77,7 +77,8 @@ def cmd_needle_long(args) -> list[Path]:
     """Run the grid (resuming from the store) and write the tables."""
     from kvlab.core.models import load_teacher
     from kvlab.store import RunStore
-    from kvlab.studies.eviction.needle_long import run_grid, write_long
+    from kvlab.studies.eviction.needle_long import run_grid
+    from kvlab.studies.eviction.needle_long_table import write_long
 
     grid = grid_of(args)
     lm = load_teacher(device=args.device, dtype=args.dtype)
