@@ -165,6 +165,7 @@ def test_cli_names_match_the_study():
     (["--policies", "sliding,lru"], "--policies"),
     (["--settings", "both"], "--settings"),
     (["--n", "0"], "--n"),
+    (["--n", "5,x"], "--n"),
 ])
 def test_bad_flags_are_refused(argv, msg, capsys):
     from kvlab.cli import build_parser
@@ -179,12 +180,14 @@ def test_bad_flags_are_refused(argv, msg, capsys):
     ({"lengths": (16384,)}, "lengths"),
     ({"threshold": 1.5}, "threshold"),
     ({"policies": ("full", "lru")}, "policies"),
+    ({"n": (5, 3)}, "n"),
+    ({"screen": -1}, "screen"),
 ])
 def test_bad_grids_name_the_flag(kw, msg):
     from kvlab.studies.eviction.cli_long import grid_of
 
     base = dict(tasks=ruler.TASKS, lengths=(2048,), n=2, budget=256, policies=nl.POLICIES, settings=nl.SETTINGS,
-                gamma=0.9, threshold=0.8, chunk=1024, seed=0)
+                gamma=0.9, threshold=0.8, chunk=1024, seed=0, screen=5)
     with pytest.raises(SystemExit, match=msg):
         grid_of(argparse.Namespace(**{**base, **kw}))
 
@@ -199,3 +202,16 @@ def test_main_job_size_is_a_valid_grid(monkeypatch):
     assert ("needle-long", cli_long.needle_long_small) in cli.JOBS
     cli_long.needle_long_small(args)
     assert got[0].lengths == (2048,) and got[0].n == cli_long.ALL_SIZE["n"] and got[0].policies == nl.POLICIES
+
+
+def test_screen_stops_cells_the_full_cache_fails(tiny_teacher, tmp_path):
+    """A random tiny model retrieves nothing: with screen=1 every cell stops after its first case; n per length."""
+    from kvlab.store import RunStore
+
+    grid = nl.LongGrid(tasks=("niah_single",), lengths=(640, 700), n=(3, 2), budget=64, chunk=256,
+                       policies=("full", "sliding"), settings=("prefill",), screen=1)
+    assert (grid.n_at(640), grid.n_at(700)) == (3, 2)
+    runs = nl.run_grid(tiny_teacher, grid, RunStore(tmp_path), progress=False)
+    assert sorted(runs.groupby("length").rep.max().items()) == [(640, 0), (700, 0)]
+    off = nl.run_grid(tiny_teacher, nl.LongGrid(**{**grid.__dict__, "screen": 0}), RunStore(tmp_path), progress=False)
+    assert off.groupby("length").rep.nunique().to_dict() == {640: 3, 700: 2}

@@ -35,6 +35,16 @@ def _lengths(s: str) -> tuple[int, ...]:
     return got
 
 
+def _counts(s: str):
+    try:
+        got = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        got = ()
+    if not got or any(n < 1 for n in got):
+        raise argparse.ArgumentTypeError(f"--n {s!r} must be a positive int, or one per length (e.g. 60,20,8)")
+    return got[0] if len(got) == 1 else got
+
+
 def register(sub) -> None:
     """Add the ``needle-long`` subcommand to ``sub`` (the router's subparsers)."""
     policies = POLICIES
@@ -42,7 +52,9 @@ def register(sub) -> None:
     p.add_argument("--tasks", type=_names("--tasks", TASKS), default=TASKS, metavar="TASK[,TASK...]",
                    help=f"tasks ({','.join(TASKS)})")
     p.add_argument("--lengths", type=_lengths, default=(2048, 4096, 8192), help="prompt lengths in tokens (<= 8128)")
-    p.add_argument("--n", type=positive_int("--n"), default=60, help="cases per (task, length)")
+    p.add_argument("--n", type=_counts, default=60, help="cases per (task, length): one int, or one per length")
+    p.add_argument("--screen", type=int, default=5,
+                   help="a cell whose full cache is below --threshold on its first SCREEN cases runs no more (0: off)")
     p.add_argument("--budget", type=positive_int("--budget"), default=256, help="peak cache entries of every policy")
     p.add_argument("--policies", type=_names("--policies", policies), default=policies, metavar="NAME[,NAME...]",
                    help=f"policies ({','.join(policies)}); 'full' decides which cells the table keeps")
@@ -68,7 +80,8 @@ def grid_of(args):
     try:
         return LongGrid(tasks=tuple(args.tasks), lengths=tuple(args.lengths), n=args.n, budget=args.budget,
                         policies=tuple(args.policies), settings=tuple(args.settings), gamma=args.gamma,
-                        threshold=args.threshold, chunk=args.chunk, seed=args.seed)
+                        threshold=args.threshold, chunk=args.chunk, seed=args.seed,
+                        screen=getattr(args, "screen", 5))
     except ValueError as e:
         raise SystemExit(f"needle-long: --{str(e).split('=')[0].replace('_', '-')}: {e}") from None
 
@@ -93,5 +106,6 @@ def needle_long_small(args) -> list[Path]:
     from kvlab.studies.eviction.needle_long import POLICIES, SETTINGS
 
     ns = argparse.Namespace(**{**vars(args), **ALL_SIZE, "budget": 256, "policies": POLICIES, "settings": SETTINGS,
-                               "threshold": 0.8, "gamma": getattr(args, "gamma", 0.9), "chunk": 1024, "seed": 0})
+                               "threshold": 0.8, "gamma": getattr(args, "gamma", 0.9), "chunk": 1024, "seed": 0,
+                               "screen": 5})
     return cmd_needle_long(ns)

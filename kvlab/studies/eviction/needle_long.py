@@ -43,12 +43,14 @@ MAX_POSITIONS = 8192          # the embedded SmolLM2-135M-Instruct's max_positio
 
 @dataclass(frozen=True)
 class LongGrid:
-    """What ``python -m kvlab needle-long`` runs: ``n`` cases of every (task, length), each policy at ``budget``
-    in each setting; cells whose full-cache accuracy is below ``threshold`` are left out of the table."""
+    """What ``python -m kvlab needle-long`` runs: ``n`` cases of every (task, length) (one int, or one per length),
+    each policy at ``budget`` in each setting; cells whose full-cache accuracy is below ``threshold`` are left out
+    of the table. ``screen``: after a cell's first ``screen`` cases, a cell whose full cache is below
+    ``threshold`` on them runs no more cases (0: run every cell to ``n``)."""
 
     tasks: tuple[str, ...] = TASKS
     lengths: tuple[int, ...] = LENGTHS
-    n: int = 60
+    n: int | tuple[int, ...] = 60
     budget: int = 256
     policies: tuple[str, ...] = POLICIES
     settings: tuple[str, ...] = SETTINGS
@@ -56,9 +58,14 @@ class LongGrid:
     threshold: float = 0.8
     chunk: int = 1024
     seed: int = 0
+    screen: int = 5
 
     def __post_init__(self):
         check_grid(self)
+
+    def n_at(self, length: int) -> int:
+        """Cases per task at ``length``."""
+        return self.n if isinstance(self.n, int) else self.n[self.lengths.index(length)]
 
 
 def _ints(name: str, values, lo: int) -> None:
@@ -75,7 +82,11 @@ def check_grid(g: LongGrid) -> None:
     if max(g.lengths) > MAX_POSITIONS:
         raise ValueError(f"lengths={list(g.lengths)!r}: the embedded model has {MAX_POSITIONS} positions; "
                          f"use lengths <= {MAX_POSITIONS - 64} tokens of prompt (the answer needs positions too)")
-    _ints("n", [g.n], 1)
+    ns = [g.n] if isinstance(g.n, int) else list(g.n)
+    _ints("n", ns, 1)
+    if len(ns) not in (1, len(g.lengths)):
+        raise ValueError(f"n={g.n!r}: give one count, or one per length ({len(g.lengths)} lengths)")
+    _ints("screen", [g.screen], 0)
     _ints("budget", [g.budget], 64)
     _ints("chunk", [g.chunk], 16)
     if g.budget >= min(g.lengths):
@@ -243,13 +254,23 @@ def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
 
 
 def run_grid(lm, grid: LongGrid, store, progress: bool = True, log=print) -> pd.DataFrame:
-    """Every case of ``grid`` (per-run rows, :func:`run_row`), resuming from ``store``."""
-    cases = make_cases(lm.tokenizer, grid.tasks, grid.lengths, grid.n, grid.seed)
-    cases.sort(key=lambda c: c.rep)     # rep-major: a cut-short run has covered every cell about equally
+    """Every case of ``grid`` (per-run rows, :func:`run_row`), resuming from ``store``; rep-major, so a run cut
+    short has covered every cell about equally, and a cell the full cache fails on its first ``grid.screen``
+    cases stops there (:class:`LongGrid`)."""
+    cases = [c for L in grid.lengths for c in make_cases(lm.tokenizer, grid.tasks, [L], grid.n_at(L), grid.seed)]
+    cases.sort(key=lambda c: c.rep)
+    full = "prefill" if "prefill" in grid.settings else "streamed"
+    hits: dict = {}                     # (task, length) -> full-cache correct per case so far
     rows, t0 = [], time.perf_counter()
     for k, case in enumerate(cases):
+        seen = hits.get((case.task, case.length), [])
+        if grid.screen and case.rep >= grid.screen and "full" in grid.policies and seen \
+                and sum(seen[:grid.screen]) / len(seen[:grid.screen]) < grid.threshold:
+            continue
         for r in case_runs(lm, case, grid, store):
             rows.append(run_row(case, r, grid.budget))
+            if r["policy"] == "full" and r["setting"] == full:
+                hits.setdefault((case.task, case.length), []).append(rows[-1]["correct"])
         if progress:
             log(f"[{time.strftime('%H:%M:%S')}] needle-long {k + 1}/{len(cases)} {case.task} {case.length} "
                 f"rep {case.rep}: {time.perf_counter() - t0:.0f} s")
