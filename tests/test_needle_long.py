@@ -92,7 +92,7 @@ def test_one_prefill_per_case_and_resume(tiny_teacher, tmp_path, monkeypatch):
     assert len(calls) == cases                                # one prefill per case, every policy and setting
     assert len(runs) == cases * len(nl.POLICIES) * len(nl.SETTINGS)
     assert store.stats.computed == len(runs)
-    again = nl.run_grid(tiny_teacher, grid, store, progress=False)
+    again = nl.run_grid(tiny_teacher, grid, store, progress=False, time_limit=0)
     assert len(calls) == cases                                # all stored: no prefill at all
     pd.testing.assert_frame_equal(runs.drop(columns=["decode_s"]), again.drop(columns=["decode_s"]))
     # every policy's peak is the budget (SnapKV streamed: its cut leaves at least its window + 1, and the tiny
@@ -213,5 +213,8 @@ def test_screen_stops_cells_the_full_cache_fails(tiny_teacher, tmp_path):
     assert (grid.n_at(640), grid.n_at(700)) == (3, 2)
     runs = nl.run_grid(tiny_teacher, grid, RunStore(tmp_path), progress=False)
     assert sorted(runs.groupby("length").rep.max().items()) == [(640, 0), (700, 0)]
-    off = nl.run_grid(tiny_teacher, nl.LongGrid(**{**grid.__dict__, "screen": 0}), RunStore(tmp_path), progress=False)
+    unscreened = nl.LongGrid(**{**grid.__dict__, "screen": 0})
+    stored = nl.run_grid(tiny_teacher, unscreened, RunStore(tmp_path), progress=False, time_limit=0)
+    assert stored.groupby("length").rep.nunique().to_dict() == {640: 1, 700: 1}     # time_limit 0: stored only
+    off = nl.run_grid(tiny_teacher, unscreened, RunStore(tmp_path), progress=False)
     assert off.groupby("length").rep.nunique().to_dict() == {640: 3, 700: 2}

@@ -65,6 +65,8 @@ def register(sub) -> None:
     p.add_argument("--gamma", type=float, default=0.9, help="Conf-KV confidence threshold")
     p.add_argument("--chunk", type=positive_int("--chunk"), default=1024, help="prefill chunk (tokens per forward)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated cases")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="compute no case after this many seconds, only reuse stored ones (0: tables of the stored runs)")
     p.add_argument("--out", type=Path, default=Path("figures"), help="where the tables go")
     p.add_argument("--runs", type=Path, default=None, help="the run store (default: the project's runs/)")
     p.add_argument("--device", default=None)
@@ -95,7 +97,8 @@ def cmd_needle_long(args) -> list[Path]:
 
     grid = grid_of(args)
     lm = load_teacher(device=args.device, dtype=args.dtype)
-    runs = run_grid(lm, grid, RunStore(args.runs), progress=not args.no_progress)
+    runs = run_grid(lm, grid, RunStore(args.runs), progress=not args.no_progress,
+                    time_limit=getattr(args, "time_limit", None))
     paths = write_long(runs, grid, args.out)
     print((Path(args.out) / "evict_needle_long.md").read_text())
     return paths

@@ -217,9 +217,10 @@ def question_ids(lm, case: RulerCase) -> tuple[list[int], list[int]]:
     return hay, [int(i) for i in lm.tokenizer(case.question, add_special_tokens=False)["input_ids"]]
 
 
-def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
+def case_runs(lm, case: RulerCase, grid: LongGrid, store, compute: bool = True) -> list[dict] | None:
     """Every (setting, policy) run of ``case``, stored; at most ONE prefill of the case (none when every run is
-    stored already). One dict per run: the stored result plus ``setting`` and ``policy``."""
+    stored already). One dict per run: the stored result plus ``setting`` and ``policy``. ``compute=False``: None
+    instead of computing a missing run."""
     hay, q = question_ids(lm, case)
     jobs = []
     for setting in grid.settings:
@@ -229,6 +230,8 @@ def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
             pol = policy(name, grid.budget, appended, grid.gamma)
             jobs.append((setting, name, pol, forced, _config(lm, case, setting, name, pol, forced, grid.chunk)))
     got = [store.reused(j[4]) for j in jobs]
+    if any(g is None for g in got) and not compute:
+        return None
     if any(g is None for g in got):
         track = shared_tracker([j[2] for j in jobs])
         t0 = time.perf_counter()
@@ -253,27 +256,34 @@ def case_runs(lm, case: RulerCase, grid: LongGrid, store) -> list[dict]:
     return [{**g, "setting": j[0], "policy": j[1]} for j, g in zip(jobs, got)]
 
 
-def run_grid(lm, grid: LongGrid, store, progress: bool = True, log=print) -> pd.DataFrame:
+def run_grid(lm, grid: LongGrid, store, progress: bool = True, log=print,
+             time_limit: float | None = None) -> pd.DataFrame:
     """Every case of ``grid`` (per-run rows, :func:`run_row`), resuming from ``store``; rep-major, so a run cut
     short has covered every cell about equally, and a cell the full cache fails on its first ``grid.screen``
     cases stops there (:class:`LongGrid`)."""
     cases = [c for L in grid.lengths for c in make_cases(lm.tokenizer, grid.tasks, [L], grid.n_at(L), grid.seed)]
-    cases.sort(key=lambda c: c.rep)
+    cases.sort(key=lambda c: (c.rep, c.length))
     full = "prefill" if "prefill" in grid.settings else "streamed"
     hits: dict = {}                     # (task, length) -> full-cache correct per case so far
-    rows, t0 = [], time.perf_counter()
+    rows, t0, missing = [], time.perf_counter(), 0
     for k, case in enumerate(cases):
         seen = hits.get((case.task, case.length), [])
         if grid.screen and case.rep >= grid.screen and "full" in grid.policies and seen \
                 and sum(seen[:grid.screen]) / len(seen[:grid.screen]) < grid.threshold:
             continue
-        for r in case_runs(lm, case, grid, store):
+        got = case_runs(lm, case, grid, store, compute=time_limit is None or time.perf_counter() - t0 < time_limit)
+        if got is None:
+            missing += 1
+            continue
+        for r in got:
             rows.append(run_row(case, r, grid.budget))
             if r["policy"] == "full" and r["setting"] == full:
                 hits.setdefault((case.task, case.length), []).append(rows[-1]["correct"])
         if progress:
             log(f"[{time.strftime('%H:%M:%S')}] needle-long {k + 1}/{len(cases)} {case.task} {case.length} "
                 f"rep {case.rep}: {time.perf_counter() - t0:.0f} s")
+    if missing:
+        log(f"needle-long: time limit {time_limit:g} s: {missing} of {len(cases)} cases not run (rerun to resume)")
     return pd.DataFrame(rows)
 
 
