@@ -16,6 +16,7 @@ from kvlab.harness import cli_common
 from kvlab.studies.baselines import cli as baselines_cli
 from kvlab.studies.bench import cli as bench_cli
 from kvlab.studies.eviction import cli as eviction_cli
+from kvlab.studies.eviction import long_cli as evict_long_cli
 from kvlab.studies.kvpress import cli as kvpress_cli
 from kvlab.studies.mc import cli as mc_cli
 from kvlab.studies.refresh import cli as refresh_cli
@@ -53,7 +54,8 @@ def cmd_sweep(args):
 JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.cmd_baselines),
         ("baselines-long", baselines_cli.baselines_long), ("mc-sim", mc_cli.cmd_mc_sim),
         ("mc-real", mc_cli.mc_real_small), ("refresh", refresh_cli.cmd_refresh),
-        ("evict", eviction_cli.cmd_evict), ("train-study", training_cli.cmd_train_study)]
+        ("evict", eviction_cli.cmd_evict), ("evict-long", evict_long_cli.evict_long_small),
+        ("train-study", training_cli.cmd_train_study)]
 
 
 # Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
@@ -191,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     refresh_cli.register(sub)
     eviction_cli.register(sub)
+    evict_long_cli.register(sub)
     kvpress_cli.register(sub)
     _add_all(sub)
     _add_docs(sub)
