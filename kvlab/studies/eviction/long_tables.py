@@ -178,7 +178,12 @@ def long_table(per_run: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.D
                          "d_kl_partner_hi": dp[2], "d_kl_partner_mde": dp[3], "ppl": ppl[name],
                          "gap_closed": (ref - ppl[name]) / gap if gap == gap and gap != 0 else float("nan"),
                          "frac_loose": float(x.frac_loose.mean()), "frac_at_loose": float(x.frac_at_loose.mean())})
-    return pd.DataFrame(rows).reindex(columns=COLS)
+    out = pd.DataFrame(rows)
+    order = {f: i for i, f in enumerate(("full",) + FAMILIES)}
+    out["_o"] = [(c, 0 if f == "full" else 1, b if b == b else 0, order.get(f, len(order)))
+                 for c, f, b in zip(out.context, out.family, out.budget)]
+    out = out.sort_values("_o", kind="stable").reset_index(drop=True)
+    return out.reindex(columns=COLS)
 
 
 def long_notes(study: LongStudy) -> list[str]:
