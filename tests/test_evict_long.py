@@ -177,3 +177,18 @@ def test_shipped_texts_are_long_and_disjoint_from_the_prompt_sets():
     for d in docs:
         w = words(d["text"])
         assert not any(tuple(w[i:i + 12]) in grams for i in range(len(w) - 11)), d["id"]
+
+
+def test_batched_rows_equal_rows_one_by_one(tiny3):
+    """The full-precision rows step together in one batched forward (Bank + forward_rows): the same numbers as
+    each row alone (INT8 rows run alone either way)."""
+    case = Prompt("d0", 200, tuple(3 + (7 * i) % 120 for i in range(200)), tuple(range(10, 17)))
+    pols = {"full": None, **long_policies(96, tokens=6, gap=4)}
+    a = run_prompt(tiny3.model, case, pols, batch=True)
+    b = run_prompt(tiny3.model, case, pols, batch=False)
+    assert set(a) == set(b)
+    for name in a:
+        ra, rb = a[name][1], b[name][1]
+        assert ra["mean_len"] == rb["mean_len"], name
+        assert ra["kl_forced"] == pytest.approx(rb["kl_forced"], rel=1e-3, abs=1e-7), name
+        assert ra["nll"] == pytest.approx(rb["nll"], rel=1e-5), name

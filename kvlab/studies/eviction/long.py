@@ -115,50 +115,110 @@ def _read_len(cache) -> float:
     return sum(lens) / len(lens)
 
 
+class _Row:
+    """One policy's forced pass, step by step: scores each forward's logits, then runs the evict phase."""
+
+    def __init__(self, pol, cache, cont: list[int], full_logp: torch.Tensor | None, loose: int | None):
+        from kvlab.decode.protocols import evict_attr
+
+        self.pol, self.cache, self.cont, self.full_logp, self.loose = pol, cache, cont, full_logp, loose
+        self.need = pol is not None and bool(evict_attr(pol, "needs_attention"))
+        self.m = len(cont) - 1
+        self.logps, self.kls, self.nlls, self.lens, self.b16, self.chose, self.at_loose = [], [], [], [], [], [], []
+
+    def score(self, s: int, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        if self.full_logp is None:
+            self.logps.append(lp)
+        if s == 1:
+            return
+        if self.full_logp is not None:
+            p = self.full_logp[s - 1]
+            self.kls.append(float(torch.sum(p.exp() * (p - lp))))
+        self.nlls.append(-float(lp[self.cont[s]]))
+        self.lens.append(_read_len(self.cache))
+        self.b16.append(float(self.cache.nbytes16()))
+
+    def evict(self, s: int, logits: torch.Tensor, model) -> None:
+        if self.pol is None or s >= self.m:                      # the last step's cut is never read
+            return
+        sig = _evict(self.cache, self.pol, s, logits, model)
+        if self.loose is not None and "budget" in sig:
+            self.chose.append(sig["budget"] == self.loose)
+            self.at_loose.append(sig["budget"] == self.loose and _read_len(self.cache) >= self.loose)
+
+    def result(self) -> dict:
+        mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")      # noqa: E731
+        out = {"nll": mean(self.nlls), "mean_len": mean(self.lens), "kv_bytes16": mean(self.b16),
+               "nll_steps": self.nlls, "len_steps": self.lens, "kl_forced": mean(self.kls) if self.kls else 0.0,
+               "kl_steps": self.kls, "frac_loose": mean([float(x) for x in self.chose]),
+               "frac_at_loose": mean([float(x) for x in self.at_loose])}
+        if self.full_logp is None:
+            out["_logp"] = torch.stack(self.logps)                # (M, V): the reference's, never stored
+        return out
+
+
+def _start(first, pol, cont, full_logp, loose, model) -> _Row:
+    """A row on a copy of ``first``'s cache (step 1's forward, shared by a statistics group), step 1 scored and
+    cut."""
+    cache0, logits1 = first
+    row = _Row(pol, cache0.copy(), cont, full_logp, loose)
+    row.score(1, logits1)
+    row.evict(1, logits1, model)
+    return row
+
+
 @torch.inference_mode()
 def forced_branch(model, base, first, pol, cont: list[int], full_logp: torch.Tensor | None, loose: int | None,
                   on_forward: Callable | None = None) -> dict:
     """One policy's teacher-forced pass on ``cont`` (``x_1 .. x_{M+1}``) from ``first``: ``(cache, logits)``
-    after step 1's forward on a copy of ``base`` (shared by the policies of one statistics group; the copy
-    here leaves it unchanged). ``full_logp`` ``(M, V)``: the full cache's log-probabilities (None: this IS
+    after step 1's forward on a copy of the prefilled base (shared by the policies of one statistics group; the
+    copy here leaves it unchanged). ``full_logp`` ``(M, V)``: the full cache's log-probabilities (None: this IS
     the full cache). Returns per-step lists over steps ``2 .. M`` and the summary scalars."""
-    from kvlab.decode.protocols import evict_attr
+    row = _start(first, pol, cont, full_logp, loose, model)
+    for s in range(2, row.m + 1):
+        if on_forward is not None:
+            on_forward(1)
+        logits = row.cache.forward(model, [cont[s - 1]], writer="teacher", step=s, attention=row.need)
+        row.score(s, logits)
+        row.evict(s, logits, model)
+    return row.result()
 
-    need = pol is not None and bool(evict_attr(pol, "needs_attention"))
-    cache0, logits1 = first
-    cache = cache0.copy()
-    m = len(cont) - 1
-    logps, kls, nlls, lens, b16, chose, at_loose = [], [], [], [], [], [], []
-    logits = logits1
-    for s in range(1, m + 1):
-        if s > 1:
-            if on_forward is not None:
+
+def _bank(model, rows: list[_Row], capacity: int):
+    """A bank with one slot per row, each row's cache moved into its slot (its live entries copied)."""
+    from kvlab.cache.batch import Bank
+
+    if not rows:
+        return None
+    bank = Bank.for_model(model, len(rows), capacity=capacity)
+    for b, r in enumerate(rows):
+        r.cache = bank.adopt(b, r.cache)
+    return bank
+
+
+@torch.inference_mode()
+def forced_batch(model, rows: list[_Row], on_forward: Callable | None = None, bank=None) -> None:
+    """Steps ``2 .. M`` of several rows (full-precision caches) in one batched forward per step
+    (:class:`~kvlab.cache.batch.Bank` + :func:`~kvlab.cache.batch.forward_rows`), each row then cut by its own
+    policy; the same computation as :func:`forced_branch` row by row."""
+    from kvlab.cache.batch import forward_rows
+
+    if not rows:
+        return
+    m, cont = rows[0].m, rows[0].cont
+    if bank is None:
+        bank = _bank(model, rows, max(max(r.cache.layer_lengths()) for r in rows) + m + 2)
+    n = len(rows)
+    for s in range(2, m + 1):
+        if on_forward is not None:
+            for _ in rows:
                 on_forward(1)
-            logits = cache.forward(model, [cont[s - 1]], writer="teacher", step=s, attention=need)
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            if full_logp is None:
-                logps.append(lp)
-            else:
-                p = full_logp[s - 1]
-                kls.append(float(torch.sum(p.exp() * (p - lp))))
-            nlls.append(-float(lp[cont[s]]))
-            lens.append(_read_len(cache))
-            b16.append(float(cache.nbytes16()))
-        elif full_logp is None:
-            logps.append(torch.log_softmax(logits.float(), dim=-1))
-        if pol is not None and s < m:                      # the evict phase; the last step's cut is never read
-            sig = _evict(cache, pol, s, logits, model)
-            if loose is not None and "budget" in sig:
-                chose.append(sig["budget"] == loose)
-                at_loose.append(sig["budget"] == loose and _read_len(cache) >= loose)
-    out = {"nll": float(sum(nlls) / len(nlls)), "mean_len": float(sum(lens) / len(lens)),
-           "kv_bytes16": float(sum(b16) / len(b16)), "nll_steps": nlls, "len_steps": lens,
-           "kl_forced": float(sum(kls) / len(kls)) if kls else 0.0, "kl_steps": kls,
-           "frac_loose": float(sum(chose) / len(chose)) if chose else float("nan"),
-           "frac_at_loose": float(sum(at_loose) / len(at_loose)) if at_loose else float("nan")}
-    if full_logp is None:
-        out["_logp"] = torch.stack(logps)                      # (M, V): the reference's, never stored
-    return out
+        logits = forward_rows(bank, model, [r.cache for r in rows], [cont[s - 1]] * n, writer="teacher",
+                              steps=[s] * n, attention=[r.need for r in rows])
+        for b, r in enumerate(rows):
+            r.score(s, logits[b])
+            r.evict(s, logits[b], model)
 
 
 @dataclass(frozen=True)
@@ -172,13 +232,14 @@ class Prompt:
 
 
 def run_prompt(model, case: Prompt, policies: dict, *, control: dict | None = None, done: dict | None = None,
-               on_forward: Callable | None = None, on_result: Callable | None = None) -> dict:
+               on_forward: Callable | None = None, on_result: Callable | None = None, batch: bool = True) -> dict:
     """Every policy of ``policies`` (``{row name: policy}``; ``"full"`` first, None) on ``case``, from one set of
     prefills. ``control``: ``{Conf-KV-L row: control row}`` — after each Conf-KV-L row its confidence-off
     control at Conf-KV-L's mean length (:func:`~kvlab.studies.eviction.long_policies.confkv_control`).
     ``done``: rows already stored (``{name: result}``), not recomputed (the full cache's reference is, when
     another row is missing: its distributions are needed). ``on_result(name, policy, result)`` as each row
-    finishes. Returns ``{name: (policy, result)}``."""
+    finishes. ``batch``: the full-precision rows' steps run batched (:func:`forced_batch`), the INT8 rows one by
+    one. Returns ``{name: (policy, result)}``."""
     control = control or {}
     done = dict(done or {})
     need = [n for n in policies if n not in done] + [c for a, c in control.items() if c not in done]
@@ -208,31 +269,66 @@ def run_prompt(model, case: Prompt, policies: dict, *, control: dict | None = No
         if on_result is not None and "full" not in done:
             on_result("full", None, full)
 
-    def branch(name, pol):
-        key = stat_key(pol)
-        loose = getattr(pol, "loose", None)
-        res = forced_branch(model, None, first(key, key is not None), pol, cont, full_logp, loose, on_forward)
-        out[name] = (pol, res)
+    def finish(name, row):
+        res = row.result()
+        out[name] = (row.pol, res)
         if on_result is not None:
-            on_result(name, pol, res)
+            on_result(name, row.pol, res)
         return res
 
+    def start(pol):
+        key = stat_key(pol)
+        return _start(first(key, key is not None), pol, cont, full_logp, getattr(pol, "loose", None), model)
+
+    todo = {n: p for n, p in policies.items() if p is not None and n not in done}
+    if batch and todo:
+        # full-precision rows: started one at a time and adopted into a bank (only their live entries are
+        # copied; the context-length copy is dropped at once), then stepped together. INT8 rows: one by one below.
+        size = lambda p: getattr(p, "loose", 0) or getattr(p, "budget", 0) or getattr(p, "window", 0) or 0  # noqa: E731
+        names = [n for n, p in todo.items() if getattr(p, "int8_window", None) is None]
+        rows = []
+        bank = None
+        if names:
+            from kvlab.cache.batch import Bank
+
+            bank = Bank.for_model(model, len(names), capacity=2 * max(size(todo[n]) for n in names) + len(cont) + 64)
+        for b, n in enumerate(names):
+            r = start(todo[n])
+            r.cache = bank.adopt(b, r.cache)
+            rows.append(r)
+        forced_batch(model, rows, on_forward, bank=bank)
+        for n, r in zip(names, rows):
+            finish(n, r)
+        del bank, rows
     for name, pol in policies.items():
         if pol is None:
             continue
         res = done.get(name)
-        if res is None:
-            res = branch(name, pol)
-        else:
+        if res is not None:
             out[name] = (pol, res)
+        elif name not in out:
+            res = finish(name, _steps(model, start(pol), on_forward))
+        else:
+            res = out[name][1]
         if name in control:
             cname = control[name]
             cpol = confkv_control(res["mean_len"], pyramidal=bool(getattr(pol, "pyramidal", True)))
             if cname in done:
                 out[cname] = (cpol, done[cname])
             else:
-                branch(cname, cpol)
+                finish(cname, _steps(model, start(cpol), on_forward))
     return out
+
+
+@torch.inference_mode()
+def _steps(model, row: _Row, on_forward) -> _Row:
+    for s in range(2, row.m + 1):
+        if on_forward is not None:
+            on_forward(1)
+        logits = row.cache.forward(model, [row.cont[s - 1]], writer="teacher", step=s, attention=row.need)
+        row.score(s, logits)
+        row.evict(s, logits, model)
+    return row
 
 
 def control_rows(names) -> dict[str, str]:
