@@ -125,6 +125,7 @@ class _Row:
         self.need = pol is not None and bool(evict_attr(pol, "needs_attention"))
         self.m = len(cont) - 1
         self.logps, self.kls, self.nlls, self.lens, self.b16, self.chose, self.at_loose = [], [], [], [], [], [], []
+        self.conf: list[float] = []
 
     def score(self, s: int, logits: torch.Tensor) -> None:
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -143,6 +144,8 @@ class _Row:
         if self.pol is None or s >= self.m:                      # the last step's cut is never read
             return
         sig = _evict(self.cache, self.pol, s, logits, model)
+        if "confidence" in sig:
+            self.conf.append(float(sig["confidence"]))
         if self.loose is not None and "budget" in sig:
             self.chose.append(sig["budget"] == self.loose)
             self.at_loose.append(sig["budget"] == self.loose and _read_len(self.cache) >= self.loose)
@@ -152,7 +155,7 @@ class _Row:
         out = {"nll": mean(self.nlls), "mean_len": mean(self.lens), "kv_bytes16": mean(self.b16),
                "nll_steps": self.nlls, "len_steps": self.lens, "kl_forced": mean(self.kls) if self.kls else 0.0,
                "kl_steps": self.kls, "frac_loose": mean([float(x) for x in self.chose]),
-               "frac_at_loose": mean([float(x) for x in self.at_loose])}
+               "frac_at_loose": mean([float(x) for x in self.at_loose]), "conf_steps": self.conf}
         if self.full_logp is None:
             out["_logp"] = torch.stack(self.logps)                # (M, V): the reference's, never stored
         return out
