@@ -67,6 +67,19 @@ def test_end_to_end_table_and_resume(tiny3, tmp_path):
     again = long_runs(tiny3, study, RunStore(tmp_path / "runs"), docs=_docs(), progress=False, on_forward=calls.append)
     assert calls == [] and len(again) == len(per_run)
     assert long_table(again).kl_forced.tolist() == pytest.approx(table.kl_forced.tolist())
+    # the figure to pick a policy from: mean length on x without a bench timing, tok/s with one
+    from kvlab.studies.eviction.long_plots import _draw, add_speed, bench_speed
+
+    assert bench_speed(tmp_path) == {}
+    (tmp_path / "evict_batch_bench_timing.jsonl").write_text(
+        "\n".join(json.dumps({"policy": p, "batch": 8, "cache_len": 200, "tok_s": t})
+                  for p, t in (("full", 10.0), ("sliding", 20.0), ("h2o", 15.0))) + "\n")
+    sped = add_speed(table, bench_speed(tmp_path))
+    assert sped.set_index("policy").tok_s_b8["sliding_b96"] == 20.0 and sped.tok_s_b8.isna().sum() > 0
+    for t in (table, sped):
+        fig = _draw({"evict_long": t}, 200)
+        assert fig.axes and fig.axes[0].get_ylabel().startswith("KL")
+    assert "no rows" in _draw({"evict_long": table}, 4096).axes[0].texts[0].get_text()
 
 
 def test_prefill_once_per_prompt_whatever_the_policies(tiny3):
