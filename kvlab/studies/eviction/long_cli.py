@@ -92,9 +92,9 @@ def cmd_evict_long(args) -> list[Path]:
 def evict_long_small(args) -> list[Path]:
     """evict-long inside the main job: ``--contexts 2048 --prompts 8`` at the job's defaults otherwise."""
     ns = argparse.Namespace(contexts=ALL_CONTEXTS, prompts=min(ALL_PROMPTS, args.prompts), tokens=32,
-                            budgets=(256, 512), gamma=0.9, confkv_gap=None, families=None, out=args.out,
+                            budgets=(256, 512), gamma=None, confkv_gap=None, families=None, out=args.out,
                             runs=args.runs, bench=None, no_progress=args.no_progress)
-    from kvlab.studies.eviction.long_policies import FAMILIES, GAP
+    from kvlab.studies.eviction.long_policies import FAMILIES, GAMMA, GAP
 
-    ns.confkv_gap, ns.families = GAP, FAMILIES
+    ns.gamma, ns.confkv_gap, ns.families = GAMMA, GAP, FAMILIES
     return cmd_evict_long(ns)
