@@ -67,6 +67,10 @@ def test_end_to_end_table_and_resume(tiny3, tmp_path):
     again = long_runs(tiny3, study, RunStore(tmp_path / "runs"), docs=_docs(), progress=False, on_forward=calls.append)
     assert calls == [] and len(again) == len(per_run)
     assert long_table(again).kl_forced.tolist() == pytest.approx(table.kl_forced.tolist())
+    # --stored-only: more prompts asked than stored: only the stored ones count, nothing runs
+    more = long_runs(tiny3, _study(prompts=6), RunStore(tmp_path / "runs"), docs=_docs(6), progress=False,
+                     on_forward=calls.append, stored_only=True)
+    assert calls == [] and (long_table(more).n_prompts == 5).all()
     # the figure to pick a policy from: mean length on x without a bench timing, tok/s with one
     from kvlab.studies.eviction.long_plots import _draw, add_speed, bench_speed
 

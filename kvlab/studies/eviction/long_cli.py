@@ -56,6 +56,9 @@ def long_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", type=Path, default=None,
                    help="folder with evict_batch_bench_timing.jsonl (`bench evict --batch 8 --cache-len ...`) for "
                         "the figures' tok/s axis (default: --out)")
+    p.add_argument("--stored-only", action="store_true",
+                   help="run nothing: the table and figures from the rows the run store holds (a prompt counts when "
+                        "all its rows are stored; contexts may then differ in prompts)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -78,7 +81,8 @@ def cmd_evict_long(args) -> list[Path]:
                       families=tuple(args.families))          # validates before the model loads
     t0 = time.perf_counter()
     lm = load_teacher()
-    per_run = long_runs(lm, study, RunStore(args.runs), progress=not args.no_progress)
+    per_run = long_runs(lm, study, RunStore(args.runs), progress=not args.no_progress,
+                        stored_only=bool(getattr(args, "stored_only", False)))
     from kvlab.studies.eviction.long_plots import add_speed, bench_speed, render_long
 
     bench = getattr(args, "bench", None)
@@ -93,7 +97,7 @@ def evict_long_small(args) -> list[Path]:
     """evict-long inside the main job: ``--contexts 2048 --prompts 8`` at the job's defaults otherwise."""
     ns = argparse.Namespace(contexts=ALL_CONTEXTS, prompts=min(ALL_PROMPTS, args.prompts), tokens=32,
                             budgets=(256, 512), gamma=None, confkv_gap=None, families=None, out=args.out,
-                            runs=args.runs, bench=None, no_progress=args.no_progress)
+                            runs=args.runs, bench=None, no_progress=args.no_progress, stored_only=False)
     from kvlab.studies.eviction.long_policies import FAMILIES, GAMMA, GAP
 
     ns.gamma, ns.confkv_gap, ns.families = GAMMA, GAP, FAMILIES

@@ -65,9 +65,10 @@ def _config(lm, case, name: str, pol, tokens: int) -> dict:
 
 
 def long_runs(lm, study: LongStudy, store, docs: Sequence[dict] | None = None, progress: bool = True,
-              on_forward=None) -> pd.DataFrame:
+              on_forward=None, stored_only: bool = False) -> pd.DataFrame:
     """Every (context, prompt, policy) of ``study``, stored in ``store`` (reruns resume); one row per run.
-    ``docs``: the documents (default the shipped ``data/long_texts.jsonl``)."""
+    ``docs``: the documents (default the shipped ``data/long_texts.jsonl``). ``stored_only``: run nothing; a
+    prompt counts only when every row of it is stored (so contexts may end with different numbers of prompts)."""
     from kvlab.studies.eviction.long_policies import confkv_control
     from kvlab.studies.eviction.long_texts import cases, load_texts, position_limit
 
@@ -90,6 +91,11 @@ def long_runs(lm, study: LongStudy, store, docs: Sequence[dict] | None = None, p
                     if r is not None:
                         done[c] = r
             fresh = []
+            if stored_only:
+                if len(done) < len(pols) + len(ctrl):
+                    _log(f"context {context} prompt {i + 1} ({case.doc}): {len(pols) + len(ctrl) - len(done)} rows "
+                         "not stored: left out (--stored-only)", progress)
+                    continue
 
             def put(name, pol, res, case=case, fresh=fresh):
                 store.put(_config(lm, case, name, pol, study.tokens), res)
