@@ -85,6 +85,9 @@ def cmd_evict_long(args) -> list[Path]:
                         stored_only=bool(getattr(args, "stored_only", False)))
     from kvlab.studies.eviction.long_plots import add_speed, bench_speed, render_long
 
+    if not len(per_run):
+        raise SystemExit("evict-long: no complete prompt stored for these contexts (--stored-only): run without it")
+
     bench = getattr(args, "bench", None)
     table = add_speed(long_table(per_run), bench_speed(bench if bench is not None else args.out))
     paths = write_table(table, args.out, "evict_long", notes=long_notes(study))

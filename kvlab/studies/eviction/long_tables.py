@@ -156,6 +156,8 @@ def long_table(per_run: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.D
     partner (:data:`PARTNERS`, ``d_kl_partner*``), perplexity of the text's continuation and the share of the
     gap between a 512-entry sliding window and the full cache it closes."""
     rows = []
+    if not len(per_run):
+        return pd.DataFrame(columns=COLS)
     for context, g in per_run.groupby("context", sort=True):
         rng = np.random.default_rng(seed)
         ppl = {n: perplexity(float(x.nll.mean())) for n, x in g.groupby("policy")}
