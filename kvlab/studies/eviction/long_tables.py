@@ -185,7 +185,9 @@ def long_table(per_run: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> pd.D
                          "d_kl_forced_mde": d[3], "partner": partner, "d_kl_partner": dp[0], "d_kl_partner_lo": dp[1],
                          "d_kl_partner_hi": dp[2], "d_kl_partner_mde": dp[3], "ppl": ppl[name],
                          "gap_closed": (ref - ppl[name]) / gap if gap == gap and gap != 0 else float("nan"),
-                         "frac_loose": float(x.frac_loose.mean()), "frac_at_loose": float(x.frac_at_loose.mean())})
+                         # the control has no schedule (γ = 0): its budget is always its one budget
+                         "frac_loose": float("nan") if fam == CONTROL else float(x.frac_loose.mean()),
+                         "frac_at_loose": float("nan") if fam == CONTROL else float(x.frac_at_loose.mean())})
     out = pd.DataFrame(rows)
     order = {f: i for i, f in enumerate(("full",) + FAMILIES)}
     out["_o"] = [(c, 0 if f == "full" else 1, b if b == b else 0, order.get(f, len(order)))
