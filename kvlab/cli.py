@@ -17,6 +17,7 @@ from kvlab.studies.baselines import cli as baselines_cli
 from kvlab.studies.bench import cli as bench_cli
 from kvlab.studies.eviction import cli as eviction_cli
 from kvlab.studies.eviction import cli_long as needle_long_cli
+from kvlab.studies.eviction import long_cli as evict_long_cli
 from kvlab.studies.kvpress import cli as kvpress_cli
 from kvlab.studies.mc import cli as mc_cli
 from kvlab.studies.refresh import cli as refresh_cli
@@ -55,7 +56,8 @@ JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.c
         ("baselines-long", baselines_cli.baselines_long), ("mc-sim", mc_cli.cmd_mc_sim),
         ("mc-real", mc_cli.mc_real_small), ("refresh", refresh_cli.cmd_refresh),
         ("refresh-long", refresh_cli.refresh_long_all), ("evict", eviction_cli.cmd_evict),
-        ("needle-long", needle_long_cli.needle_long_small), ("train-study", training_cli.cmd_train_study)]
+        ("evict-long", evict_long_cli.evict_long_small), ("needle-long", needle_long_cli.needle_long_small),
+        ("train-study", training_cli.cmd_train_study)]
 
 
 # Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     refresh_cli.register(sub)
     eviction_cli.register(sub)
     needle_long_cli.register(sub)
+    evict_long_cli.register(sub)
     kvpress_cli.register(sub)
     _add_all(sub)
     _add_docs(sub)

@@ -26,6 +26,7 @@ def _load_registrations() -> None:
     """Import the modules that register figures (kept lazy: no import-time side effects;
     they import :mod:`kvlab.harness.figures`, never this module)."""
     from kvlab.studies.baselines import plots as _baselines  # noqa: F401
+    from kvlab.studies.eviction import long_plots as _evict_long  # noqa: F401
     from kvlab.studies.eviction import plots as _eviction  # noqa: F401
     from kvlab.studies.mc import plots as _mc  # noqa: F401
     from kvlab.studies.refresh import plots as _refresh  # noqa: F401

@@ -44,6 +44,14 @@ VIEWS = {
         ("ΔKL vs Conf-KV (95 % CI)", ("d_kl_vs_confkv", "d_kl_vs_confkv_lo", "d_kl_vs_confkv_hi")),
         ("teacher-PPL", "teacher_ppl"), ("repeat@3", "repeat3")]),
     "evict_needle": needle_table,
+    "evict_long": View("evict_long", [
+        ("context", "context"), ("policy", "policy"), ("mean entries", "mean_len"), ("K/V MiB (16-bit)", "kv_mb16"),
+        ("KL to full ↓ (95 % CI)", ("kl_forced", "kl_forced_lo", "kl_forced_hi")),
+        ("Δ KL vs sliding, same budget (95 % CI)", ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")),
+        ("MDE", "d_kl_forced_mde"), ("partner", ("text", "partner")),
+        ("Δ KL vs partner (95 % CI)", ("d_kl_partner", "d_kl_partner_lo", "d_kl_partner_hi")),
+        ("ppl of the text", "ppl"), ("gap closed", "gap_closed"), ("at loose", "frac_at_loose"),
+        ("prompts", "n_prompts")]),
 }
 
 
