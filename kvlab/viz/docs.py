@@ -53,6 +53,14 @@ def _key_results(figures: Path) -> str:
     return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
 
 
+def _key_results_audit(figures: Path) -> str:
+    """One sentence on the key-results table: how many unadjusted intervals it quotes, how many exclude 0, which
+    are fragile (an endpoint within a tenth of the MDE of 0; :mod:`kvlab.harness.intervals`)."""
+    from kvlab.harness.intervals import audit_intervals, interval_summary
+
+    return "*The table above holds " + interval_summary(audit_intervals(_key_results(figures))) + "*"
+
+
 MEASURED_PHASES = "docs/measured/make_figures_timing.jsonl"
 
 
@@ -85,6 +93,7 @@ def _gather(studies, own: dict) -> dict:
 
 
 VIEWS: dict[str, Union[View, Callable[[Path], str]]] = _gather(STUDIES, {"key_results": _key_results,
+                                                                         "key_results_audit": _key_results_audit,
                                                                          "phases": _phases})
 
 
