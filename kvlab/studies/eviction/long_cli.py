@@ -11,7 +11,7 @@ from kvlab.core.args import positive_int
 # inside `python -m kvlab all` (make figures): the size that fits its budget on a 2-core CPU; the committed
 # table comes from one longer run of the same command (docs/eviction.md, "At 2k-8k tokens")
 ALL_CONTEXTS = (2048,)
-ALL_PROMPTS = 8
+ALL_PROMPTS = 4
 
 
 def int_list(flag: str):
@@ -97,7 +97,7 @@ def cmd_evict_long(args) -> list[Path]:
 
 
 def evict_long_small(args) -> list[Path]:
-    """evict-long inside the main job: ``--contexts 2048 --prompts 8`` at the job's defaults otherwise."""
+    """evict-long inside the main job: ``--contexts 2048 --prompts 4`` at the job's defaults otherwise."""
     ns = argparse.Namespace(contexts=ALL_CONTEXTS, prompts=min(ALL_PROMPTS, args.prompts), tokens=32,
                             budgets=(256, 512), gamma=None, confkv_gap=None, families=None, out=args.out,
                             runs=args.runs, bench=None, no_progress=args.no_progress, stored_only=False)
