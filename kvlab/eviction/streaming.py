@@ -6,34 +6,19 @@ original positions, so the gap between its sinks and its window grows with the g
 gap. A policy decides only; the cache (``KVCache.evict``) removes and re-rotates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlab.core.registry import register_eviction
-from kvlab.eviction.base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below
+from kvlab.eviction.base import EvictView, Keep
+from kvlab.eviction.sliding import SlidingWindow
 
 
 @register_eviction("streamingllm", order=11)
 @dataclass(frozen=True)
-class StreamingLLM:
-    """Keep the first ``sinks`` slots and the newest ``window - sinks``, then re-rotate the survivors to
-    consecutive positions (at most ``window`` entries). Needs no attention statistics."""
-
-    window: int
-    sinks: int = 4
-
-    def __post_init__(self):
-        positive_int("window", self.window)
-        nonneg_int("sinks", self.sinks)
-        protected_below("sinks", self.sinks, "window", self.window)
-
-    @classmethod
-    def from_budget(cls, budget: int, *, sinks: int | None = None) -> "StreamingLLM":
-        """``window = budget`` with ``sinks`` sinks (default: 4, fewer when the budget is smaller)."""
-        return cls(window=budget, sinks=min(4, max(0, budget - 1)) if sinks is None else sinks)
+class StreamingLLM(SlidingWindow):
+    """:class:`SlidingWindow`'s entries (the first ``sinks`` slots and the newest ``window - sinks``), re-rotated to
+    consecutive positions after every cut. Needs no attention statistics."""
 
     def keep(self, view: EvictView) -> Keep:
-        n = view.length
-        if n <= self.window:
-            return keep_all(view, budget=self.window)
-        recent = self.window - self.sinks
-        return Keep(tuple(range(self.sinks)) + tuple(range(n - recent, n)), budget=self.window, rerotate=True)
+        kept = super().keep(view)
+        return replace(kept, rerotate=True) if view.length > self.window else kept
