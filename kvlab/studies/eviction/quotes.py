@@ -68,12 +68,11 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
     labels = {"confkv_fixed": "its ranker at a fixed budget (schedule off)", "h2o": "H2O",
               "scissorhands": "Scissorhands", "sliding": "sliding window",
               "confkv_l": "Conf-KV-L (equal-memory pyramid + INT8)", "confkv_pyramidal": "equal-memory pyramid"}
-    for pol, label in labels.items():
-        if pol in have:
-            r = pick(em, pol, "evict_matched")
-            rows.append((f"Eviction: {label} − Conf-KV, teacher-forced KL",
-                         "Δ " + cell(r, ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo", "d_kl_forced_vs_confkv_hi")),
-                         "evict_matched"))
+    parts = [f"{label}: Δ " + cell(r, ("d_kl_forced_vs_confkv", "d_kl_forced_vs_confkv_lo", "d_kl_forced_vs_confkv_hi"))
+             for pol, label in labels.items() if pol in have for r in [pick(em, pol, "evict_matched")]]
+    if parts:
+        rows.append(("Eviction at matched mean memory: each policy − Conf-KV, teacher-forced KL", "; ".join(parts),
+                     "evict_matched"))
     nd = read(figures, "evict_needle")
     if {"policy", "accuracy", "n"} <= set(nd.columns):
         settings = list(dict.fromkeys(nd["setting"])) if "setting" in nd.columns else [None]

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from kvlab.harness.quotes import View, as_number, cell, mde_note, pick, quote, read
+import pandas as pd
+
+from kvlab.harness.quotes import View, as_number, cell, is_missing, mde_note, pick, quote, read
 from kvlab.harness.tableview import fmt
 
 
@@ -76,27 +78,54 @@ for _name in ("refresh_entropy", "refresh_methods"):        # the gated policies
     VIEWS[_name] = _with_forced_costs(VIEWS[_name])
 
 
-def key_results(figures: Path) -> list[tuple[str, str, str]]:
-    """README's key results: periodic refresh per T, the speculative / probe-KL / entropy methods
-    (each − no refresh on ``kl_forced``, with interval and MDE), and the teacher-forced cache swap."""
+def _mde(r, col: str) -> str:
+    """`` (MDE x)`` from column ``col`` of row ``r``; empty without one."""
+    v = as_number(r.get(col))
+    return "" if is_missing(v) else f" (MDE {fmt(v, 2)})"
+
+
+def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
+    """The blog's regime (``refresh_long``, when its job has run): each refresh row − no refresh on the free-running
+    teacher-PPL and the tail log-prob, with the row's refresh rate; cheap rates (≤ 3 per 1,000 tokens) first."""
+    if not (Path(figures) / "refresh_long.csv").exists():
+        return []
+    t = read(figures, "refresh_long")
+    t = t[t["policy"].astype(str) != "no_refresh"].copy()
+    t["_rate"] = pd.to_numeric(t["refreshes_per_1k"], errors="coerce")
+    t = t.sort_values("_rate")
+    n, tokens = int(as_number(t["n_prompts"].iloc[0])), int(as_number(t["tokens"].iloc[0]))
     rows = []
+    for what, spec, mde in (("free-running teacher-PPL", ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"),
+                             "d_teacher_ppl_mde"),
+                            ("tail log-prob of the last 50 tokens (higher is better)",
+                             ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi"), "d_tail_logprob_mde")):
+        parts = [f"{r['policy']} ({fmt(r['_rate'], 1)}/1k): Δ {cell(r, spec)}{_mde(r, mde)}" for _, r in t.iterrows()]
+        rows.append((f"Long generation ({tokens} tokens, n = {n}): each refresh − no refresh (OverFill), {what}",
+                     "; ".join(parts), "refresh_long"))
+    return rows
+
+
+def key_results(figures: Path) -> list[tuple[str, str, str]]:
+    """README's key results: periodic refresh per T and the gated methods at 64 tokens (each − no refresh on
+    ``kl_forced``, with interval and MDE; one row per table), the teacher-forced cache swap, and the blog's long
+    regime (:func:`_long_rows`) when its table exists."""
     per = read(figures, "refresh_periodic")
     per = per[per["policy"].astype(str) != "none"]
-    for _, r in per.sort_values("T").iterrows():
-        rows.append((f"Periodic refresh T = {fmt(as_number(r['T']), 0)} − no refresh (OverFill), teacher-forced KL",
-                     "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r),
-                     "refresh_periodic"))
+    parts = [f"T = {fmt(as_number(r['T']), 0)}: Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))
+             + mde_note(r) for _, r in per.sort_values("T").iterrows()]
+    rows = [("Periodic refresh every T tokens − no refresh (OverFill, 64 tokens), teacher-forced KL",
+             "; ".join(parts), "refresh_periodic")]
     met = read(figures, "refresh_methods")
-    for pol in met["policy"].astype(str):
-        if pol.startswith(("speculative", "probe_kl", "entropy")):
-            r = pick(met, pol, "refresh_methods")
-            rows.append((f"{pol} − no refresh, teacher-forced KL",
-                         "Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r),
-                         "refresh_methods"))
+    parts = [f"{pol}: Δ " + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r)
+             for pol in met["policy"].astype(str) if pol.startswith(("speculative", "probe_kl", "entropy"))
+             for r in [pick(met, pol, "refresh_methods")]]
+    if parts:
+        rows.append(("Gated refresh − no refresh (OverFill, 64 tokens), teacher-forced KL", "; ".join(parts),
+                     "refresh_methods"))
     rows.append(("Student reading its own prompt cache − reading the teacher's (same tokens, teacher-forced)",
                  "ΔKL " + quote(figures, "refresh_forced", "student", ("d_kl_vs_overfill", "d_lo", "d_hi")),
                  "refresh_forced"))
-    return rows
+    return rows + _long_rows(figures)
 
 
 __all__ = ["VIEWS", "key_results"]
