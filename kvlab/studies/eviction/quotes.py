@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvlab.harness.quotes import DocsError, View, cell, pick, quote, read
 from kvlab.harness.tableview import fmt
+from kvlab.studies.eviction.long_readings import read_evict_long, read_needle_long
 
 
 def needle_table(figures: Path) -> str:
@@ -52,6 +53,8 @@ VIEWS = {
         ("Δ KL vs partner (95 % CI)", ("d_kl_partner", "d_kl_partner_lo", "d_kl_partner_hi")),
         ("ppl of the text", "ppl"), ("gap closed", "gap_closed"), ("at loose", "frac_at_loose"),
         ("prompts", "n_prompts")]),
+    "evict_long_reading": lambda figures: read_evict_long(read(figures, "evict_long")),
+    "evict_needle_long_reading": lambda figures: read_needle_long(read(figures, "evict_needle_long")),
 }
 
 
