@@ -85,7 +85,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=D.batch, help="examples per step")
     p.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
     p.add_argument("--ce-weight", type=float, default=D.ce_weight, help="loss = w·CE + (1 − w)·KL, w in [0, 1]")
-    p.add_argument("--seed", type=int, default=D.seed, help="data sampling, batch order and refresh points")
+    p.add_argument("--seed", type=int, default=D.seed, help="data sampling, batch order, LoRA init and refresh points")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="the distillation data's seed instead of --seed (same data, other training randomness: "
+                        "LoRA init, batch order, refresh points); default: --seed")
     p.add_argument("--train-prompts", type=int, default=D.train_prompts, help="training prompts used (incl. held-out)")
     p.add_argument("--heldout", type=int, default=D.heldout, help="prompts held out for the KL curve")
     p.add_argument("--eval-every", type=int, default=D.eval_every, help="held-out KL every this many steps")
@@ -113,7 +116,8 @@ def train_config(args):
     return DEFAULT_TRAIN.replace(steps=args.steps, batch=args.batch, lr=args.lr, ce_weight=args.ce_weight,
                                  seed=args.seed, train_prompts=args.train_prompts, heldout=args.heldout,
                                  eval_every=args.eval_every, threads=args.threads,
-                                 lora_rank=args.lora_rank, history=args.history)
+                                 lora_rank=args.lora_rank, history=args.history,
+                                 data_seed=getattr(args, "data_seed", None))
 
 
 def cmd_train_student(args) -> list:

@@ -34,7 +34,7 @@ class TrainConfig:
     warmup: int = 5
     weight_decay: float = 0.0
     ce_weight: float = 0.0          # KL only: measured better than 0.5 (README)
-    seed: int = 0
+    seed: int = 0                   # data sampling, batch order, LoRA init, history coins and refresh points
     train_prompts: int = 424        # rows of data/train_prompts.jsonl (seeded selection); last `heldout` held out
     heldout: int = 16
     tokens: int = 128               # teacher response length
@@ -50,8 +50,19 @@ class TrainConfig:
                                     # Measured (the training Pareto): 160 steps + history 0.5 gave the lowest
                                     # held-out KL at the default shape, short and long
     history_tokens: tuple = (300, 800)  # history examples: prompt length target range in tokens (the long regime)
+    data_seed: int | None = None    # the seed of the distillation data (the teacher's sampled responses and the
+                                    # multi-turn histories built from them); None = ``seed`` (one seed for all, as
+                                    # before it existed). Lets ``seed`` vary the training randomness (LoRA init, batch
+                                    # order, refresh points) over fixed data (kvlab.studies.training.seeds). Equal to
+                                    # ``seed`` it is stored as None, so such a config IS the one-seed config (same key)
 
     def __post_init__(self):
+        ds = self.data_seed
+        if ds is not None and (isinstance(ds, bool) or not isinstance(ds, int)):
+            raise ValueError(f"--data-seed={ds!r} must be an integer (the seed of the distillation data) or None "
+                             "(= --seed)")
+        if ds is not None and ds == self.seed:
+            object.__setattr__(self, "data_seed", None)     # the same run as data_seed=None: same config and key
         for name in ("steps", "batch", "train_prompts", "tokens", "topk", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -83,17 +94,25 @@ class TrainConfig:
     def replace(self, **kw) -> "TrainConfig":
         return replace(self, **kw)
 
+    @property
+    def data_seed_used(self) -> int:
+        """The seed the distillation data is drawn with: ``data_seed``, else ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
+
     def recipe(self) -> dict:
         """The settings that change the weights (``threads`` / ``eval_every`` left out). The history settings
         appear only when ``history > 0``, so recipes and keys from before they existed are unchanged."""
         d = {k: v for k, v in asdict(self).items() if k not in ("threads", "eval_every")}
         if not d["history"]:
             d.pop("history"), d.pop("history_tokens")
+        if d["data_seed"] is None:
+            d.pop("data_seed")      # one seed for data and training: the recipes and keys from before it existed
         return d
 
     def key(self, variant: str, shape_label: str, data_key: str) -> str:
         """Cache key of the trained weights: variant, prune shape, data hash, every setting that changes
-        the weights, seed and TRAIN_VERSION (``threads`` and ``eval_every`` do not change weights)."""
+        the weights, seed (and ``data_seed`` when it differs from ``seed``) and TRAIN_VERSION (``threads`` and
+        ``eval_every`` do not change weights)."""
         d = self.recipe()
         if variant != "refresh-aware":
             d.pop("refresh_gap"), d.pop("refresh_none")

@@ -162,6 +162,6 @@ def history_data(cfg, teacher, train_ex: list[Example], held: list[Example], *, 
 
     texts = {r["id"]: r["prompt"] for r in load_train_prompts(cfg.train_prompts)}
     lo, hi = cfg.history_tokens
-    kw = dict(lo=lo, hi=hi, seed=cfg.seed, topk=cfg.topk, progress=progress)
+    kw = dict(lo=lo, hi=hi, seed=cfg.data_seed_used, topk=cfg.topk, progress=progress)   # data: the data seed
     tr = history_set(teacher, train_ex, train_ex, texts, tag="train", **kw) if train else None
     return tr, history_set(teacher, held, train_ex, texts, tag="heldout", **kw)

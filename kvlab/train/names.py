@@ -17,7 +17,7 @@ def train_data_key(cfg: TrainConfig) -> str:
     from kvlab.core.models import TEACHER_NAME
     from kvlab.train.data import data_key, load_train_prompts
 
-    return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
+    return data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.data_seed_used, 53)
 
 
 def trained_name(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
@@ -42,4 +42,6 @@ def train_command(variant: str, shape, cfg: TrainConfig = DEFAULT_TRAIN) -> str:
         extra += f" --train-prompts {cfg.train_prompts}"
     if cfg.history != DEFAULT_TRAIN.history:
         extra += f" --history {cfg.history:g}"
+    if cfg.data_seed is not None:
+        extra += f" --data-seed {cfg.data_seed}"
     return f"python -m kvlab train-student --student {variant} --prune {_shape(shape).flag}{extra}"

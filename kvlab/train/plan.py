@@ -114,7 +114,7 @@ def plan(variants, shape, cfg=None, *, use_shipped: bool = True) -> TrainPlan:
     if train:
         from kvlab.core.models import TEACHER_NAME
 
-        key = data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.seed, 53)
+        key = data_key(load_train_prompts(cfg.train_prompts), TEACHER_NAME, cfg.tokens, cfg.topk, cfg.data_seed_used, 53)
         need_data = not (_data_dir(key) / "examples.pt").is_file()
     # rough: the history examples' key needs the examples themselves; any built set counts as this one's
     need_history = bool(train and cfg.history) and (need_data or not any(

@@ -53,7 +53,7 @@ def training_data(cfg: TrainConfig, teacher, progress: bool = True):
     from kvlab.train.data import load_train_prompts, teacher_responses
 
     rows = load_train_prompts(cfg.train_prompts)
-    ex = teacher_responses(teacher, rows, tokens=cfg.tokens, topk=cfg.topk, batch=53, seed=cfg.seed,
+    ex = teacher_responses(teacher, rows, tokens=cfg.tokens, topk=cfg.topk, batch=53, seed=cfg.data_seed_used,
                            progress=progress)
     n = len(ex) - cfg.heldout
     return ex[:n], ex[n:]

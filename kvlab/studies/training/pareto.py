@@ -175,7 +175,7 @@ def pareto_table(points, variant: str = "overfill", *, train: bool = False, devi
         path = trained_student_path(variant, p.shape, p.cfg)
         student = load_model(path, device=teacher.device, dtype=teacher.dtype, local_files_only=True)
         lg = read_log(path)
-        hkey = (p.cfg.train_prompts, p.cfg.heldout, p.cfg.seed, p.cfg.topk, p.cfg.history_tokens)
+        hkey = (p.cfg.train_prompts, p.cfg.heldout, p.cfg.data_seed_used, p.cfg.topk, p.cfg.history_tokens)
         if not any("heldout_kl_long" in r for r in lg) and hkey not in held_long:
             held_long[hkey] = _long_heldout(p, teacher, progress)
         row.update(point_row(teacher, student, lg, held_long.get(hkey), variant, prompt, steps=steps, repeats=repeats))

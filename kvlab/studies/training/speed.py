@@ -32,7 +32,7 @@ def speed_quality(shapes, variant: str = "overfill", cfg=None, *, device=None, d
     shapes = [_shape(DEFAULT_SHAPE if s is None else s) for s in shapes]
     teacher = load_teacher(device, dtype)
     prompt = load_prompts(n=1)[0]["prompt"]
-    key = data_key(load_train_prompts(cfg.train_prompts), teacher.name, cfg.tokens, cfg.topk, cfg.seed, 53)
+    key = data_key(load_train_prompts(cfg.train_prompts), teacher.name, cfg.tokens, cfg.topk, cfg.data_seed_used, 53)
     data = _data_dir(key) / "examples.pt"
     held = None
     if data.is_file():
