@@ -205,6 +205,7 @@ def test_the_command_writes_both_comparisons_over_three_trained_seeds(tmp_path, 
     assert list(t.comparison) == ["overfill − standalone", "overfill − student"]
     assert {"comparison", "n_seeds", "n_prompts", "d", "lo", "hi", "mde", "sd_seeds"} <= set(t.columns)
     assert (t.n_seeds == 3).all() and (t.n_prompts == 2).all() and (t.data_seed.astype(str) == "0").all()
+    assert (t.decoder_variant == "overfill").all()
     assert (t.lo <= t.d).all() and (t.d <= t.hi).all()
     runs = pd.read_csv(out / "train_seeds_runs.csv")
     assert len(runs) == 3 * 3 * 2 and set(runs.policy) == {"overfill", "student", "standalone"}

@@ -1,6 +1,7 @@
 """``python -m kvlab train-seeds``: OverFill against both student baselines with training randomness in the interval
 (issue 37, item 5). Trains (or finds cached) one OverFill student and one standalone student per training seed,
-runs the baselines' rows on them through the run store, and writes ``train_seeds`` (+ ``_seeds``, ``_runs``).
+runs the baselines' rows on them through the run store, and writes ``train_seeds`` (+ ``_seeds``, ``_runs``;
+``train_seeds_refresh_aware`` with ``--student refresh-aware``, ``_long`` with ``--prompt-set long``).
 
 Per training seed ``s`` (0 is the shipped student): the recipe with ``seed=s`` and ``data_seed`` (default 0: every
 seed distils from seed 0's teacher responses, so the seeds differ in LoRA init, batch order, history coins and
@@ -28,7 +29,7 @@ from kvlab.harness.hierarchical import hierarchical_bootstrap, paired_matrix, pr
 METRIC = "kl_forced"
 ROWS = ("overfill", "student", "standalone")
 COMPARISONS = (("overfill − standalone", "overfill", "standalone"), ("overfill − student", "overfill", "student"))
-COLUMNS = ["comparison", "metric", "n_seeds", "n_prompts", "d", "lo", "hi", "se", "mde", "sd_seeds",
+COLUMNS = ["comparison", "decoder_variant", "metric", "n_seeds", "n_prompts", "d", "lo", "hi", "se", "mde", "sd_seeds",
            "prompt_only_lo", "prompt_only_hi", "seeds", "data_seed", "recipe", "tokens", "design"]
 SEED_COLUMNS = ["train_seed", "comparison", "d", "lo", "hi", "mde", "kl_forced_overfill", "kl_forced_base",
                 "n_prompts", "decoder", "base_model"]
@@ -158,12 +159,13 @@ def table_notes(recipe, data_seed, tokens: int, command: str) -> list[str]:
 
 
 def write_seed_tables(per_run: pd.DataFrame, out: Path, recipe, data_seed, tokens: int, command: str,
-                      name: str = "train_seeds") -> list[Path]:
+                      name: str = "train_seeds", variant: str = "overfill") -> list[Path]:
     """``<name>`` (the two comparisons), ``<name>_seeds`` (per training seed) and ``<name>_runs`` (per run, quality
     columns only: the machine-dependent times are left out, as in the baselines' runs table)."""
     from kvlab.studies.baselines.table import TIME_RUN_COLUMNS
 
     table = seeds_table(per_run)
+    table["decoder_variant"] = variant          # the OverFill decoder's training (overfill or refresh-aware)
     table["data_seed"] = "own" if data_seed is None else data_seed
     table["recipe"] = recipe_text(recipe).split(" (")[0]
     table["tokens"] = tokens
@@ -189,8 +191,9 @@ def cmd_train_seeds(args) -> list[Path]:
     per_run = seed_study(teacher, students_for, spec, RunStore(args.runs), seeds, progress=not args.no_progress)
     from kvlab.harness.cli_common import set_suffix
 
-    name = "train_seeds" + set_suffix(args)
-    paths = write_seed_tables(per_run, args.out, recipe, args.data_seed, spec.tokens, seeds_command(args), name=name)
+    name = "train_seeds" + ("" if variant == "overfill" else "_" + variant.replace("-", "_")) + set_suffix(args)
+    paths = write_seed_tables(per_run, args.out, recipe, args.data_seed, spec.tokens, seeds_command(args), name=name,
+                              variant=variant)
     print((Path(args.out) / f"{name}.md").read_text(), flush=True)
     return paths
 
