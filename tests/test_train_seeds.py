@@ -223,3 +223,13 @@ def test_the_command_writes_both_comparisons_over_three_trained_seeds(tmp_path, 
     # a second call reuses every stored run and gives the same table
     assert main(argv) == 0
     assert pd.read_csv(out / "train_seeds.csv").equals(t)
+
+
+def test_the_notes_name_the_recipe_and_the_randomness():
+    from kvlab.studies.training.seeds import randomness_text, recipe_text, seed_config
+
+    assert recipe_text(seed_config(DEFAULT_TRAIN, 2, 0)).startswith("the default recipe")
+    assert recipe_text(BASE_TRAIN).startswith("the base recipe (80 steps")
+    assert recipe_text(DEFAULT_TRAIN.replace(steps=40)).startswith("a reduced recipe (40 steps")
+    assert "the distillation data fixed" in randomness_text(0)
+    assert "each seed's own teacher samples" in randomness_text(None)

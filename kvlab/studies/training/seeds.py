@@ -133,7 +133,8 @@ def recipe_text(recipe) -> str:
         return f"the default recipe (DEFAULT_TRAIN: {words}), the shipped students' recipe"
     if name is not None:
         return f"the {name} recipe ({words})"
-    return f"a reduced recipe ({words}; not the default DEFAULT_TRAIN's {DEFAULT_TRAIN.steps} steps)"
+    kind = "a reduced recipe" if recipe.steps < DEFAULT_TRAIN.steps else "a non-default recipe"
+    return f"{kind} ({words}; the default DEFAULT_TRAIN has {DEFAULT_TRAIN.steps} steps)"
 
 
 def table_notes(recipe, data_seed, tokens: int, command: str) -> list[str]:
