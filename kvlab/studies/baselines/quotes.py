@@ -28,10 +28,15 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
              "standalone": "a separately trained student (the paper's baseline)"}
     for _, r in reg.iterrows():
         regime = str(r["regime"]).split(",")[0]
-        rows.append((f"{regime}: {names.get(str(r['baseline']), r['baseline'])} − OverFill, teacher-forced KL",
+        free = ""
+        if {"d_kl", "d_teacher_ppl"} <= set(reg.columns):       # the free-running metrics, same sign: + = OverFill better
+            free = ("; free-running: on-path KL Δ " + cell(r, ("d_kl", "d_kl_lo", "d_kl_hi"))
+                    + ", teacher-PPL Δ " + cell(r, ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"), 2))
+        rows.append((f"{regime} ({int(as_number(r['tokens']))} tokens): {names.get(str(r['baseline']), r['baseline'])} "
+                     "− OverFill, teacher-forced KL (steps 2..N)",
                      f"{cell(r, 'kl_forced_base')} vs {cell(r, 'kl_forced_OF')}; Δ "
                      + cell(r, ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi")) + mde_note(r)
-                     + f", n = {int(as_number(r['n_prompts']))}", "baselines_regimes"))
+                     + f", n = {int(as_number(r['n_prompts']))}" + free, "baselines_regimes"))
     return rows
 
 
