@@ -76,11 +76,12 @@ def prepare_evict(policy, model) -> LayerInputs | None:
 
 def evict_view(cache: KVCache, step: int, record, vocab_size: int, **extra) -> EvictView:
     """The :class:`EvictView` a policy decides from at ``step`` (the loop's phase 5 and the eviction
-    benchmarks build it here): the cache's per-layer positions and attention statistics, ``record``
+    benchmarks build it here): the cache's per-layer positions and attention statistics (a statistic the cache
+    holds as one ``(L, T)`` matrix as that matrix: :func:`~kvlab.eviction.ranked.layer_rows`), ``record``
     (the step's signals), ``extra`` (logits, sampling, ``kv`` access)."""
     lp = cache.live_positions()
     return EvictView(step=step, length=len(cache), positions=lp[0], record=record, vocab_size=vocab_size,
-                     num_layers=cache.num_layers, attn=cache.layer_attn(), layer_positions=lp, **extra)
+                     num_layers=cache.num_layers, attn=cache.layer_attn(matrix=True), layer_positions=lp, **extra)
 
 
 def apply_keep(cache: KVCache, decision, model, timing: dict | None = None):

@@ -46,7 +46,7 @@ The ranking helpers below (:func:`top_slots`, :func:`top_slots_layers`, :func:`t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -128,35 +128,108 @@ def top_and_recent_layers(scores: Sequence[torch.Tensor | None], lengths: Sequen
     budgets = [budget] * len(lengths) if isinstance(budget, int) else list(budget)
     over = [l for l, n in enumerate(lengths) if n > budgets[l]]
     kept: list = [None] * len(lengths)
-    groups: dict[tuple, list[int]] = {}
-    for l in over:
-        groups.setdefault((sinks[l], budgets[l], lengths[l]), []).append(l)
-    for (s, b, n), ls in sorted(groups.items()):
-        rows = [scores[l][s: n - recent] for l in ls]
-        k = b - recent - s
-        if len({int(r.numel()) for r in rows}) != 1:          # scores of unequal length: layer by layer
-            tops = top_slots_layers(rows, k)
-            for l, top in zip(ls, tops):
-                kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(n - recent, n))
-            continue
-        m = int(rows[0].numel())
-        if 0 < m - k <= k:                                    # few drops: name them (no kept tuples built)
-            x = _stack_scores(rows)
-            if not torch.isnan(x).any():
-                for l, d in zip(ls, (_bottom_rows(x, m - k).cpu() + s).tolist()):
-                    kept[l] = Kept(n, d)
-                continue
-        if k <= 0:
-            mid = torch.empty(len(ls), 0, dtype=torch.long)
-        elif k >= m:
-            mid = torch.arange(s, s + m).expand(len(ls), m)
-        else:
-            mid = _top_rows(_stack_scores(rows), k).cpu() + s
-        full = torch.cat([torch.arange(s).expand(len(ls), s), mid,
-                          torch.arange(n - recent, n).expand(len(ls), recent)], dim=1)
-        for l, row in zip(ls, full.tolist()):
-            kept[l] = tuple(row)
+    for l, kp in zip(over, rank_items([(scores[l], lengths[l], budgets[l], recent, sinks[l]) for l in over])):
+        kept[l] = kp
     return [tuple(range(n)) if kp is None else kp for kp, n in zip(kept, lengths)]
+
+
+def rank_items(items: Sequence[tuple]) -> list:
+    """The kept slots of each over-budget item ``(scores, n, budget, recent, sinks)`` — one layer of one row:
+    :func:`top_and_recent_layers`' rule. ``scores`` ``(T,)``, or ``(G, T)``: a block of ``G`` layers alike
+    (then the item's answer is a list of ``G`` kept-slot sequences). Items alike in ``(sinks, budget, n,
+    recent)`` are ranked together, one batched sort (or threshold) and one host transfer per group, whichever
+    rows and layers they come from: a batch's decisions (:func:`rank_plans`) cost one ranking per group, not
+    one per row."""
+    kept: list = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    for j, (_, n, b, r, s) in enumerate(items):
+        groups.setdefault((s, b, n, r), []).append(j)
+    for (s, b, n, recent), js in sorted(groups.items()):
+        blocks = [items[j][0][..., s: n - recent] for j in js]
+        sizes = [x.shape[0] if x.dim() == 2 else 0 for x in blocks]         # 0: one layer's (m,) scores
+        k = b - recent - s
+        got = _rank_group(blocks, n, k, s, recent)
+        at = 0
+        for j, g in zip(js, sizes):
+            kept[j] = got[at: at + g] if g else got[at]
+            at += max(g, 1)
+    return kept
+
+
+def _rank_group(blocks: list[torch.Tensor], n: int, k: int, s: int, recent: int) -> list:
+    """One group of :func:`rank_items`: ``blocks`` (each ``(m,)`` or ``(G, m)``: candidates' scores) -> one
+    kept-slot sequence per row, in order."""
+    if len({int(x.shape[-1]) for x in blocks}) != 1:          # scores of unequal length: one by one
+        rows = [r for x in blocks for r in (x.unbind(0) if x.dim() == 2 else (x,))]
+        return [tuple(range(s)) + tuple(t + s for t in top) + tuple(range(n - recent, n))
+                for top in top_slots_layers(rows, k)]
+    m = int(blocks[0].shape[-1])
+    R = sum(x.shape[0] if x.dim() == 2 else 1 for x in blocks)
+    x = None
+    if 0 < m - k <= k:                                        # few drops: name them (no kept tuples built)
+        x = _stack_blocks(blocks)
+        if not torch.isnan(x).any():
+            return [Kept(n, d) for d in (_bottom_rows(x, m - k).cpu() + s).tolist()]
+    if k <= 0:
+        mid = torch.empty(R, 0, dtype=torch.long)
+    elif k >= m:
+        mid = torch.arange(s, s + m).expand(R, m)
+    else:
+        mid = _top_rows(x if x is not None else _stack_blocks(blocks), k).cpu() + s
+    full = torch.cat([torch.arange(s).expand(R, s), mid, torch.arange(n - recent, n).expand(R, recent)], dim=1)
+    return [tuple(row) for row in full.tolist()]
+
+
+def _stack_blocks(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Equal-width score rows and ``(G, m)`` blocks as one float ``(R, m)`` tensor (on the first one's device)."""
+    if len(blocks) == 1 and blocks[0].dim() == 2:
+        return blocks[0].detach().float()
+    if all(x.dim() == 2 for x in blocks):
+        dev = blocks[0].device
+        return torch.cat([x.detach().to(dev).float() for x in blocks])
+    return _stack_scores([r for x in blocks for r in (x.unbind(0) if x.dim() == 2 else (x,))])
+
+
+class Plan(NamedTuple):
+    """A ranked policy's decision with the ranking left to do (:meth:`RankedEviction.plan`): per layer its
+    ``scores`` (None within budget), ``lengths``, ``budgets``, ``sinks``; the newest ``recent`` kept; ``info``
+    goes into the Keep. :func:`rank_plans` ranks many plans (a batch's rows) at once."""
+
+    scores: list
+    lengths: list[int]
+    budgets: list[int]
+    recent: int
+    sinks: list[int]
+    info: dict
+
+
+def rank_plans(plans: Sequence) -> list[Keep]:
+    """Each of ``plans`` (a :class:`Plan`, or a :class:`Keep` already decided) as its :class:`Keep`: the
+    over-budget layers of every plan ranked together (:func:`rank_items`: one ranking per (sinks, budget,
+    length) group for all rows and layers). Plan by plan, the same decisions as :func:`top_and_recent_layers`."""
+    items, where = [], []
+    for i, p in enumerate(plans):
+        if not isinstance(p, Plan):
+            continue
+        L = len(p.lengths)
+        if isinstance(p.scores, torch.Tensor) and p.scores.dim() == 2 and p.scores.shape[0] == L \
+                and len({(n, b, s) for n, b, s in zip(p.lengths, p.budgets, p.sinks)}) == 1 \
+                and p.lengths[0] > p.budgets[0]:                  # every layer alike and over: one block
+            items.append((p.scores, p.lengths[0], p.budgets[0], p.recent, p.sinks[0]))
+            where.append((i, None))
+            continue
+        for l, n in enumerate(p.lengths):
+            if n > p.budgets[l]:
+                items.append((p.scores[l], n, p.budgets[l], p.recent, p.sinks[l]))
+                where.append((i, l))
+    kept = {i: [None] * len(p.lengths) for i, p in enumerate(plans) if isinstance(p, Plan)}
+    for (i, l), kp in zip(where, rank_items(items)):
+        if l is None:
+            kept[i] = list(kp)
+        else:
+            kept[i][l] = kp
+    return [per_layer([tuple(range(n)) if kp is None else kp for kp, n in zip(kept[i], p.lengths)], **p.info)
+            if isinstance(p, Plan) else p for i, p in enumerate(plans)]
 
 
 def layer_sinks(positions: Sequence[int], sinks: int) -> int:
@@ -196,6 +269,18 @@ def layer_rows(view: EvictView, name: str) -> list[torch.Tensor]:
     if isinstance(stat, torch.Tensor):
         return list(stat.unbind(0)) if stat.dim() == 2 else [stat] * view.num_layers
     return list(stat)
+
+
+def layer_block(view: EvictView, name: str, layers: Sequence[int]) -> torch.Tensor | list[torch.Tensor]:
+    """The rows ``layers`` of ``view.attn[name]``: an ``(len(layers), T)`` tensor when the view carries the
+    statistic as one matrix (no per-layer work; the whole matrix itself when ``layers`` is every layer), else
+    one ``(T_l,)`` tensor per layer (:func:`layer_row`)."""
+    stat = view.attn[name]
+    if isinstance(stat, torch.Tensor) and stat.dim() == 2:
+        if len(layers) == stat.shape[0] and list(layers) == list(range(stat.shape[0])):
+            return stat
+        return stat[torch.as_tensor(list(layers), dtype=torch.long, device=stat.device)]
+    return [layer_row(view, name, l) for l in layers]
 
 
 def layer_row(view: EvictView, name: str, layer: int) -> torch.Tensor:
@@ -245,9 +330,10 @@ class RankedEviction:
         """Layer ``layer``'s entries, ``(T_l,)``: higher = keep. Only the candidates are read (module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} must define score(view, layer) -> (T_l,) scores")
 
-    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor]:
+    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor] | torch.Tensor:
         """:meth:`score` of each of ``layers`` (the over-budget ones); a policy may compute them for all
-        layers at once (Conf-KV) — the same values as ``score`` layer by layer."""
+        layers at once (Conf-KV) — the same values as ``score`` layer by layer — and return them as one
+        ``(len(layers), T)`` matrix (H2O, Scissorhands, Conf-KV when the view carries its statistic as one)."""
         return [self.score(view, l) for l in layers]
 
     @property
@@ -269,23 +355,41 @@ class RankedEviction:
         return layer_sinks(pos, self.sinks), len(pos) - self.newest
 
     def keep(self, view: EvictView) -> Keep:
+        return rank_plans([self.plan(view)])[0]
+
+    def keep_rows(self, views: Sequence[EvictView]) -> list[Keep]:
+        """:meth:`keep` of each of ``views`` (the rows of a batch), the rows' rankings done together
+        (:func:`rank_plans`); the same decisions as ``keep`` row by row."""
+        return rank_plans([self.plan(v) for v in views])
+
+    def plan(self, view: EvictView) -> Keep | Plan:
+        """The step's decision up to its ranking (a :class:`Plan`), or the decision itself (a Keep) when
+        nothing is ranked. A subclass that sets its own budgets per step overrides this (Conf-KV)."""
         if not self.due(view):
             return keep_all(view, budget=self.budget)
-        return self.select(view, self.budgets(view), budget=self.budget)
+        return self.plan_select(view, self.budgets(view), budget=self.budget)
 
     def select(self, view: EvictView, budgets: Sequence[int], **info) -> Keep:
         """The decision under per-layer ``budgets``; ``info`` (the step's budget, ...) goes into the Keep."""
+        return rank_plans([self.plan_select(view, budgets, **info)])[0]
+
+    def plan_select(self, view: EvictView, budgets: Sequence[int], **info) -> Keep | Plan:
+        """:meth:`select` up to its ranking: a :class:`Plan` of the over-budget layers' scores (a Keep when
+        none is over budget, or ``per_layer=False``)."""
         if not self.per_layer:
             return self.select_mean(view, budgets[0], info)
         lengths = [len(p) for p in view.layer_positions]
         if all(n <= b for n, b in zip(lengths, budgets)):
             return keep_all(view, **info)
         over = [l for l, (n, b) in enumerate(zip(lengths, budgets)) if n > b]
-        scores: list = [None] * len(lengths)
-        for l, x in zip(over, self.scores_for(view, over)):
-            scores[l] = x
-        return per_layer(top_and_recent_layers(scores, lengths, budgets, self.newest, sink_counts(view, self.sinks)),
-                         **info)
+        got = self.scores_for(view, over)
+        if isinstance(got, torch.Tensor) and len(over) == len(lengths):
+            scores = got                                  # every layer's scores as one (L, T) matrix
+        else:
+            scores = [None] * len(lengths)
+            for l, x in zip(over, got):
+                scores[l] = x
+        return Plan(scores, lengths, list(budgets), self.newest, sink_counts(view, self.sinks), info)
 
     def layer_mean_score(self, view: EvictView, lo: int, hi: int) -> torch.Tensor:
         """``per_layer=False``: the one live set's candidates ``lo .. hi - 1`` scored by the mean over
