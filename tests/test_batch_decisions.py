@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -161,3 +162,43 @@ def test_bank_rows_with_holes_decide_alike(name):
             c.check()
         holes += sum(len(lay.holes) for row in bank.rows[:B] for lay in row)
     assert holes > 0                    # the rows did carry holes between compactions
+
+
+CALLS: list[int] = []
+
+
+@dataclass(frozen=True)
+class CountedH2O(H2O):
+    """H2O that notes how many rows each batched decision covered (test only)."""
+
+    def keep_rows(self, views):
+        CALLS.append(len(views))
+        return super().keep_rows(views)
+
+
+@dataclass(frozen=True)
+class OwnKeepH2O(H2O):
+    """A subclass that overrides ``keep`` itself: batches decide it row by row, through that ``keep``."""
+
+    def keep(self, view):
+        return super().keep(view)
+
+
+def test_the_batched_loop_decides_its_rows_together(tiny_teacher):
+    """BatchDecoding decides the rows sharing a policy in one keep_rows call, and every row's tokens and live
+    positions equal its own single decode's; a subclass overriding ``keep`` is decided through it."""
+    from kvlab.decode import DecodeConfig, run, run_batch
+
+    prompts = ["the quick brown fox jumps", "over the lazy dog and then some", "a b c d e f g h i j"]
+    for pol in (CountedH2O(14, 3, sinks=1), OwnKeepH2O(14, 3)):
+        CALLS.clear()
+        cfg = DecodeConfig(mode="teacher", chat=False, max_new_tokens=8, evict=pol)
+        traces = run_batch(tiny_teacher, None, prompts, cfg)
+        if isinstance(pol, CountedH2O):
+            assert CALLS and max(CALLS) == len(prompts)
+        assert keep_rows(OwnKeepH2O(14, 3), []) == []
+        for p, t in zip(prompts, traces):
+            alone = run(tiny_teacher, None, p, cfg)
+            assert [r.token_id for r in t.records] == [r.token_id for r in alone.records]
+            assert [r.evicted for r in t.records] == [r.evicted for r in alone.records]
+            assert t.live["positions"] == alone.live["positions"]

@@ -33,17 +33,24 @@ class EvictPhases:
     def _evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
         """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
         INT8 storage of older entries if the policy asks (the loop records the cache after it)."""
+        view = self._evict_view(rec, logits)
+        return rec if view is None else self._apply_evict(rec, self.config.evict.keep(view))
+
+    def _evict_view(self, rec: StepRecord, logits: torch.Tensor) -> EvictView | None:
+        """The view the eviction policy decides from at this step (None: no policy, or an empty cache)."""
         cache, policy = self.cache, self.config.evict
         if policy is None or not len(cache):
-            return rec
-        evicted = 0
-        signals = rec.signals
+            return None
         sp = self.config.sampling
-        view = evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,
+        return evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,
                           temperature=float(sp.temperature), top_p=float(sp.top_p), first=rec.step == self.first_step,
                           **self._kv_access(policy))
-        decision = policy.keep(view)
-        rep = apply_keep(cache, decision, self.decoder.model)
+
+    def _apply_evict(self, rec: StepRecord, decision) -> StepRecord:
+        """The cache's side of the policy's ``decision`` (a Keep) and its signals in the record."""
+        evicted = 0
+        signals = rec.signals
+        rep = apply_keep(self.cache, decision, self.decoder.model)
         if rep is not None:
             evicted = rep.evicted
         if decision.signals():

@@ -65,10 +65,13 @@ def evict_attr(policy, name: str):
 
 
 def keep_rows(policy, views: Sequence["EvictView"]) -> list["Keep"]:
-    """``policy``'s decisions for ``views`` (rows of a batch): its ``keep_rows`` when it has one, else ``keep``
-    row by row."""
+    """``policy``'s decisions for ``views`` (rows of a batch): its ``keep_rows`` when it has one of its own, else
+    ``keep`` row by row (also for a wrapper that hands attribute reads to another policy: its own ``keep`` is
+    what it decides by)."""
     batched = evict_attr(policy, "keep_rows")
-    return list(batched(views)) if callable(batched) else [policy.keep(v) for v in views]
+    if callable(batched) and getattr(batched, "__self__", policy) is policy:
+        return list(batched(views))
+    return [policy.keep(v) for v in views]
 
 
 def refresh_attr(policy, name: str):

@@ -177,7 +177,10 @@ class RankedEviction:
 
     def keep_rows(self, views: Sequence[EvictView]) -> list[Keep]:
         """:meth:`keep` of each of ``views`` (the rows of a batch), the rows' rankings done together
-        (:func:`rank_plans`); the same decisions as ``keep`` row by row."""
+        (:func:`rank_plans`); the same decisions as ``keep`` row by row. A subclass that overrides ``keep``
+        (rather than :meth:`plan`) decides by it, row by row."""
+        if type(self).keep is not RankedEviction.keep:
+            return [self.keep(v) for v in views]
         return rank_plans([self.plan(v) for v in views])
 
     def plan(self, view: EvictView) -> Keep | Plan:
