@@ -207,6 +207,10 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below else None,
            "ema": sink.layers("ema", L) if decay is not None else None}
     seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
+    if len({x.shape[1] for x in seen}) == 1:                                          # every layer as wide
+        fast = _sink_stacked(got, torch.stack(seen), rows)
+        if fast is not None:
+            return fast
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
     split = {}
     for name, per_layer in got.items():
@@ -217,6 +221,30 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
         out[b] = tuple(None if name not in split else [split[name][i][b] for i in range(L)]
                        for name in ("mass", "low", "ema"))
     return out
+
+
+def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int]) -> dict | None:
+    """:func:`_sink_rows` when every layer is ``W`` columns wide and each measured row sees ``c`` of them on every
+    layer (``seen`` ``(L, B, W)``): one boolean pick per statistic for all rows and layers, each row's statistic
+    an ``(L, c)`` matrix (its layers' rows). None (nothing done) otherwise."""
+    idx = torch.tensor(rows, dtype=torch.long, device=seen.device)
+    seen = seen.index_select(1, idx)                                                  # (L, R, W)
+    counts = seen.sum(-1)                                                             # (L, R)
+    c = int(counts[0, 0])
+    if not bool((counts == c).all()):
+        return None
+    L, R, W = seen.shape
+    at = seen.reshape(-1).nonzero().squeeze(1)                                        # (L·R·c,) flat picks
+    split, done = {}, {}
+    for name, per_layer in got.items():
+        if per_layer is not None:
+            key = tuple(map(id, per_layer))                                           # ema is mass when w == 1
+            if key not in done:
+                x = torch.stack([t[:, :W] for t in per_layer]).index_select(1, idx)     # (L, R, W)
+                done[key] = x.reshape(-1).index_select(0, at).view(L, R, c).transpose(0, 1)   # (R, L, c)
+            split[name] = done[key]
+    return {b: tuple(split[name][j] if name in split else None for name in ("mass", "low", "ema"))
+            for j, b in enumerate(rows)}
 
 
 def _group_keys(bank: Bank, i: int, group: list[int]) -> torch.Tensor:

@@ -8,13 +8,17 @@
 * the **event log** — what each edit tick did to which rows (``evicted``, ``moved``, ``inserted``…);
   a row's status is derived from it (:meth:`Mirror.ledger_status`).
 
-No tensors here: the cache edits its storage (:mod:`.storage`) and this mirror in the same call.
+No tensors here (but :func:`positions_tensor`, a read): the cache edits its storage (:mod:`.storage`) and this
+mirror in the same call.
 """
 from __future__ import annotations
 
+from array import array
 from collections import abc
 from operator import itemgetter
 from typing import Sequence
+
+import torch
 
 from kvlab.cache.ledger import EventLog, Ledger, Row
 from kvlab.cache.plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
@@ -65,6 +69,21 @@ class LivePositions(abc.Sequence):
 
     def __repr__(self) -> str:
         return repr(self._tuple())
+
+
+def positions_tensor(seqs: Sequence, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Slots ``lo .. hi - 1`` of several layers' live positions (each a :class:`LivePositions` or a sequence,
+    equally long) as one int64 ``(G, hi - lo)`` tensor. Live sets read from one ledger are gathered there in C
+    (no per-entry Python); anything else is converted as given."""
+    hi = len(seqs[0]) if hi is None else hi
+    live = [s for s in seqs if isinstance(s, LivePositions)]
+    if len(live) == len(seqs) and len({id(s._pos) for s in live}) == 1 and hi > lo:
+        buf = array("q")
+        for s in live:
+            buf.fromlist(s._rows[lo:hi])                                                       # ledger rows, in C
+        table = torch.frombuffer(array("q", live[0]._pos), dtype=torch.int64)                  # ledger positions
+        return table[torch.frombuffer(buf, dtype=torch.int64)].view(len(seqs), hi - lo)
+    return torch.tensor([list(s[lo:hi]) for s in seqs], dtype=torch.int64).view(len(seqs), max(hi - lo, 0))
 
 
 class Mirror:

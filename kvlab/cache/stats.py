@@ -35,8 +35,49 @@ class AttnStats:
         self.ema_prefill = ema_prefill
         self.window, self.pool, self.below = window, pool, below
         self.device = device
-        self.data: dict[str, list[torch.Tensor]] = {k: [torch.zeros(n, device=device) for n in lengths]
-                                                     for k in self.names}
+        self._mats: dict[str, tuple] = {}   # name -> (matrix, its rows or None): data[name] as one (L, T) tensor
+        self.data = {k: [torch.zeros(n, device=device) for n in lengths] for k in self.names}
+
+    @property
+    def data(self) -> dict[str, list[torch.Tensor]]:
+        """``{name: [t_0, …, t_{L-1}]}``; a statistic held as one matrix gets its rows (views) built here, once."""
+        for k, rows in self._data.items():
+            if rows is None:
+                mat = self._mats[k][0]
+                got = mat.unbind(0)
+                self._data[k], self._mats[k] = list(got), (mat, got)
+        return self._data
+
+    @data.setter
+    def data(self, value: dict[str, list[torch.Tensor]]) -> None:
+        self._data = value
+
+    def _matrix(self, name: str) -> torch.Tensor | None:
+        """The ``(L, T)`` matrix ``data[name]`` is (a stacked update made it, and nothing replaced a row since),
+        else None."""
+        ts, got = self._data[name], self._mats.get(name)
+        if got is None:
+            return None
+        if ts is None:
+            return got[0]
+        if got[1] is not None and len(got[1]) == len(ts) and all(a is b for a, b in zip(got[1], ts)):
+            return got[0]
+        return None
+
+    def _lengths(self) -> list[int]:
+        """Entries per layer (of ``acc``), without building per-layer rows."""
+        m = self._matrix("acc")
+        return [int(m.shape[1])] * int(m.shape[0]) if m is not None else [int(t.shape[0]) for t in self._data["acc"]]
+
+    def _stack(self, name: str) -> torch.Tensor:
+        """``data[name]`` as one ``(L, T)`` matrix: :meth:`_matrix` when there is one, else a stacked copy."""
+        m = self._matrix(name)
+        return m if m is not None else torch.stack(self.data[name])
+
+    def _set(self, name: str, mat: torch.Tensor) -> None:
+        """``data[name]`` := the rows of ``mat`` ``(L, T)`` (built when :attr:`data` is read)."""
+        self._data[name] = None
+        self._mats[name] = (mat, None)
 
     @property
     def query_decay(self) -> float | None:
@@ -50,10 +91,14 @@ class AttnStats:
 
     def set_layers(self, layers: int, n: int) -> None:
         """Tracking started before the cache had layers: one row of ``n`` zeros per layer."""
-        if len(self.data["acc"]) != layers:
+        if len(self._lengths()) != layers:
             self.data = {k: [torch.zeros(n, device=self.device) for _ in range(layers)] for k in self.names}
 
     def check(self, lengths: Sequence[int]) -> None:
+        if lengths and min(lengths) == max(lengths) and all(
+                (m := self._matrix(k)) is not None and m.shape[0] == len(lengths) and m.shape[1] == lengths[0]
+                for k in self._data):
+            return                          # every statistic is one (L, T) matrix of the right width
         for name, ts in self.data.items():
             if len(ts) != len(lengths):
                 raise AssertionError(f"attention stat {name!r} has {len(ts)} layers, live maps {len(lengths)}")
@@ -63,13 +108,24 @@ class AttnStats:
                                          f"live map {n}")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self.data.values() for t in ts)
+        total = 0
+        for k in self._data:
+            m = self._matrix(k)
+            total += m.numel() * m.element_size() if m is not None else sum(t.numel() * t.element_size()
+                                                                            for t in self.data[k])
+        return total
 
     def copy(self) -> "AttnStats":
         new = AttnStats.__new__(AttnStats)
         new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
         new.below, new.ema_prefill = self.below, self.ema_prefill
-        new.data = {k: [t.clone() for t in ts] for k, ts in self.data.items()}
+        new._mats, new.data = {}, {}
+        for k in self._data:
+            m = self._matrix(k)
+            if m is not None:
+                new._set(k, m.clone())
+            else:
+                new._data[k] = [t.clone() for t in self.data[k]]
         return new
 
     def append(self, n: int, mass: Sequence[torch.Tensor] | None, low: Sequence[torch.Tensor] | None = None,
@@ -80,9 +136,9 @@ class AttnStats:
         the EMA takes the forward's ``w`` measured queries as ``w`` updates in query order,
         ``ema ← β^w·ema + (1-β)·ema_mass``; without it, one update ``ema ← β·ema + (1-β)·mass``."""
         w = n if self.window is None else min(self.window, n)
-        a = self.data
-        if a["acc"] and self._append_stacked(n, w, mass, low, ema_mass):
+        if self._lengths() and self._append_stacked(n, w, mass, low, ema_mass):
             return
+        a = self.data
         z = torch.zeros(n, device=self.device)
         incs: dict[int, torch.Tensor] = {}          # lifetime increment per layer length (layers alike share one)
         for i in range(len(a["acc"])):
@@ -109,34 +165,39 @@ class AttnStats:
         was measured: the statistics as ``(L, T)`` matrices, a few ops in all instead of a dozen per layer
         (the same arithmetic, elementwise). Each layer's tensor is then a row (view) of the result. False
         (nothing done) when layers differ in length or nothing was measured."""
-        a = self.data
-        t = a["acc"][0].shape[0]
-        if mass is None or any(x.shape[0] != t for x in a["acc"]):
+        lengths = self._lengths()
+        t = lengths[0]
+        if mass is None or any(x != t for x in lengths):
             return False
         dev = self.device
-        m = max_pool_next(torch.stack(mass).to(dev), self.pool)                            # (L, T + n)
+        mat = lambda x: (x if isinstance(x, torch.Tensor) else torch.stack(x)).to(dev)  # noqa: E731 (L, T + n)
+        m = max_pool_next(mat(mass), self.pool)                                            # (L, T + n)
         if m.shape[1] != t + n:
             return False
-        grow = lambda name: torch.nn.functional.pad(torch.stack(a[name]), (0, n))         # noqa: E731 (L, T + n)
+        grow = lambda name: torch.nn.functional.pad(self._stack(name), (0, n))           # noqa: E731 (L, T + n)
         acc = grow("acc") + m
         if ema_mass is not None:
-            e = max_pool_next(torch.stack(ema_mass).to(dev), self.pool)
+            e = max_pool_next(mat(ema_mass), self.pool)
             ema = self.ema_decay ** w * grow("ema") + (1.0 - self.ema_decay) * e
         else:
             ema = self.ema_decay * grow("ema") + (1.0 - self.ema_decay) * m
         count = grow("count") + lifetime_increment(t + n, n, self.window).to(dev)
-        a["acc"], a["ema"], a["count"] = list(acc.unbind(0)), list(ema.unbind(0)), list(count.unbind(0))
+        self._set("acc", acc)
+        self._set("ema", ema)
+        self._set("count", count)
         if self.below:
             lo = grow("low")
-            a["low"] = list((lo + torch.stack(low).to(dev) if low is not None else lo).unbind(0))
+            self._set("low", lo + mat(low) if low is not None else lo)
         return True
 
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
         """Layer ``i`` keeps its columns ``keeps[i]`` (slots, in order; None: unchanged)."""
+        lengths = self._lengths()
         if keeps and all(k is not None for k in keeps) and len({int(k.shape[0]) for k in keeps}) == 1 \
-                and len({x.shape[0] for x in self.data["acc"]}) == 1 and len(keeps) == len(self.data["acc"]):
+                and len(set(lengths)) == 1 and len(keeps) == len(lengths):
             idx = torch.stack(list(keeps)).to(self.device)                                # (L, m): one gather
-            self.data = {name: list(torch.stack(ts).gather(1, idx).unbind(0)) for name, ts in self.data.items()}
+            for name in list(self._data):
+                self._set(name, self._stack(name).gather(1, idx))
             return
         for i, keep in enumerate(keeps):
             if keep is not None:
@@ -153,9 +214,16 @@ class AttnStats:
     def truncate(self, lengths: Sequence[int]) -> None:
         self.data = {k: [t[:n] for t, n in zip(ts, lengths)] for k, ts in self.data.items()}
 
-    def per_layer(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        """``{name: (t_0, …, t_{L-1})}`` (the tensors themselves; read only)."""
-        return {k: tuple(ts) for k, ts in self.data.items()}
+    def per_layer(self, matrix: bool = False) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
+        """``{name: (t_0, …, t_{L-1})}`` (the tensors themselves; read only). ``matrix``: a statistic whose
+        layers are the rows of one ``(L, T)`` matrix (a stacked update made them) comes as that matrix."""
+        if not matrix:
+            return {k: tuple(ts) for k, ts in self.data.items()}
+        out = {}
+        for k in list(self._data):
+            m = self._matrix(k)
+            out[k] = m if m is not None else tuple(self.data[k])
+        return out
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """``{"acc": (L, T), "ema": (L, T), "count": (T,)}`` (and ``"low": (L, T)`` when ``below``) — a

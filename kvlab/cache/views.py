@@ -197,11 +197,12 @@ class CacheViews:
     def attn_pool(self) -> int:
         return self._stats.pool if self._stats is not None else 1
 
-    def layer_attn(self) -> dict[str, tuple[torch.Tensor, ...]] | None:
+    def layer_attn(self, matrix: bool = False) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor] | None:
         """The attention statistics per layer (None when not tracked): ``{name: (t_0, …, t_{L-1})}``,
         ``t_l`` of shape ``(T_l,)`` over layer ``l``'s live slots (views; read only), as
-        :class:`~kvlab.eviction.base.EvictView` carries them."""
-        return self._stats.per_layer() if self._stats is not None else None
+        :class:`~kvlab.eviction.base.EvictView` carries them. ``matrix``: a statistic held as one ``(L, T)``
+        matrix (every layer as long) comes as it (row ``l`` = ``t_l``; what the eviction phase's view carries)."""
+        return self._stats.per_layer(matrix) if self._stats is not None else None
 
     def attention_stats(self) -> dict[str, torch.Tensor] | None:
         """Copies of the attention statistics (None when not tracked), for policies."""

@@ -8,7 +8,7 @@ from typing import Iterator
 from kvlab.cache.inputs import capture_rows
 from kvlab.core.compat import IncompatiblePairError
 from kvlab.decode.config import DecodeConfig
-from kvlab.decode.protocols import evict_attr, refresh_attr
+from kvlab.decode.protocols import evict_attr, keep_rows, refresh_attr
 from kvlab.decode.loop import Decoding, _trace
 from kvlab.decode.records import StepRecord, Trace
 from kvlab.decode.refresh_phase import _sync
@@ -36,8 +36,10 @@ class BatchDecoding:
     * **advance** — every row that needs its decoder's forward on ``y_{t-1}`` gets it from ONE
       batched forward (:func:`kvlab.cache.batch.forward_rows`); a row holding a refresh's pending
       logits skips it (it rides along as a masked dummy, as do finished rows);
-    * **score, probe, refresh, evict** — :meth:`Decoding._phases`, per row, unchanged (teacher
-      forwards of probes and refreshes run per row on the row's own teacher cache).
+    * **score, probe, refresh, evict** — :meth:`Decoding._phases`, per row (teacher forwards of probes and
+      refreshes run per row on the row's own teacher cache), except the eviction decision: the rows sharing a
+      policy decide together (:meth:`_decide`, ``keep_rows``: one ranking for all of them, the same decisions),
+      then each row's cache applies its own.
 
     * **prefill** — the rows' prompts in ONE batched forward (different lengths: padded, the padding
       never committed; :meth:`_prefill_rows`), except a row that measures attention mass during its
@@ -235,10 +237,29 @@ class BatchDecoding:
                 continue
             scored[b] = (rec, lg, shared + time.perf_counter() - t1, due)
         teacher_s = self._catch_up({b: v[3] for b, v in scored.items() if v[3] is not None})
-        for b, (rec, lg, spent, due) in scored.items():
+        ready, views = {}, {}
+        for b, (rec, lg, spent, due) in scored.items():  # probe, refresh and the eviction view, per row
             d = rows[b]
+            t1 = time.perf_counter()
             try:
-                rec = d._after_score(rec, lg, time.perf_counter() - spent - (teacher_s if due is not None else 0.0))
+                rec = d._before_evict(rec, lg)
+                view = d._evict_view(rec, lg)
+            except Exception as e:                      # noqa: BLE001
+                self._fail(b, e, live)
+                continue
+            if view is not None:
+                views[b] = view
+            ready[b] = (rec, spent + (teacher_s if due is not None else 0.0) + time.perf_counter() - t1)
+        decided, share = self._decide(views)            # every row's eviction decided at once, per policy
+        for b, (rec, spent) in ready.items():
+            d = rows[b]
+            t0 = time.perf_counter() - spent - share.get(b, 0.0)
+            try:
+                if b in decided:
+                    if isinstance(decided[b], BaseException):
+                        raise decided[b]
+                    rec = d._apply_evict(rec, decided[b])
+                rec = d._finish(rec, t0)
             except Exception as e:                      # noqa: BLE001
                 self._fail(b, e, live)
                 continue
@@ -246,6 +267,31 @@ class BatchDecoding:
             step_of[b] += 1
             if d._stops(rec):
                 live.discard(b)
+
+    def _decide(self, views: dict) -> tuple[dict, dict]:
+        """The rows' eviction decisions (``{row: view}``): the rows sharing a policy object decided together
+        (:func:`~kvlab.decode.protocols.keep_rows`: one ranking for all of them), the same decisions as each
+        row's own ``keep``. Returns ``{row: Keep or the exception its decision raised}`` and each row's share
+        of the time spent. If a batched decision raises, its rows decide one by one (each keeps its own error)."""
+        groups: dict[int, list[int]] = {}
+        for b in views:
+            groups.setdefault(id(self.rows[b].config.evict), []).append(b)
+        decided, share = {}, {}
+        for bs in groups.values():
+            pol = self.rows[bs[0]].config.evict
+            t0 = time.perf_counter()
+            try:
+                for b, k in zip(bs, keep_rows(pol, [views[b] for b in bs])):
+                    decided[b] = k
+            except Exception:                           # noqa: BLE001 - row by row: each row its own error
+                for b in bs:
+                    try:
+                        decided[b] = pol.keep(views[b])
+                    except Exception as e:              # noqa: BLE001
+                        decided[b] = e
+            spent = (time.perf_counter() - t0) / len(bs)
+            share.update({b: spent for b in bs})
+        return decided, share
 
     def _catch_up(self, due: dict[int, int]) -> float:
         """Extend the teacher caches of rows ``due`` (``{row: n}``) to ``x, y_≤n`` in one batched

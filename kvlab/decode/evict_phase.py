@@ -33,17 +33,24 @@ class EvictPhases:
     def _evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
         """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
         INT8 storage of older entries if the policy asks (the loop records the cache after it)."""
+        view = self._evict_view(rec, logits)
+        return rec if view is None else self._apply_evict(rec, self.config.evict.keep(view))
+
+    def _evict_view(self, rec: StepRecord, logits: torch.Tensor) -> EvictView | None:
+        """The view the eviction policy decides from at this step (None: no policy, or an empty cache)."""
         cache, policy = self.cache, self.config.evict
         if policy is None or not len(cache):
-            return rec
-        evicted = 0
-        signals = rec.signals
+            return None
         sp = self.config.sampling
-        view = evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,
+        return evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,
                           temperature=float(sp.temperature), top_p=float(sp.top_p), first=rec.step == self.first_step,
                           **self._kv_access(policy))
-        decision = policy.keep(view)
-        rep = apply_keep(cache, decision, self.decoder.model)
+
+    def _apply_evict(self, rec: StepRecord, decision) -> StepRecord:
+        """The cache's side of the policy's ``decision`` (a Keep) and its signals in the record."""
+        evicted = 0
+        signals = rec.signals
+        rep = apply_keep(self.cache, decision, self.decoder.model)
         if rep is not None:
             evicted = rep.evicted
         if decision.signals():
@@ -76,11 +83,12 @@ def prepare_evict(policy, model) -> LayerInputs | None:
 
 def evict_view(cache: KVCache, step: int, record, vocab_size: int, **extra) -> EvictView:
     """The :class:`EvictView` a policy decides from at ``step`` (the loop's phase 5 and the eviction
-    benchmarks build it here): the cache's per-layer positions and attention statistics, ``record``
+    benchmarks build it here): the cache's per-layer positions and attention statistics (a statistic the cache
+    holds as one ``(L, T)`` matrix as that matrix: :func:`~kvlab.eviction.ranked.layer_rows`), ``record``
     (the step's signals), ``extra`` (logits, sampling, ``kv`` access)."""
     lp = cache.live_positions()
     return EvictView(step=step, length=len(cache), positions=lp[0], record=record, vocab_size=vocab_size,
-                     num_layers=cache.num_layers, attn=cache.layer_attn(), layer_positions=lp, **extra)
+                     num_layers=cache.num_layers, attn=cache.layer_attn(matrix=True), layer_positions=lp, **extra)
 
 
 def apply_keep(cache: KVCache, decision, model, timing: dict | None = None):

@@ -234,10 +234,16 @@ class Decoding(RefreshPhases, EvictPhases):
 
     def _after_score(self, rec: StepRecord, logits: torch.Tensor, t0: float) -> StepRecord:
         """Probe, refresh, evict; the finished record (see :meth:`_phases`)."""
+        rec = self._before_evict(rec, logits)
+        return self._finish(self._evict(rec, logits), t0)
+
+    def _before_evict(self, rec: StepRecord, logits: torch.Tensor) -> StepRecord:
+        """Probe, refresh (a batch decides its rows' evictions together after them: :class:`BatchDecoding`)."""
+        return self._refresh_phase(self._probe(rec, logits))
+
+    def _finish(self, rec: StepRecord, t0: float) -> StepRecord:
+        """The step's record once its phases ran: the cache after the step, the wall time from ``t0``."""
         step = rec.step
-        rec = self._probe(rec, logits)
-        rec = self._refresh_phase(rec)
-        rec = self._evict(rec, logits)
         cache_len, cache_bytes = len(self.cache), self.cache.nbytes()    # the cache after the step
         _sync(self._device)
         wall = time.perf_counter() - t0

@@ -47,6 +47,8 @@ EVICT_ATTRS: dict[str, Attr] = {
     "score_stat": Attr(None, "the statistic the policy ranks by, shown by the cache inspector (None: 'acc' when "
                              "it needs_attention)"),
     "batchable": Attr(True, "the policy may run as a row of a batched decode (False: batch 1 only)"),
+    "keep_rows": Attr(None, "keep_rows(views) -> [Keep]: the decisions of several rows of a batch at once, the same "
+                            "as keep(view) row by row (ranked policies: one ranking for all rows); None: keep per row"),
 }
 
 REFRESH_ATTRS: dict[str, Attr] = {
@@ -60,6 +62,16 @@ REFRESH_ATTRS: dict[str, Attr] = {
 def evict_attr(policy, name: str):
     """An eviction policy's optional attribute ``name`` (declared in :data:`EVICT_ATTRS`), or its default."""
     return getattr(policy, name, EVICT_ATTRS[name].default)
+
+
+def keep_rows(policy, views: Sequence["EvictView"]) -> list["Keep"]:
+    """``policy``'s decisions for ``views`` (rows of a batch): its ``keep_rows`` when it has one of its own, else
+    ``keep`` row by row (also for a wrapper that hands attribute reads to another policy: its own ``keep`` is
+    what it decides by)."""
+    batched = evict_attr(policy, "keep_rows")
+    if callable(batched) and getattr(batched, "__self__", policy) is policy:
+        return list(batched(views))
+    return [policy.keep(v) for v in views]
 
 
 def refresh_attr(policy, name: str):

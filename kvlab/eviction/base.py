@@ -44,9 +44,9 @@ from kvlab.decode.protocols import (EVICT_ATTRS, EvictView, Keep, evict_attr,  #
                                     keep_all, validate_evict)
 from kvlab.eviction.checks import (check_bool, check_observation_window, check_recent_budget,  # noqa: F401
                                    check_sinks, finite_float, nonneg_int, positive_int, protected_below, unit_float)
-from kvlab.eviction.ranked import (RankedEviction, layer_mean, layer_row, layer_rows, layer_sinks,  # noqa: F401
-                                   layer_stat, minmax, over_budget, per_layer, sink_counts, top_and_recent_layers,
-                                   top_slots, top_slots_layers)
+from kvlab.eviction.ranked import (Plan, RankedEviction, layer_block, layer_mean, layer_row, layer_rows,  # noqa: F401
+                                   layer_sinks, layer_stat, minmax, over_budget, per_layer, rank_plans, sink_counts,
+                                   top_and_recent_layers, top_slots, top_slots_layers)
 
 
 # --------------------------------------------------------------------------- the drawn distribution

@@ -65,15 +65,15 @@ variant, one scale per (group of ≥ g entries, head, channel).
 from __future__ import annotations
 
 import math
-from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from kvlab.eviction.base import (EvictView, Keep, RankedEviction, check_bool, check_sinks, drawn_stats, finite_float,
-                                 layer_row, minmax, nonneg_int, positive_int, protected_below, unit_float)
+from kvlab.eviction.base import (EvictView, Keep, Plan, RankedEviction, check_bool, check_sinks, drawn_stats, finite_float,
+                                 layer_block, layer_row, minmax, nonneg_int, positive_int, protected_below, unit_float)
+from kvlab.cache.mirror import positions_tensor
 from kvlab.core.registry import register_eviction
 
 MARGIN_CLIP = 10.0
@@ -208,15 +208,16 @@ class ConfKV(RankedEviction):
                               w_top=self.w_top, bias=self.bias)
         return self.confidence(view.record, view.vocab_size)
 
-    def keep(self, view: EvictView) -> Keep:
+    def plan(self, view: EvictView) -> Keep | Plan:
         """The step's budget ``B_t`` from its confidence (per layer: the pyramid or ``B_t`` everywhere); the
-        base ranks each layer by :meth:`score` (``per_layer=False``: one live set on the layer mean)."""
+        base ranks each layer by :meth:`score` (``per_layer=False``: one live set on the layer mean) — for a
+        batch's rows together (:meth:`~kvlab.eviction.ranked.RankedEviction.keep_rows`)."""
         c = self.step_confidence(view)
         budget = self.tight if c >= self.gamma else self.loose
         budgets = (pyramid_budgets(budget, view.num_layers, self.pyramid_ratio) if self.pyramidal
                    else [budget] * view.num_layers)
-        return self.select(view, budgets, budget=budget, confidence=c, int8_window=self.int8_window,
-                           int8_group=self.int8_group)
+        return self.plan_select(view, budgets, budget=budget, confidence=c, int8_window=self.int8_window,
+                                int8_group=self.int8_group)
 
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
         """``s_lj = λ·minmax(ema_l) + (1-λ)·minmax(pos_l)`` over the layer's candidates (0 elsewhere)."""
@@ -242,17 +243,23 @@ class ConfKV(RankedEviction):
                 for i, l in zip(idx, ls):
                     out[i] = self.score(view, l)
                 continue
-            rows, seen = [], {}
-            for l in ls:                                  # uniform caches share one positions tuple
+            seqs, first = [], {}
+            for l in ls:                                  # uniform caches share one positions sequence
                 p = view.layer_positions[l]
-                if id(p) not in seen:
-                    seen[id(p)] = torch.frombuffer(array("q", p[lo:hi]), dtype=torch.int64).to(torch.float32)
-                rows.append(seen[id(p)])
-            s = minmax(torch.stack(rows))                                                    # (G, C) recency
+                first.setdefault(id(p), len(first))
+                if first[id(p)] == len(seqs):
+                    seqs.append(p)
+            pos = positions_tensor(seqs, lo, hi).to(torch.float32)                          # (distinct, C)
+            if len(seqs) < len(ls):
+                pos = pos[torch.tensor([first[id(view.layer_positions[l])] for l in ls], dtype=torch.long)]
+            s = minmax(pos)                                                                  # (G, C) recency
             if self.attn_weight > 0:
-                a = minmax(torch.stack([layer_row(view, "ema", l)[lo:hi] for l in ls]).float())   # (G, C)
+                ema = layer_block(view, "ema", ls)                                             # (G, T) or rows
+                a = minmax((ema if isinstance(ema, torch.Tensor) else torch.stack(ema))[:, lo:hi].float())  # (G, C)
                 s = self.attn_weight * a + (1.0 - self.attn_weight) * s.to(a.device)
             s = F.pad(s, (lo, n - hi))                                                        # (G, T)
+            if len(groups) == 1 and idx == list(range(len(layers))):
+                return s                                  # every layer in one group: the (G, T) matrix itself
             for i, row in zip(idx, s.unbind(0)):
                 out[i] = row
         return out

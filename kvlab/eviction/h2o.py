@@ -4,10 +4,11 @@ A ranked policy (:class:`~kvlab.eviction.ranked.RankedEviction`): it scores, the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from kvlab.eviction.base import EvictView, RankedEviction, check_recent_budget, layer_row
+from kvlab.eviction.base import EvictView, RankedEviction, check_recent_budget, layer_block, layer_row
 from kvlab.core.registry import register_eviction
 
 
@@ -45,6 +46,10 @@ class H2O(RankedEviction):
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
         """The layer's accumulated attention ``acc``."""
         return layer_row(view, "acc", layer)
+
+    def scores_for(self, view: EvictView, layers: Sequence[int]):
+        """:meth:`score` of ``layers`` at once: the rows of the ``acc`` matrix when the view carries one."""
+        return layer_block(view, "acc", layers)
 
     def layer_keep(self, acc: torch.Tensor, n: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its ``acc`` ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""

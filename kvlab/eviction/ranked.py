@@ -40,8 +40,9 @@ the candidates; SnapKV pools the layer mean of its window mass instead). It need
 (ValueError otherwise) and returns ``Keep.layers = None``. H2O, Scissorhands, SnapKV and Conf-KV keep
 the field (part of their run keys) to measure the difference from the per-layer decision.
 
-The ranking helpers below (:func:`top_slots`, :func:`top_slots_layers`, :func:`top_and_recent_layers`,
-:func:`sink_counts`, :func:`layer_rows`, :func:`layer_stat`, ...) are re-exported by
+The ranking helpers (:mod:`kvlab.eviction.ranking`: :func:`top_slots`, :func:`top_slots_layers`,
+:func:`top_and_recent_layers`, the batch's :func:`rank_plans`) and the view readers below (:func:`sink_counts`,
+:func:`layer_rows`, :func:`layer_stat`, ...) are re-exported by
 :mod:`kvlab.eviction.base`. Decisions only: nothing here edits a cache.
 """
 from __future__ import annotations
@@ -50,114 +51,11 @@ from typing import Sequence
 
 import torch
 
-from kvlab.decode.protocols import EvictView, Keep, Kept, keep_all
+from kvlab.decode.protocols import EvictView, Keep, keep_all
+from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, minmax, per_layer,  # noqa: F401
+                                    rank_items, rank_plans, top_and_recent_layers, top_slots, top_slots_layers)
 
-# --------------------------------------------------------------------------- ranking helpers
-
-
-def minmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``(x - min) / (max - min)`` along ``dim``; 0 where max == min."""
-    lo = x.amin(dim=dim, keepdim=True)
-    span = x.amax(dim=dim, keepdim=True) - lo
-    return torch.where(span > 0, (x - lo) / span.clamp_min(1e-30), torch.zeros_like(x))
-
-
-def top_slots(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
-    """The ``k`` candidates with the highest ``scores`` (one per candidate); ties go to the later slot."""
-    if k <= 0:
-        return []
-    if k >= len(candidates):
-        return list(candidates)
-    cand = torch.as_tensor(candidates, dtype=torch.long)
-    by_slot = torch.argsort(cand, descending=True)                          # newer slots first ...
-    order = torch.argsort(scores.detach().float().cpu()[by_slot], descending=True, stable=True)  # ... among equal scores
-    return sorted(cand[by_slot[order[:k]]].tolist())
-
-
-def _top_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x`` ``(L, m)``: per row, the ``k`` highest columns (ties: the later column), sorted ascending,
-    ``(L, k)`` long on ``x``'s device. One stable sort for all rows."""
-    m = x.shape[1]
-    order = torch.argsort(x.flip(1), dim=1, descending=True, stable=True)[:, :k]   # newer slots first among ties
-    return (m - 1 - order).sort(dim=1).values
-
-
-def _bottom_rows(x: torch.Tensor, d: int) -> torch.Tensor:
-    """``x`` ``(L, m)``: per row, the ``d`` columns :func:`_top_rows` leaves out when it keeps ``m - d`` (the lowest;
-    ties: the older column goes first), sorted ascending, ``(L, d)``. O(m) per row: the ``d``-th lowest value by
-    ``topk``, then every column below it and the oldest columns equal to it."""
-    t = torch.topk(x, d, dim=1, largest=False).values[:, -1:]                      # (L, 1) the d-th lowest
-    less = x < t
-    eq = x == t
-    need = d - less.sum(1, keepdim=True)                                            # how many ties go
-    drop = less | (eq & (eq.cumsum(1) <= need))
-    return drop.nonzero()[:, 1].view(x.shape[0], d)                                 # row-major: sorted per row
-
-
-def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
-    """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
-    ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort on the scores'
-    device and one host transfer when every layer has the same ``m`` (the usual case: the same
-    number of entries per layer), else layer by layer."""
-    ms = {int(s.numel()) for s in scores}
-    if len(ms) != 1:
-        return [top_slots(s, list(range(int(s.numel()))), k) for s in scores]
-    m = ms.pop()
-    if k <= 0:
-        return [[] for _ in scores]
-    if k >= m:
-        return [list(range(m)) for _ in scores]
-    return _top_rows(_stack_scores(scores), k).cpu().tolist()
-
-
-def _stack_scores(scores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Equal-length per-layer scores as one float ``(L, m)`` tensor (on the first one's device)."""
-    dev = scores[0].device
-    return torch.stack([s.detach().to(dev).float().reshape(-1) for s in scores])
-
-
-def top_and_recent_layers(scores: Sequence[torch.Tensor | None], lengths: Sequence[int], budget: int | Sequence[int],
-                          recent: int, sinks: Sequence[int] | None = None) -> list[tuple[int, ...]]:
-    """Per layer ``l`` holding ``lengths[l]`` entries under its budget ``b_l`` (``budget``, or
-    ``budget[l]`` per layer): every slot when within ``b_l``, else its first ``sinks[l]`` slots
-    (attention sinks, :func:`sink_counts`; none by default), its newest ``recent`` slots and the
-    ``b_l - recent - sinks[l]`` others with the highest ``scores[l]`` (ties: newer) — the ranked
-    policies' per-layer rule, with the over-budget layers ranked by one batched sort (and one host
-    transfer) per (sink count, budget, length). ``scores[l]`` is read only for an over-budget layer."""
-    sinks = [0] * len(lengths) if sinks is None else list(sinks)
-    budgets = [budget] * len(lengths) if isinstance(budget, int) else list(budget)
-    over = [l for l, n in enumerate(lengths) if n > budgets[l]]
-    kept: list = [None] * len(lengths)
-    groups: dict[tuple, list[int]] = {}
-    for l in over:
-        groups.setdefault((sinks[l], budgets[l], lengths[l]), []).append(l)
-    for (s, b, n), ls in sorted(groups.items()):
-        rows = [scores[l][s: n - recent] for l in ls]
-        k = b - recent - s
-        if len({int(r.numel()) for r in rows}) != 1:          # scores of unequal length: layer by layer
-            tops = top_slots_layers(rows, k)
-            for l, top in zip(ls, tops):
-                kept[l] = tuple(range(s)) + tuple(t + s for t in top) + tuple(range(n - recent, n))
-            continue
-        m = int(rows[0].numel())
-        if 0 < m - k <= k:                                    # few drops: name them (no kept tuples built)
-            x = _stack_scores(rows)
-            if not torch.isnan(x).any():
-                for l, d in zip(ls, (_bottom_rows(x, m - k).cpu() + s).tolist()):
-                    kept[l] = Kept(n, d)
-                continue
-        if k <= 0:
-            mid = torch.empty(len(ls), 0, dtype=torch.long)
-        elif k >= m:
-            mid = torch.arange(s, s + m).expand(len(ls), m)
-        else:
-            mid = _top_rows(_stack_scores(rows), k).cpu() + s
-        full = torch.cat([torch.arange(s).expand(len(ls), s), mid,
-                          torch.arange(n - recent, n).expand(len(ls), recent)], dim=1)
-        for l, row in zip(ls, full.tolist()):
-            kept[l] = tuple(row)
-    return [tuple(range(n)) if kp is None else kp for kp, n in zip(kept, lengths)]
-
+# --------------------------------------------------------------------------- reading the view
 
 def layer_sinks(positions: Sequence[int], sinks: int) -> int:
     """How many of one layer's live slots (in position order) are attention sinks: position < ``sinks``."""
@@ -198,19 +96,24 @@ def layer_rows(view: EvictView, name: str) -> list[torch.Tensor]:
     return list(stat)
 
 
+def layer_block(view: EvictView, name: str, layers: Sequence[int]) -> torch.Tensor | list[torch.Tensor]:
+    """The rows ``layers`` of ``view.attn[name]``: an ``(len(layers), T)`` tensor when the view carries the
+    statistic as one matrix (no per-layer work; the whole matrix itself when ``layers`` is every layer), else
+    one ``(T_l,)`` tensor per layer (:func:`layer_row`)."""
+    stat = view.attn[name]
+    if isinstance(stat, torch.Tensor) and stat.dim() == 2:
+        if len(layers) == stat.shape[0] and list(layers) == list(range(stat.shape[0])):
+            return stat
+        return stat[torch.as_tensor(list(layers), dtype=torch.long, device=stat.device)]
+    return [layer_row(view, name, l) for l in layers]
+
+
 def layer_row(view: EvictView, name: str, layer: int) -> torch.Tensor:
     """Layer ``layer``'s row of ``view.attn[name]``, ``(T_l,)`` (:func:`layer_rows`' entry)."""
     stat = view.attn[name]
     if isinstance(stat, torch.Tensor):
         return stat[layer] if stat.dim() == 2 else stat
     return stat[layer]
-
-
-def per_layer(kept: Sequence[Sequence[int]], **kw) -> Keep:
-    """A per-layer decision (``kept[l]``: layer ``l``'s kept slots) as a :class:`Keep`: ``slots`` are
-    layer 0's, ``layers`` all of them."""
-    layers = tuple(k if isinstance(k, Kept) else tuple(k) for k in kept)
-    return Keep(layers[0], layers=layers, **kw)
 
 
 def over_budget(view: EvictView, budget: int, by_layer: bool = True) -> bool:
@@ -245,9 +148,10 @@ class RankedEviction:
         """Layer ``layer``'s entries, ``(T_l,)``: higher = keep. Only the candidates are read (module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} must define score(view, layer) -> (T_l,) scores")
 
-    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor]:
+    def scores_for(self, view: EvictView, layers: Sequence[int]) -> list[torch.Tensor] | torch.Tensor:
         """:meth:`score` of each of ``layers`` (the over-budget ones); a policy may compute them for all
-        layers at once (Conf-KV) — the same values as ``score`` layer by layer."""
+        layers at once (Conf-KV) — the same values as ``score`` layer by layer — and return them as one
+        ``(len(layers), T)`` matrix (H2O, Scissorhands, Conf-KV when the view carries its statistic as one)."""
         return [self.score(view, l) for l in layers]
 
     @property
@@ -269,23 +173,44 @@ class RankedEviction:
         return layer_sinks(pos, self.sinks), len(pos) - self.newest
 
     def keep(self, view: EvictView) -> Keep:
+        return rank_plans([self.plan(view)])[0]
+
+    def keep_rows(self, views: Sequence[EvictView]) -> list[Keep]:
+        """:meth:`keep` of each of ``views`` (the rows of a batch), the rows' rankings done together
+        (:func:`rank_plans`); the same decisions as ``keep`` row by row. A subclass that overrides ``keep``
+        (rather than :meth:`plan`) decides by it, row by row."""
+        if type(self).keep is not RankedEviction.keep:
+            return [self.keep(v) for v in views]
+        return rank_plans([self.plan(v) for v in views])
+
+    def plan(self, view: EvictView) -> Keep | Plan:
+        """The step's decision up to its ranking (a :class:`Plan`), or the decision itself (a Keep) when
+        nothing is ranked. A subclass that sets its own budgets per step overrides this (Conf-KV)."""
         if not self.due(view):
             return keep_all(view, budget=self.budget)
-        return self.select(view, self.budgets(view), budget=self.budget)
+        return self.plan_select(view, self.budgets(view), budget=self.budget)
 
     def select(self, view: EvictView, budgets: Sequence[int], **info) -> Keep:
         """The decision under per-layer ``budgets``; ``info`` (the step's budget, ...) goes into the Keep."""
+        return rank_plans([self.plan_select(view, budgets, **info)])[0]
+
+    def plan_select(self, view: EvictView, budgets: Sequence[int], **info) -> Keep | Plan:
+        """:meth:`select` up to its ranking: a :class:`Plan` of the over-budget layers' scores (a Keep when
+        none is over budget, or ``per_layer=False``)."""
         if not self.per_layer:
             return self.select_mean(view, budgets[0], info)
         lengths = [len(p) for p in view.layer_positions]
         if all(n <= b for n, b in zip(lengths, budgets)):
             return keep_all(view, **info)
         over = [l for l, (n, b) in enumerate(zip(lengths, budgets)) if n > b]
-        scores: list = [None] * len(lengths)
-        for l, x in zip(over, self.scores_for(view, over)):
-            scores[l] = x
-        return per_layer(top_and_recent_layers(scores, lengths, budgets, self.newest, sink_counts(view, self.sinks)),
-                         **info)
+        got = self.scores_for(view, over)
+        if isinstance(got, torch.Tensor) and len(over) == len(lengths):
+            scores = got                                  # every layer's scores as one (L, T) matrix
+        else:
+            scores = [None] * len(lengths)
+            for l, x in zip(over, got):
+                scores[l] = x
+        return Plan(scores, lengths, list(budgets), self.newest, sink_counts(view, self.sinks), info)
 
     def layer_mean_score(self, view: EvictView, lo: int, hi: int) -> torch.Tensor:
         """``per_layer=False``: the one live set's candidates ``lo .. hi - 1`` scored by the mean over

@@ -21,10 +21,11 @@ by the layer mean of ``low``; needs a uniform cache), kept to measure the differ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from kvlab.eviction.base import EvictView, RankedEviction, check_recent_budget, layer_row
+from kvlab.eviction.base import EvictView, RankedEviction, check_recent_budget, layer_block, layer_row
 from kvlab.core.registry import register_eviction
 
 
@@ -52,6 +53,11 @@ class Scissorhands(RankedEviction):
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
         """Minus the layer's low counts: the fewer below-average queries, the higher."""
         return -layer_row(view, "low", layer).float()
+
+    def scores_for(self, view: EvictView, layers: Sequence[int]):
+        """:meth:`score` of ``layers`` at once (one negation of the ``low`` matrix when the view carries one)."""
+        low = layer_block(view, "low", layers)
+        return -low.float() if isinstance(low, torch.Tensor) else [-x.float() for x in low]
 
     def layer_keep(self, low: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its low counts ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""

@@ -72,8 +72,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     prefilled once per attention-statistics setting the policies need (untimed) and copied into every
     row of a :class:`~kvlab.cache.batch.Bank`; each policy then runs ``steps`` steps of one batched
     forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
-    every row's decision and the cache's edit (the decode loop's own evict phase,
-    :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
+    every row's decision (all rows at once where the policy can: :func:`kvlab.decode.protocols.keep_rows`) and
+    the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
     of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
     ``evict_vs_plain`` = ``step_ms / plain_ms``). Policies interleave per repeat after one warm-up.
@@ -88,6 +88,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.decode import token_stats
     from kvlab.decode.evict_phase import apply_keep, evict_view
+    from kvlab.decode.protocols import keep_rows
 
     batches = check_batches(batches)
     lens = [cache_len] if isinstance(cache_len, int) and not isinstance(cache_len, bool) else list(cache_len)
@@ -130,10 +131,13 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
                                           attention=[need] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
+                    views = []
                     for b, c in enumerate(caches):
                         _, ent, top1, margin = token_stats(logits[b])
                         rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-                        apply_keep(c, pol.keep(evict_view(c, step, rec, vocab, first=step == 1)), model)
+                        views.append(evict_view(c, step, rec, vocab, first=step == 1))
+                    for c, decision in zip(caches, keep_rows(pol, views)):      # every row's decision at once
+                        apply_keep(c, decision, model)
                     _sync()
                     times.append(time.perf_counter() - t0)
                 return times[1:], statistics.mean(read[1:]), len(caches[0])
