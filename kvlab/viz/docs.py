@@ -49,7 +49,8 @@ def _key_results(figures: Path) -> str:
     smallest difference detectable at that n (MDE)."""
     rows = [row for study in STUDIES for row in study.key_results(figures)]
     lines = ["| what | result | table |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | [`{c}`](figures/{c}.md) |" for a, b, c in rows]
+    # the third cell names a table under figures/ or, with a slash, a page of the project (a kept measured run's)
+    lines += [f"| {a} | {b} | [`{Path(c).stem}`]({c if '/' in c else f'figures/{c}.md'}) |" for a, b, c in rows]
     return "\n".join(lines) + "\n\n*Generated from `figures/*.csv` by `python -m kvlab docs`.*"
 
 

@@ -56,8 +56,17 @@ VIEWS = {
 
 
 def key_results(figures: Path) -> list[tuple[str, str, str]]:
-    """README's key results: none from the benchmarks (its numbers are quoted in its own pages)."""
-    return []
+    """README's key results: the speed each eviction policy gives where the cache dominates (the kept run of
+    ``bench evict --batch``: speed-up over the full cache and the fraction of the byte bound, per batch and context)."""
+    rows = [r for r in jsonl(MEASURED_EVICT) if r["policy"] != "full"]
+    out = []
+    for batch, ctx in dict.fromkeys((r["batch"], r["cache_len"]) for r in rows):
+        part = [r for r in rows if (r["batch"], r["cache_len"]) == (batch, ctx)]
+        out.append((f"Eviction speed, batch {batch}, {ctx:,} entries cut to ~{fmt(part[0].get('mean_len'), 0)} "
+                    f"({part[0].get('device', '?')}): speed-up over the full cache (fraction of the byte bound)",
+                    ", ".join(f"{r['policy']} {fmt(r['speedup_vs_full'], 2)}× ({fmt(r.get('frac_of_bound'), 2)})"
+                              for r in part), "docs/benchmarks.md"))
+    return out
 
 
 __all__ = ["VIEWS", "key_results", "MEASURED_BENCH", "MEASURED_EVICT", "decode_table", "evict_table"]
