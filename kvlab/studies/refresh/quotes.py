@@ -94,14 +94,12 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     t["_rate"] = pd.to_numeric(t["refreshes_per_1k"], errors="coerce")
     t = t.sort_values("_rate")
     n, tokens = int(as_number(t["n_prompts"].iloc[0])), int(as_number(t["tokens"].iloc[0]))
-    rows = []
-    for what, spec, mde in (("free-running teacher-PPL", ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"),
-                             "d_teacher_ppl_mde"),
-                            ("tail log-prob of the last 50 tokens (higher is better)",
-                             ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi"), "d_tail_logprob_mde")):
-        parts = [f"{r['policy']} ({fmt(r['_rate'], 1)}/1k): Δ {cell(r, spec)}{_mde(r, mde)}" for _, r in t.iterrows()]
-        rows.append((f"Long generation ({tokens} tokens, n = {n}): each refresh − no refresh (OverFill), {what}",
-                     "; ".join(parts), "refresh_long"))
+    parts = [f"{r['policy']} ({fmt(r['_rate'], 1)}/1k): PPL Δ "
+             + cell(r, ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"), 2) + _mde(r, "d_teacher_ppl_mde")
+             + ", tail Δ " + cell(r, ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi"))
+             + _mde(r, "d_tail_logprob_mde") for _, r in t.iterrows()]
+    rows = [(f"Long generation ({tokens} tokens, n = {n}): each refresh − no refresh (OverFill), free-running "
+             "teacher-PPL and tail log-prob of the last 50 tokens (higher is better)", "; ".join(parts), "refresh_long")]
     return rows
 
 
