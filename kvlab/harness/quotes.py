@@ -154,10 +154,11 @@ def quote(figures: Path, csv: str, row: str, spec: Cell, digits: int = 3) -> str
     return cell(pick(read(figures, csv), row, csv), spec, digits)
 
 
-def mde_note(r: pd.Series) -> str:
-    """`` (MDE x)``: the smallest ``kl_forced`` difference row ``r``'s prompts could detect; empty without one."""
-    v = as_number(r.get("d_kl_forced_mde"))
-    return "" if is_missing(v) else f" (MDE {fmt(v, 2)})"
+def mde_note(r: pd.Series, col: str = "d_kl_forced_mde", digits: int = 2) -> str:
+    """`` (MDE x)``: the smallest difference row ``r``'s prompts could detect, from column ``col`` (default the
+    ``kl_forced`` one) at ``digits`` decimals; empty without one."""
+    v = as_number(r.get(col))
+    return "" if is_missing(v) else f" (MDE {fmt(v, digits)})"
 
 
 def jsonl(rel: str) -> list[dict]:

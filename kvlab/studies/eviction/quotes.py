@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.harness.quotes import DocsError, View, cell, pick, quote, read
+from kvlab.harness.quotes import DocsError, View, cell, mde_note, pick, quote, read
 from kvlab.harness.tableview import fmt
 from kvlab.studies.eviction.long_readings import read_evict_long, read_needle_long
 
@@ -40,12 +40,6 @@ LONG_BUDGET = 512          # the Conf-KV paper's budget; the README quotes this 
 LONG_VS_SLIDING = ("streamingllm", "h2o", "scissorhands", "snapkv", "block", "confkv_l", "confkv_int8")
 
 
-def _mde3(r, col: str) -> str:
-    """`` (MDE x)`` at three decimals (these differences are small); empty without one."""
-    v = pd.to_numeric(pd.Series([r.get(col)]), errors="coerce").iloc[0]
-    return "" if pd.isna(v) else f" (MDE {fmt(float(v), 3)})"
-
-
 def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     """The long-context table at the paper's 512-entry budget, per context with an interval (n >= 2): each policy −
     the sliding window, and the seeds' paired claims (``CLAIMS`` of :mod:`kvlab.studies.eviction.long_readings`)."""
@@ -62,7 +56,7 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
             continue
         fam = {str(r["family"]): r for _, r in part.iterrows()}
         parts = [f"{f}: Δ " + cell(fam[f], ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))
-                 + _mde3(fam[f], "d_kl_forced_mde") for f in LONG_VS_SLIDING if f in fam]
+                 + mde_note(fam[f], "d_kl_forced_mde", 3) for f in LONG_VS_SLIDING if f in fam]
         rows.append((f"Eviction at {int(ctx):,} tokens, {LONG_BUDGET} entries (n = {n}): each policy − sliding window, "
                      "teacher-forced KL to the full cache", "; ".join(parts), "evict_long"))
         claims = []
@@ -70,7 +64,7 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
             r = fam.get(f)
             if r is not None and str(r.get("partner", "")) == f"{partner}_b{LONG_BUDGET}":
                 claims.append(f"{f} − {partner}: Δ " + cell(r, ("d_kl_partner", "d_kl_partner_lo", "d_kl_partner_hi"))
-                              + _mde3(r, "d_kl_partner_mde"))
+                              + mde_note(r, "d_kl_partner_mde", 3))
         ck = fam.get("confkv_l")
         if ck is not None:
             claims.append(f"Conf-KV-L at its loose budget on {fmt(float(ck['frac_at_loose']), 2)} of steps, closes "

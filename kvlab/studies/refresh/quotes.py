@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.harness.quotes import View, as_number, cell, is_missing, mde_note, pick, quote, read
+from kvlab.harness.quotes import View, as_number, cell, mde_note, pick, quote, read
 from kvlab.harness.tableview import fmt
 
 
@@ -78,12 +78,6 @@ for _name in ("refresh_entropy", "refresh_methods"):        # the gated policies
     VIEWS[_name] = _with_forced_costs(VIEWS[_name])
 
 
-def _mde(r, col: str) -> str:
-    """`` (MDE x)`` from column ``col`` of row ``r``; empty without one."""
-    v = as_number(r.get(col))
-    return "" if is_missing(v) else f" (MDE {fmt(v, 2)})"
-
-
 def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     """The blog's regime (``refresh_long``, when its job has run): each refresh row − no refresh on the free-running
     teacher-PPL and the tail log-prob, with the row's refresh rate; cheap rates (≤ 3 per 1,000 tokens) first."""
@@ -95,9 +89,9 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     t = t.sort_values("_rate")
     n, tokens = int(as_number(t["n_prompts"].iloc[0])), int(as_number(t["tokens"].iloc[0]))
     parts = [f"{r['policy']} ({fmt(r['_rate'], 1)}/1k): PPL Δ "
-             + cell(r, ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"), 2) + _mde(r, "d_teacher_ppl_mde")
+             + cell(r, ("d_teacher_ppl", "d_teacher_ppl_lo", "d_teacher_ppl_hi"), 2) + mde_note(r, "d_teacher_ppl_mde")
              + ", tail Δ " + cell(r, ("d_tail_logprob", "d_tail_logprob_lo", "d_tail_logprob_hi"))
-             + _mde(r, "d_tail_logprob_mde") for _, r in t.iterrows()]
+             + mde_note(r, "d_tail_logprob_mde") for _, r in t.iterrows()]
     rows = [(f"Long generation ({tokens} tokens, n = {n}): each refresh − no refresh (OverFill), free-running "
              "teacher-PPL and tail log-prob of the last 50 tokens (higher is better)", "; ".join(parts), "refresh_long")]
     return rows
