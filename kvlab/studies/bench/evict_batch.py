@@ -86,7 +86,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
 
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
-    from kvlab.decode import token_stats
+    from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep, evict_view
     from kvlab.decode.protocols import keep_rows
 
@@ -131,9 +131,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
                                           attention=[need] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
-                    views = []
-                    for b, c in enumerate(caches):
-                        _, ent, top1, margin = token_stats(logits[b])
+                    views = []                                          # the batched loop's one stats pass
+                    for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
                         rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
                         views.append(evict_view(c, step, rec, vocab, first=step == 1))
                     for c, decision in zip(caches, keep_rows(pol, views)):      # every row's decision at once
