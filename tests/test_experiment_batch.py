@@ -75,6 +75,7 @@ def test_bench_evict_batch_rows(tiny_teacher):
                   "evict_vs_plain"):
             assert k in r, k
         assert r["frac_of_bound"] == pytest.approx(r["speedup_vs_full"] / r["bound"], abs=2e-3)
+        assert r["plain_frac_of_bound"] > 0           # the plain step's own fraction: this machine's ceiling
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["bound"] == 1.0 for r in full)
     two = bench_evict_batch(tiny_teacher, [1], cache_len=[64, 80], steps=2, repeats=1,

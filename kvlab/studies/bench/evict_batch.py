@@ -81,7 +81,9 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
     entries the policy's forwards read, mean over rows, layers and steps), ``bound``
     (:func:`byte_bound` at the full cache's and the policy's mean lengths) and ``frac_of_bound`` =
-    ``speedup_vs_full / bound``."""
+    ``speedup_vs_full / bound``; ``plain_frac_of_bound``: the same for the plain step at the policy's mean length (the
+    fraction of the bound this machine's plain loop reaches at that length: what an eviction that costs nothing would
+    reach)."""
     from types import SimpleNamespace
 
     from kvlab.cache import KVCache
@@ -184,6 +186,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     row["speedup_vs_full"] = round(med["full"] / med[n], 3)
                     row["bound"] = round(byte_bound(model, B, full_len, mean_len), 3)
                     row["frac_of_bound"] = round(row["speedup_vs_full"] / row["bound"], 3)
+                    row["plain_frac_of_bound"] = round(med["full"] / plain_s / row["bound"], 3)   # this machine's ceiling
                 out.append(row)
                 if on_row is not None:
                     on_row(row)
