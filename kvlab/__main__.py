@@ -3,4 +3,5 @@ import sys
 
 from kvlab.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":          # not in `all --jobs`' spawned workers (they import, never run, this module)
+    sys.exit(main())

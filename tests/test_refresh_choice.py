@@ -1,6 +1,8 @@
 """``python -m kvlab refresh --policy ...``: a policy and its parameters, validated before any model loads."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvlab.refresh.policies import EntropyGate, MCGate, Periodic, ProbeKL, Speculative
@@ -132,12 +134,27 @@ def test_all_with_rebuild_flag_skips_the_jobs_that_splice(monkeypatch, capsys):
     monkeypatch.setattr(cli, "JOBS", jobs)
     monkeypatch.setattr(cli, "cmd_figures", lambda args: [])
     monkeypatch.setattr(cli, "cmd_docs", lambda args: [])     # the docs step rewrites README.md: not in a test
-    args = cli.build_parser().parse_args(["all", "--rebuild-student-cache"])
+    args = cli.build_parser().parse_args(["all", "--rebuild-student-cache", "--jobs", "1"])
     cli.cmd_all(args)
     assert "baselines" in ran and not set(ran) & set(cli.NEEDS_SAME_GEOMETRY)
     out = capsys.readouterr().out
     assert all(f"== {n}: skipped (--rebuild-student-cache" in out for n in cli.NEEDS_SAME_GEOMETRY)
     ran.clear()
-    cli.cmd_all(cli.build_parser().parse_args(["all"]))
+    cli.cmd_all(cli.build_parser().parse_args(["all", "--jobs", "1"]))
     assert ran == [n for n, _ in jobs]
     assert ran[0] == "train" and ran[-1] == "train-study"     # the main job trains what is missing, then compares
+
+
+def test_all_jobs_side_by_side_in_worker_processes(tmp_path):
+    """`all --jobs 2`: jobs run in spawned worker processes (one thread each), each result comes back with its
+    paths and seconds, and a failing job's error reaches the caller."""
+    from kvlab import cli
+
+    args = cli.build_parser().parse_args(["all", "--out", str(tmp_path), "--jobs", "2"])
+    assert cli._jobs(args) == 2 and cli._jobs(cli.build_parser().parse_args(["all"])) == 1
+    got = list(cli._run_parallel(["mc-sim", "mc-sim"], args, 2, 1))     # the cheap real job, twice
+    assert [g[0] for g in got] == ["mc-sim", "mc-sim"]
+    assert all(g[2] > 0 and g[1] and all(Path(p).is_file() for p in g[1]) for g in got)
+    with pytest.raises(KeyError, match="no-such-job"):
+        list(cli._run_parallel(["no-such-job"], args, 2, 1))
+    assert cli.JOB_MINUTES.keys() <= {n for n, _ in cli.JOBS}       # the longest-first order names real jobs
