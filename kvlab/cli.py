@@ -65,9 +65,10 @@ JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.c
 NEEDS_SAME_GEOMETRY = ("refresh", "refresh-long", "evict", "train-study")
 
 
-# Minutes each job took in the last measured `make figures` (docs/measured/make_figures_timing.jsonl and the
-# long jobs' own timing, 2 threads): with --jobs > 1 the longest start first (longest-processing-time order).
-JOB_MINUTES = {"refresh-long": 30.3, "evict": 29.6, "refresh": 22.8, "train-study": 8.6, "mc-real": 8.0,
+# Minutes each job took, 2 threads, alone: docs/measured/make_figures_timing.jsonl (AMD EPYC) and, for the jobs added
+# since and mc-real at 16 prompts, docs/measured/all_long_jobs_timing.jsonl (Intel Xeon). Only their order is used:
+# with --jobs > 1 the longest start first (longest-processing-time order).
+JOB_MINUTES = {"refresh-long": 30.3, "evict": 29.6, "refresh": 22.8, "mc-real": 13.0, "train-study": 8.6,
                "baselines-long": 6.9, "evict-long": 5.1, "baselines": 3.4, "needle-long": 1.6, "mc-sim": 0.1}
 
 
@@ -90,7 +91,7 @@ def cmd_all(args) -> list[Path]:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    workers = _jobs(args)
+    workers = getattr(args, "jobs", 1)
     env = {"started": stamp, "prompts": args.prompts, "device": str(resolve_device(args.device)),
            "threads": torch.get_num_threads(), "cpu": cpu, "workers": workers}
 
@@ -134,11 +135,6 @@ def cmd_all(args) -> list[Path]:
     return paths
 
 
-def _jobs(args) -> int:
-    """``--jobs`` (default 1: one job after another, each with every thread)."""
-    return getattr(args, "jobs", 1) or 1
-
-
 def _job_worker(name: str, args, threads: int):
     """One job of :data:`JOBS` in a worker process (``--jobs``): ``threads`` torch threads; returns its paths and
     seconds."""
@@ -146,10 +142,7 @@ def _job_worker(name: str, args, threads: int):
 
     import torch
 
-    torch.set_num_threads(threads)
-    import os
-
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    torch.set_num_threads(threads)          # MPLBACKEND comes with the parent's environment (main sets it)
     t0 = time.perf_counter()
     out = dict(JOBS)[name](args)
     return name, [str(p) for p in (out or [])], time.perf_counter() - t0

@@ -223,3 +223,21 @@ def test_generated_links_resolve_from_the_page_they_are_in():
                 assert (p.parent / path).exists(), f"{p.name}: the generated link {path!r} names no file"
                 seen += 1
     assert seen >= 5
+
+
+def test_phases_total_is_the_wall_clock_when_jobs_ran_side_by_side(tmp_path, monkeypatch):
+    """`all --jobs 2` writes a "wall" row (train + the overlapping jobs); the phase table lists the jobs, not the wall
+    row, and its total is that wall clock plus the steps after it, not the sum of overlapping jobs."""
+    import json
+
+    env = {"started": "2026-11-27T00:00:00", "prompts": 32, "device": "cpu", "threads": 2, "cpu": "x", "workers": 2}
+    rows = [("train", 60), ("refresh", 600), ("evict", 540), ("wall", 700), ("figures", 6), ("docs", 6)]
+    path = tmp_path / "timing.jsonl"
+    path.write_text("".join(json.dumps({**env, "job": j, "seconds": s}) + "\n" for j, s in rows))
+    monkeypatch.setattr(docs, "MEASURED_PHASES", str(path))        # absolute: ROOT / it is it
+    text = docs._phases(tmp_path)
+    assert "| wall |" not in text and "| refresh | 10 |" in text and "| evict | 9.0 |" in text
+    assert "| **all** | **11.9** |" in text and "2 jobs side by side" in text     # (700 + 6 + 6) / 60
+    path.write_text("".join(json.dumps({**env, "workers": 1, "job": j, "seconds": s}) + "\n" for j, s in rows
+                            if j != "wall"))
+    assert "| **all** | **20.2** |" in docs._phases(tmp_path)                    # one after another: the sum

@@ -151,7 +151,7 @@ def test_all_jobs_side_by_side_in_worker_processes(tmp_path):
     from kvlab import cli
 
     args = cli.build_parser().parse_args(["all", "--out", str(tmp_path), "--jobs", "2"])
-    assert cli._jobs(args) == 2 and cli._jobs(cli.build_parser().parse_args(["all"])) == 1
+    assert args.jobs == 2 and cli.build_parser().parse_args(["all"]).jobs == 1        # default: one after another
     got = list(cli._run_parallel(["mc-sim", "mc-sim"], args, 2, 1))     # the cheap real job, twice
     assert [g[0] for g in got] == ["mc-sim", "mc-sim"]
     assert all(g[2] > 0 and g[1] and all(Path(p).is_file() for p in g[1]) for g in got)

@@ -73,12 +73,12 @@ def _phases(figures: Path) -> str:
                 f"to `{MEASURED_PHASES}` and run `python -m kvlab docs`.*")
     rows = jsonl(MEASURED_PHASES)
     first = rows[0]
-    walls = [i for i, r in enumerate(rows) if r["job"] == "wall"]
+    wall = next((i for i, r in enumerate(rows) if r["job"] == "wall"), None)
     lines = ["| job | minutes |", "|---|---|"]
     lines += [f"| {r['job']} | {fmt(r['seconds'] / 60, 1)} |" for r in rows if r["job"] != "wall"]
-    if walls:      # --jobs > 1: the jobs overlapped; the total is the clock's (train + side-by-side jobs) + the rest
-        total = rows[walls[0]]["seconds"] + sum(r["seconds"] for r in rows[walls[0] + 1:])
-        how = f", {first.get('workers')} jobs side by side (one thread each); **all** is the wall clock"
+    if wall is not None:   # --jobs > 1: the jobs overlapped; the total is the clock's (train + side-by-side jobs) + the rest
+        total = rows[wall]["seconds"] + sum(r["seconds"] for r in rows[wall + 1:])
+        how = f", {first.get('workers')} jobs side by side; **all** is the wall clock"
     else:
         total, how = sum(r["seconds"] for r in rows), ""
     lines.append(f"| **all** | **{fmt(total / 60, 1)}** |")
