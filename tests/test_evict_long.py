@@ -209,3 +209,18 @@ def test_batched_rows_equal_rows_one_by_one(tiny3):
         assert ra["mean_len"] == rb["mean_len"], name
         assert ra["kl_forced"] == pytest.approx(rb["kl_forced"], rel=1e-3, abs=1e-7), name
         assert ra["nll"] == pytest.approx(rb["nll"], rel=1e-5), name
+
+
+def test_main_job_writes_its_smaller_run_under_reduced(monkeypatch):
+    """`kvlab all` runs evict-long below the committed table's size: under OUT/reduced, its speed columns read from
+    OUT's bench timing, so make figures leaves figures/evict_long.csv (the longer run's) as it is."""
+    from kvlab import cli
+    from kvlab.studies.eviction import long_cli
+
+    seen = {}
+    monkeypatch.setattr(long_cli, "cmd_evict_long", lambda ns: seen.update(vars(ns)) or [])
+    args = cli.build_parser().parse_args(["all"])
+    assert ("evict-long", long_cli.evict_long_small) in cli.JOBS
+    long_cli.evict_long_small(args)
+    assert seen["out"] == args.out / "reduced" and seen["bench"] == args.out
+    assert seen["contexts"] == long_cli.ALL_CONTEXTS and seen["prompts"] == long_cli.ALL_PROMPTS

@@ -218,7 +218,8 @@ def test_bad_prompts_flag_is_refused_by_the_parser(capsys):
 
 
 def test_main_job_runs_refresh_long_at_n_512(monkeypatch):
-    """`kvlab all` runs refresh-long at N = 512 on >= 16 prompts (the issue's floor), with its rows named."""
+    """`kvlab all` runs refresh-long at N = 512 (the issue's floor for make figures) on ALL_PROMPTS prompts, with its
+    rows named, under OUT/reduced: the committed table (16 prompts, every row) is not overwritten."""
     from kvlab import cli
     from kvlab.studies.refresh import cli as rcli
 
@@ -227,5 +228,6 @@ def test_main_job_runs_refresh_long_at_n_512(monkeypatch):
     monkeypatch.setattr(rcli, "cmd_refresh_long", lambda a: seen.update(vars(a)) or [])
     args = cli.build_parser().parse_args(["all"])
     rcli.refresh_long_all(args)
-    assert seen["tokens"] == 512 and seen["prompts"] >= 16 and seen["timing_repeats"] == 0
+    assert seen["tokens"] == 512 and seen["prompts"] == rcli.ALL_PROMPTS >= 8 and seen["timing_repeats"] == 0
+    assert seen["out"] == args.out / "reduced"
     assert set(seen["policies"].split(",")) == {"periodic_T64", "periodic_T128", "periodic_T256"}

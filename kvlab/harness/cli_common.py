@@ -100,3 +100,14 @@ def set_suffix(args) -> str:
     """Table-name suffix of the prompt set: "" for the default set, "_long" for the long one (a custom
     --prompts-file keeps the default names)."""
     return "_long" if getattr(args, "prompt_set", "default") == "long" and getattr(args, "prompts_file", None) is None else ""
+
+
+# `kvlab all` runs the long studies below the size of their committed tables (which come from one longer run of the
+# same command, named in each table's notes); it writes those smaller runs here, below --out, so that `make figures`
+# leaves the committed tables, and the README numbers read from them, as they are.
+REDUCED = "reduced"
+
+
+def reduced_out(out) -> Path:
+    """``<out>/reduced``: where `kvlab all` writes a study it runs below its committed table's size."""
+    return Path(out) / REDUCED

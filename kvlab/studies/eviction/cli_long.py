@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kvlab.core.args import positive_int
 
-# `kvlab all` runs it at this size (a few minutes on 2 cores); the committed table comes from a longer run
+# `kvlab all` runs it at this size (a few minutes on 2 cores), under OUT/reduced (cli_common.reduced_out); the
+# committed table comes from a longer run of `python -m kvlab needle-long` and make figures leaves it as it is
 ALL_SIZE = {"tasks": ("niah_single",), "lengths": (2048,), "n": 3}
 # the names of kvlab.studies.eviction.ruler.TASKS / needle_long.POLICIES (those import torch; a test keeps them equal)
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
@@ -105,10 +106,13 @@ def cmd_needle_long(args) -> list[Path]:
 
 
 def needle_long_small(args) -> list[Path]:
-    """needle-long inside the main job (`kvlab all`): :data:`ALL_SIZE`, every policy and setting at budget 256."""
+    """needle-long inside the main job (`kvlab all`): :data:`ALL_SIZE`, every policy and setting at budget 256,
+    written under ``OUT/reduced``."""
+    from kvlab.harness.cli_common import reduced_out
     from kvlab.studies.eviction.needle_long import POLICIES, SETTINGS
 
-    ns = argparse.Namespace(**{**vars(args), **ALL_SIZE, "budget": 256, "policies": POLICIES, "settings": SETTINGS,
+    ns = argparse.Namespace(**{**vars(args), **ALL_SIZE, "out": reduced_out(args.out), "budget": 256,
+                               "policies": POLICIES, "settings": SETTINGS,
                                "threshold": 0.8, "gamma": getattr(args, "gamma", 0.9), "chunk": 1024, "seed": 0,
                                "screen": 5})
     return cmd_needle_long(ns)

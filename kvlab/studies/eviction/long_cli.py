@@ -8,8 +8,9 @@ from pathlib import Path
 
 from kvlab.core.args import positive_int
 
-# inside `python -m kvlab all` (make figures): the size that fits its budget on a 2-core CPU; the committed
-# table comes from one longer run of the same command (docs/eviction.md, "At 2k-8k tokens")
+# inside `python -m kvlab all` (make figures): the size that fits its budget on a 2-core CPU, written under
+# OUT/reduced (cli_common.reduced_out); the committed table comes from one longer run of the same command
+# (docs/eviction.md, "At 2k-8k tokens") and make figures leaves it as it is
 ALL_CONTEXTS = (2048,)
 ALL_PROMPTS = 4
 
@@ -97,10 +98,14 @@ def cmd_evict_long(args) -> list[Path]:
 
 
 def evict_long_small(args) -> list[Path]:
-    """evict-long inside the main job: ``--contexts 2048 --prompts 4`` at the job's defaults otherwise."""
+    """evict-long inside the main job: ``--contexts 2048 --prompts 4`` at the job's defaults otherwise, written under
+    ``OUT/reduced`` (its speed columns from OUT's bench timing, as the committed table's)."""
+    from kvlab.harness.cli_common import reduced_out
+
     ns = argparse.Namespace(contexts=ALL_CONTEXTS, prompts=min(ALL_PROMPTS, args.prompts), tokens=32,
-                            budgets=(256, 512), gamma=None, confkv_gap=None, families=None, out=args.out,
-                            runs=args.runs, bench=None, no_progress=args.no_progress, stored_only=False)
+                            budgets=(256, 512), gamma=None, confkv_gap=None, families=None,
+                            out=reduced_out(args.out), runs=args.runs, bench=args.out, no_progress=args.no_progress,
+                            stored_only=False)
     from kvlab.studies.eviction.long_policies import FAMILIES, GAMMA, GAP
 
     ns.gamma, ns.confkv_gap, ns.families = GAMMA, GAP, FAMILIES

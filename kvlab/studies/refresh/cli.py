@@ -179,23 +179,25 @@ def _policies(args):
     return names
 
 
-# `kvlab all`'s size: N = 512 (issue 37's floor) on the first ALL_PROMPTS prompts; only the rows without calibration
-# runs or step-by-step forced scoring (periodic: a few batched forwards on the forced path), and no latency timing
-# (untracked, machine-dependent). NOT MEASURED in the session that added it (the shared CPU was busy): a rough
-# estimate from a 2-prompt × 128-token timing is several minutes per row at 16 × 512; the full table of every row
-# is `python -m kvlab refresh-long` (docs/refresh.md).
-ALL_PROMPTS = 16
+# `kvlab all`'s size: N = 512 (issue 37's floor for make figures) on the first ALL_PROMPTS prompts; only the rows
+# without calibration runs or step-by-step forced scoring (periodic: a few batched forwards on the forced path), and
+# no latency timing (untracked, machine-dependent). Measured alone on the 2-core Xeon at 16 prompts: 30.3 min
+# (docs/measured/all_long_jobs_timing.jsonl), so 8. Written under OUT/reduced (cli_common.reduced_out): the committed
+# table (every row, 16 prompts) is `python -m kvlab refresh-long`'s (docs/refresh.md) and stays as it is.
+ALL_PROMPTS = 8
 ALL_POLICIES = "periodic_T64,periodic_T128,periodic_T256"
 
 
 def refresh_long_all(args) -> list[Path]:
-    """refresh-long inside the main job (`kvlab all`): N = 512, ALL_PROMPTS prompts, the ALL_POLICIES rows."""
+    """refresh-long inside the main job (`kvlab all`): N = 512, ALL_PROMPTS prompts, the ALL_POLICIES rows, written
+    under ``OUT/reduced``."""
     import argparse as _ap
 
     if getattr(args, "prompts_file", None) is not None or getattr(args, "prompt_set", "default") != "default":
         print("refresh-long: skipped (the prompt set is not the default one)", flush=True)
         return []
     return cmd_refresh_long(_ap.Namespace(**{**vars(args), "prompts": min(args.prompts, ALL_PROMPTS), "tokens": 512,
+                                             "out": cli_common.reduced_out(args.out),
                                              "calib_prompts": 8, "timing_prompts": 1, "timing_repeats": 0,
                                              "policies": ALL_POLICIES}))
 
