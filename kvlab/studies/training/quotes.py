@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.harness.quotes import ROOT, DocsError, View, read
+from kvlab.harness.quotes import ROOT, DocsError, View, as_number, cell, mde_note, read
 from kvlab.harness.tableview import fmt
 
 
@@ -72,12 +72,29 @@ VIEWS = {
         ("prompts", "n_prompts")]),
     "train_heldout": heldout_table,
     "pareto": pareto_table,
+    "train_seeds": View("train_seeds", [
+        ("comparison (OverFill − baseline; negative = OverFill better)", "comparison"), ("seeds", "n_seeds"),
+        ("prompts", "n_prompts"), ("Δ forced KL, seeds × prompts (95 % CI)", ("d", "lo", "hi")), ("MDE", "mde"),
+        ("SD over seeds", "sd_seeds"), ("prompts only (95 % CI)", ("d", "prompt_only_lo", "prompt_only_hi")),
+        ("recipe", "recipe")]),
 }
+
+SEEDS_NAMES = {"overfill − standalone": "a separately trained student (the paper's baseline)",
+               "overfill − student": "the same decoder alone (the blog's baseline)"}
 
 
 def key_results(figures: Path) -> list[tuple[str, str, str]]:
-    """README's key results: none from the training (its numbers are quoted in its own pages)."""
-    return []
+    """README's key results: OverFill − each baseline with training randomness in the interval
+    (``train_seeds``: seeds × prompts, hierarchical bootstrap)."""
+    df = read(figures, "train_seeds")
+    first = df.iloc[0]
+    what = (f"Training randomness ({int(as_number(first['n_seeds']))} training seeds × "
+            f"{int(as_number(first['n_prompts']))} short prompts, {first['recipe']}, "
+            f"{int(as_number(first['tokens']))} tokens): OverFill − baseline, teacher-forced KL (steps 2..N), "
+            "seeds and prompts resampled (negative = OverFill better)")
+    parts = [f"{SEEDS_NAMES.get(str(r['comparison']), r['comparison'])}: Δ " + cell(r, ("d", "lo", "hi"))
+             + mde_note(r, "mde") + f", SD over seeds {cell(r, 'sd_seeds')}" for _, r in df.iterrows()]
+    return [(what, "; ".join(parts), "train_seeds")]
 
 
 __all__ = ["VIEWS", "key_results", "MEASURED_PARETO", "heldout_table", "pareto_table"]
