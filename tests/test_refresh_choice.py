@@ -158,3 +158,17 @@ def test_all_jobs_side_by_side_in_worker_processes(tmp_path):
     with pytest.raises(KeyError, match="no-such-job"):
         list(cli._run_parallel(["no-such-job"], args, 2, 1))
     assert cli.JOB_MINUTES.keys() <= {n for n, _ in cli.JOBS}       # the longest-first order names real jobs
+
+
+def test_all_skips_the_short_passkey_grid_and_times_once_unless_asked():
+    """make figures' size: `all` runs the evict job without the 256-1,024-token passkey grid (its committed table
+    is `python -m kvlab evict`'s; `--needle` brings it back) and one paired overhead timing per policy; the
+    evict and refresh commands keep theirs."""
+    from kvlab import cli
+
+    p = cli.build_parser()
+    a = p.parse_args(["all"])
+    assert a.no_needle is True and a.timing_repeats == 1
+    assert p.parse_args(["all", "--needle"]).no_needle is False
+    assert p.parse_args(["all", "--no-needle"]).no_needle is True
+    assert p.parse_args(["evict"]).no_needle is False and p.parse_args(["refresh"]).timing_repeats == 2
