@@ -72,11 +72,12 @@ VIEWS = {
         ("prompts", "n_prompts")]),
     "train_heldout": heldout_table,
     "pareto": pareto_table,
-    "train_seeds": View("train_seeds", [
-        ("comparison (OverFill − baseline; negative = OverFill better)", "comparison"), ("seeds", "n_seeds"),
-        ("prompts", "n_prompts"), ("Δ forced KL, seeds × prompts (95 % CI)", ("d", "lo", "hi")), ("MDE", "mde"),
-        ("SD over seeds", "sd_seeds"), ("prompts only (95 % CI)", ("d", "prompt_only_lo", "prompt_only_hi")),
-        ("recipe", "recipe")]),
+    **{name: View(name, [
+        ("comparison (OverFill − baseline; negative = OverFill better)", "comparison"),
+        ("OverFill decoder", "decoder_variant"), ("seeds", "n_seeds"), ("prompts", "n_prompts"),
+        ("Δ forced KL, seeds × prompts (95 % CI)", ("d", "lo", "hi")), ("MDE", "mde"), ("SD over seeds", "sd_seeds"),
+        ("prompts only (95 % CI)", ("d", "prompt_only_lo", "prompt_only_hi")), ("recipe", "recipe")])
+       for name in ("train_seeds", "train_seeds_refresh_aware")},
 }
 
 SEEDS_NAMES = {"overfill − standalone": "a separately trained student (the paper's baseline)",
