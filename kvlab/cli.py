@@ -66,8 +66,10 @@ NEEDS_SAME_GEOMETRY = ("refresh", "refresh-long", "evict", "train-study")
 
 
 # Minutes each job took, 2 threads, alone: docs/measured/make_figures_timing.jsonl (AMD EPYC) and, for the jobs added
-# since and mc-real at 16 prompts, docs/measured/all_long_jobs_timing.jsonl (Intel Xeon). Only their order is used:
-# with --jobs > 1 the longest start first (longest-processing-time order).
+# since and mc-real at 16 prompts, docs/measured/all_long_jobs_timing.jsonl (Intel Xeon). Measured before the trims
+# of `all` (refresh-long 16 -> 8 prompts, mc-real three p -> one, evict without its passkey grid, one refresh timing
+# pair), so each overstates its job now; not re-timed. Only their order is used: with --jobs > 1 the longest start
+# first (longest-processing-time order).
 JOB_MINUTES = {"refresh-long": 30.3, "evict": 29.6, "refresh": 22.8, "mc-real": 13.0, "train-study": 8.6,
                "baselines-long": 6.9, "evict-long": 5.1, "baselines": 3.4, "needle-long": 1.6, "mc-sim": 0.1}
 

@@ -197,15 +197,13 @@ def test_main_job_size_is_a_valid_grid(monkeypatch):
     from kvlab.studies.eviction import cli_long
 
     got = []
-    monkeypatch.setattr(cli_long, "cmd_needle_long", lambda ns: got.append(cli_long.grid_of(ns)) or [])
+    monkeypatch.setattr(cli_long, "cmd_needle_long", lambda ns: got.append((cli_long.grid_of(ns), ns.out)) or [])
     args = cli.build_parser().parse_args(["all"])
     assert ("needle-long", cli_long.needle_long_small) in cli.JOBS
     cli_long.needle_long_small(args)
-    assert got[0].lengths == (2048,) and got[0].n == cli_long.ALL_SIZE["n"] and got[0].policies == nl.POLICIES
-    seen = {}
-    monkeypatch.setattr(cli_long, "cmd_needle_long", lambda ns: seen.update(vars(ns)) or [])
-    cli_long.needle_long_small(args)
-    assert seen["out"] == args.out / "reduced"         # the committed table is a longer run's: left as it is
+    grid, out = got[0]
+    assert grid.lengths == (2048,) and grid.n == cli_long.ALL_SIZE["n"] and grid.policies == nl.POLICIES
+    assert out == args.out / "reduced"         # the committed table is a longer run's: left as it is
 
 
 def test_screen_stops_cells_the_full_cache_fails(tiny_teacher, tmp_path):
