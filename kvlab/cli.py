@@ -251,7 +251,8 @@ def _add_all(sub) -> None:
     p.set_defaults(no_needle=True)
     p.add_argument("--evict-prompts", type=positive_int("--evict-prompts"), default=None,
                    help="prompts of the eviction job (default: all of --prompts; fewer = the first of them, >= 5 for "
-                        "intervals; it runs ~25 configurations per prompt)")
+                        "intervals, written under OUT/reduced so the committed tables stay; it runs ~25 "
+                        "configurations per prompt)")
     # --jobs 2 on the 2-core Xeon: evict-long + needle-long side by side, one thread each, took 6.6 min against
     # 6.7 one after another with 2 threads (the pair is unbalanced: the short job's core idles); whether the whole
     # job list gains is not measured yet, so the default stays 1

@@ -383,3 +383,22 @@ def test_needle_batch_equals_one_at_a_time(tiny_teacher, tmp_path):
                 assert g[k] == w[k], k
         assert needle_results(tiny_teacher, jobs, batched, setting, batch=3) == got      # reused, not recomputed
         assert len(batched.ok_keys()) == len(jobs)
+
+
+def test_evict_prompts_below_the_committed_size_writes_under_reduced(monkeypatch, tmp_path):
+    """`kvlab all --evict-prompts N` runs the eviction study on fewer prompts than its committed tables: it writes under
+    OUT/reduced and leaves OUT's tables alone; without the option it writes to OUT itself."""
+    from kvlab import cli
+    from kvlab.harness import cli_common
+    from kvlab.studies.eviction import cli as evict_cli
+    from kvlab.studies.eviction import tables as evict_tables_mod
+
+    seen = []
+    monkeypatch.setattr(cli_common, "pair", lambda a: (None, None))
+    monkeypatch.setattr(evict_tables_mod, "evict_tables", lambda t, s, spec, *a, **k: seen.append(len(spec.prompts)) or {})
+    monkeypatch.setattr(evict_tables_mod, "write_evict", lambda tables, out: seen.append(out) or [])
+    for extra, where in ((["--evict-prompts", "5"], tmp_path / "o" / "reduced"), ([], tmp_path / "o")):
+        args = cli.build_parser().parse_args(["all", "--prompts", "8", "--out", str(tmp_path / "o"), *extra])
+        evict_cli.cmd_evict(args)
+        assert seen[-2:] == [5 if extra else 8, where]
+    assert not (tmp_path / "o").exists()                   # nothing was written (the writers were stubbed)

@@ -52,21 +52,23 @@ def cmd_evict(args) -> list[Path]:
     from kvlab.store import RunStore
 
     spec = _spec(args)              # validates everything before any model loads
-    n = getattr(args, "evict_prompts", None)
-    if n is not None and n < len(spec.prompts):
+    n, n_all, out = getattr(args, "evict_prompts", None), len(spec.prompts), args.out
+    if n is not None and n < n_all:                 # `kvlab all --evict-prompts N`: a run below the committed size
         spec = _replace(spec, prompts=spec.prompts[:n])
+        out = cli_common.reduced_out(args.out)      # under OUT/reduced: the committed tables stay as they are
+        print(f"evict: the first {n} of {n_all} prompts (--evict-prompts): tables under {out}", flush=True)
     study = EvictStudy(gamma=args.gamma, only=getattr(args, "policy", None), kvpress=getattr(args, "kvpress", ()))
     grid = None if args.no_needle else NeedleGrid(tuple(args.needle_lengths), tuple(args.needle_depths),
                                                    args.needle_reps, args.needle_budget)
     teacher, student = cli_common.pair(args)
     tables = evict_tables(teacher, student, spec, RunStore(args.runs), study, grid,
                           refresh=Periodic(max(2, spec.tokens // 4)), progress=not args.no_progress)
-    paths = write_evict(tables, args.out)
-    paths += [p for p in (render("evict_sawtooth", args.out), render("evict_needle", args.out),
-                          render("evict_gamma", args.out)) if p is not None]
+    paths = write_evict(tables, out)
+    paths += [p for p in (render("evict_sawtooth", out), render("evict_needle", out),
+                          render("evict_gamma", out)) if p is not None]
     for name in ("evict_matched", "evict_needle"):
-        if (args.out / f"{name}.md").is_file():
-            print(f"### {name}\n" + (args.out / f"{name}.md").read_text())
+        if (out / f"{name}.md").is_file():
+            print(f"### {name}\n" + (out / f"{name}.md").read_text())
     return paths
 
 
