@@ -74,6 +74,26 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _needle_long_rows(figures: Path) -> list[tuple[str, str, str]]:
+    """Long-context retrieval (``evict_needle_long``), one row per (length, setting) with n >= 2 cases: each policy's
+    exact-match accuracy as hits/n with its Wilson 95 % interval, written "a to b" (an interval of a proportion, not
+    of a difference: the key-results audit, which reads ``[lo, hi]`` as a paired difference, leaves it out)."""
+    if not (Path(figures) / "evict_needle_long.csv").exists():
+        return []
+    t = read(figures, "evict_needle_long")
+    rows = []
+    for (length, setting), g in t.groupby(["length", "setting"], sort=True):
+        n = int(g["n"].min())
+        if n < 2:
+            continue
+        tasks = ", ".join(dict.fromkeys(str(x) for x in g["task"]))
+        cells = [f"{r.policy} {fmt(r.accuracy, 2)} ({round(r.accuracy * r.n)}/{int(r.n)}; Wilson {fmt(r.ci_lo, 2)} to "
+                 f"{fmt(r.ci_hi, 2)})" for r in g.itertuples()]
+        rows.append((f"Retrieval at {int(length):,} tokens ({tasks}, at most {int(g['budget'].max())} entries, n = {n} "
+                     f"cases), {setting} setting: exact match", ", ".join(cells), "evict_needle_long"))
+    return rows
+
+
 VIEWS = {
     "evict_matched": View("evict_matched", [
         ("policy", "policy"), ("matched by", ("text", "matched_by")), ("mean K/V MiB", "mean_mb"),
@@ -117,6 +137,7 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
         rows.append(("Eviction at matched mean memory: each policy − Conf-KV, teacher-forced KL", "; ".join(parts),
                      "evict_matched"))
     rows += _long_rows(figures)
+    rows += _needle_long_rows(figures)
     nd = read(figures, "evict_needle")
     if {"policy", "accuracy", "n"} <= set(nd.columns):
         settings = list(dict.fromkeys(nd["setting"])) if "setting" in nd.columns else [None]
