@@ -140,9 +140,30 @@ def test_all_with_rebuild_flag_skips_the_jobs_that_splice(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert all(f"== {n}: skipped (--rebuild-student-cache" in out for n in cli.NEEDS_SAME_GEOMETRY)
     ran.clear()
-    cli.cmd_all(cli.build_parser().parse_args(["all", "--jobs", "1"]))
+    cli.cmd_all(cli.build_parser().parse_args(["all", "--jobs", "1", "--short-studies"]))
     assert ran == [n for n, _ in jobs]
     assert ran[0] == "train" and ran[-1] == "train-study"     # the main job trains what is missing, then compares
+
+
+def test_all_leaves_the_short_studies_to_their_flag(monkeypatch, capsys):
+    """`make figures` (`all` without --short-studies) runs every job but the short-context refresh and eviction studies,
+    and says which it left (their committed tables stay); --short-studies runs them in their place in the order."""
+    from kvlab import cli
+
+    ran = []
+    jobs = [(name, (lambda n: (lambda args: ran.append(n) or []))(name)) for name, _ in cli.JOBS]
+    monkeypatch.setattr(cli, "JOBS", jobs)
+    monkeypatch.setattr(cli, "cmd_figures", lambda args: [])
+    monkeypatch.setattr(cli, "cmd_docs", lambda args: [])
+    assert set(cli.SHORT_STUDIES) == {"refresh", "evict"} and set(cli.SHORT_STUDIES) <= {n for n, _ in jobs}
+    cli.cmd_all(cli.build_parser().parse_args(["all"]))
+    assert ran == [n for n, _ in jobs if n not in cli.SHORT_STUDIES]
+    out = capsys.readouterr().out
+    assert all(f"== {n}: not run (a short-context study" in out and f"python -m kvlab {n}" in out
+               for n in cli.SHORT_STUDIES)
+    ran.clear()
+    cli.cmd_all(cli.build_parser().parse_args(["all", "--short-studies", "--jobs", "1"]))
+    assert ran == [n for n, _ in jobs]
 
 
 def test_all_jobs_side_by_side_in_worker_processes(tmp_path):
