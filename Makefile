@@ -1,5 +1,6 @@
 # kvlab — two commands do all set-up:
-#   make figures   install, then regenerate every table + figure into figures/ (embedded pair), then the numbers README.md and docs/ quote
+#   make figures   install, then regenerate the tables + figures in figures/ (embedded pair), then the numbers README.md and docs/ quote
+#                  (the short-context refresh and evict studies only with FIGURE_ARGS=--short-studies)
 #   make test      install, then run every test (incl. a real-browser test: installs Debian's chromium if missing)
 #   make lab          JupyterLab on http://127.0.0.1:$(PORT)/ (default 8888); notebooks/*.py open as notebooks
 #   make playground   serve notebooks/06_playground.py as a page (Voilà, http://127.0.0.1:$(PORT)/, default 8866)

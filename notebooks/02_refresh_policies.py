@@ -199,13 +199,13 @@ display(Markdown(readings.read_forced(forced)))
 
 # %% [markdown]
 # ## What the committed tables say
-# The refresh tables `make figures` committed under `figures/` (the cells above use this notebook's
+# The refresh tables `make figures FIGURE_ARGS=--short-studies` committed under `figures/` (the cells above use this notebook's
 # parameters; these are the repository's), in both prompt regimes when both are there: `refresh_*` on the
 # default short prompts with long answers, `refresh_*_long` on the long-prompt / short-answer set (single
 # policies against no refresh, e.g. `refresh_periodic_T8_long`, come from `python -m kvlab refresh --policy
 # periodic --T 8`). Each reading is computed from the file it names, `kl_forced` included.
 #
-# **As committed** (`make figures`: the shipped trained `overfill` student of the default recipe, h0.20,i0.50,
+# **As committed** (`make figures FIGURE_ARGS=--short-studies`: the shipped trained `overfill` student of the default recipe, h0.20,i0.50,
 # 32 prompts × 64 tokens, T = 0.7, top-p 0.9, CPU fp32; `figures/refresh_periodic.md`, `refresh_entropy.md`,
 # `refresh_methods.md`, `refresh_forced.md`). **Refresh lowers `kl_forced`, and more refresh lowers it more**:
 # teacher-forced on the teacher's reference text, a full teacher refresh every T = 14 / 7 / 3 tokens gives

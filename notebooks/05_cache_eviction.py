@@ -210,7 +210,7 @@ for setting in ("streamed", "prefill"):
 
 # %% [markdown]
 # ## 6 · What changed, and why
-# The committed tables (`figures/evict_*.csv`, written by `make figures`: 32 prompts × 64 tokens on the
+# The committed tables (`figures/evict_*.csv`, written by `make figures FIGURE_ARGS=--short-studies`: 32 prompts × 64 tokens on the
 # embedded teacher, T = 0.7, top-p 0.9, CPU fp32; the needle grid 256 / 512 / 1024 tokens × 5 depths × 2 keys
 # per setting) come from experiments changed so that each mechanism can act: Conf-KV's confidence comes from
 # the model's raw next-token distribution (the drawn, tempered top-p one gave c = σ(8) on every one-token
