@@ -1,4 +1,5 @@
-"""The token mirror of a KV cache, in pure Python: the append-only ledger and the surgery event log.
+"""The token mirror of a KV cache, in Python: the append-only ledger and the surgery event log (the ledger's
+positions an :class:`~kvlab.cache.intlist.IntList`, which policies that rank by position read as a tensor).
 
 Rows are never rewritten or reordered; a row's status (live, deleted, replaced, …) is derived from
 the cache's live map and the event log (see :meth:`kvlab.cache.KVCache.ledger_status`).
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from kvlab.cache.intlist import IntList
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class Ledger:
 
     def __init__(self):
         self.token_id: list[int] = []
-        self.position: list[int] = []
+        self.position: IntList = IntList()        # read whole as a tensor by position-ranking policies
         self.writer: list[str] = []
         self.step: list[int] = []
 
@@ -58,6 +61,7 @@ class Ledger:
         new = Ledger()
         for name in self.__slots__:
             setattr(new, name, list(getattr(self, name)))
+        new.position = self.position.copy()
         return new
 
 

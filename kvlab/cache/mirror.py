@@ -8,8 +8,9 @@
 * the **event log** — what each edit tick did to which rows (``evicted``, ``moved``, ``inserted``…);
   a row's status is derived from it (:meth:`Mirror.ledger_status`).
 
-No tensors here (but :func:`positions_tensor`, a read): the cache edits its storage (:mod:`.storage`) and this
-mirror in the same call.
+No cache tensors here (:func:`positions_tensor` reads positions as a tensor; each live map is an
+:class:`~kvlab.cache.intlist.IntList` that keeps its rows as one between steps): the cache edits its storage
+(:mod:`.storage`) and this mirror in the same call.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from kvlab.cache.intlist import IntList, int_list
 from kvlab.cache.ledger import EventLog, Ledger, Row
 from kvlab.cache.plan import _ORIGIN_EVENTS, _REMOVAL_EVENTS
 
@@ -34,12 +36,23 @@ def _gather(values: list, rows: list[int]) -> tuple:
 class LivePositions(abc.Sequence):
     """One layer's live positions as a read-only sequence, gathered from the ledger only when read whole:
     ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
-    never change), so it stays what it was when taken. Equal to the tuple of the same positions."""
+    never change), so it stays what it was when taken. Equal to the tuple of the same positions.
 
-    __slots__ = ("_pos", "_rows", "_t")
+    Taken from an :class:`~kvlab.cache.intlist.IntList` live map, it also remembers that list and its ``version``:
+    while only appends followed, :meth:`rows_tensor` is a prefix of the list's cached tensor (no per-entry work)."""
+
+    __slots__ = ("_pos", "_rows", "_t", "_src", "_ver")
 
     def __init__(self, position: list, rows: list[int]):
         self._pos, self._rows, self._t = position, list(rows), None
+        self._src, self._ver = (rows, rows.version) if isinstance(rows, IntList) else (None, None)
+
+    def rows_tensor(self) -> torch.Tensor:
+        """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
+        src, n = self._src, len(self._rows)
+        if src is not None and src.version == self._ver and len(src) >= n:
+            return src.tensor()[:n]                              # only appends since: the snapshot is its prefix
+        return torch.frombuffer(array("q", self._rows), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
 
     def _tuple(self) -> tuple:
         if self._t is None:
@@ -78,11 +91,10 @@ def positions_tensor(seqs: Sequence, lo: int = 0, hi: int | None = None) -> torc
     hi = len(seqs[0]) if hi is None else hi
     live = [s for s in seqs if isinstance(s, LivePositions)]
     if len(live) == len(seqs) and len({id(s._pos) for s in live}) == 1 and hi > lo:
-        buf = array("q")
-        for s in live:
-            buf.fromlist(s._rows[lo:hi])                                                       # ledger rows, in C
-        table = torch.frombuffer(array("q", live[0]._pos), dtype=torch.int64)                  # ledger positions
-        return table[torch.frombuffer(buf, dtype=torch.int64)].view(len(seqs), hi - lo)
+        rows = torch.stack([s.rows_tensor()[lo:hi] for s in live])                            # (G, hi - lo) ledger rows
+        pos = live[0]._pos
+        table = pos.tensor() if isinstance(pos, IntList) else torch.frombuffer(array("q", pos), dtype=torch.int64)
+        return table[rows]                                                                     # ledger positions
     return torch.tensor([list(s[lo:hi]) for s in seqs], dtype=torch.int64).view(len(seqs), max(hi - lo, 0))
 
 
@@ -94,9 +106,19 @@ class Mirror:
 
     def __init__(self, ledger: Ledger | None = None, live: list[int] | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
-        self.lives: list[list[int]] = [live if live is not None else []]
+        self.lives = [live if live is not None else []]
         self.events = EventLog()   # append-only edit history: surgery ticks and evictions
         self.ticks = 0             # edit ticks attempted (surgery and eviction)
+
+    @property
+    def lives(self) -> list[IntList]:
+        """Per layer, the live map (slot -> ledger row) as an :class:`~kvlab.cache.intlist.IntList`; assigning a
+        list of lists stores each as one (copied)."""
+        return self._lives
+
+    @lives.setter
+    def lives(self, maps) -> None:
+        self._lives = [int_list(x) for x in maps]
 
     @property
     def live(self) -> list[int]:
@@ -139,7 +161,7 @@ class Mirror:
 
     def copy(self) -> "Mirror":
         new = Mirror(self.ledger.copy())
-        new.lives = [list(x) for x in self.lives]
+        new.lives = self.lives                    # copied, each with its cached tensor (never edited in place)
         new.events, new.ticks = self.events.copy(), self.ticks
         return new
 

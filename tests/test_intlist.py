@@ -1,0 +1,107 @@
+"""IntList: a live map / the ledger's positions keep an int64 tensor of themselves that follows every edit (appends
+extend it, evictions gather it, anything else drops it), and the positions a policy reads through it equal the
+positions gathered entry by entry."""
+import random
+
+import pytest
+import torch
+
+from kvlab.cache.intlist import IntList, int_list
+from kvlab.cache.mirror import LivePositions, positions_tensor
+
+
+def _same(x: IntList) -> bool:
+    return x.tensor().tolist() == list(x)
+
+
+def test_appends_extend_the_tensor_and_other_edits_drop_it():
+    x = IntList(range(10))
+    t = x.tensor()
+    x.append(10)
+    x.extend([11, 12])
+    x += [13]
+    assert x.version == 0 and x._t is t                 # appends: the old tensor is still a valid prefix
+    assert _same(x) and x.tensor().shape == (14,)
+    edits = [lambda y: y.__setitem__(0, 99), lambda y: y.__setitem__(slice(1, 3), [7]), lambda y: y.__delitem__(2),
+             lambda y: y.__delitem__(slice(5, None)), lambda y: y.insert(1, 5), lambda y: y.pop(), lambda y: y.pop(0),
+             lambda y: y.remove(4), lambda y: y.sort(reverse=True), lambda y: y.reverse(), lambda y: y.__imul__(2),
+             lambda y: y.clear()]
+    for edit in edits:
+        y = int_list(range(8))
+        y.tensor()
+        v = y.version
+        edit(y)
+        assert y.version == v + 1 and y._t is None, edit
+        assert _same(y)
+
+
+def test_drop_slots_gathers_the_tensor_and_copies_share_it():
+    x = IntList(range(100, 120))
+    x.tensor()
+    slots = [0, 3, 4, 19]
+    kept = torch.tensor([i for i in range(20) if i not in slots])
+    x.drop_slots(slots, kept)
+    assert x._t is not None and x._t.tolist() == list(x)   # followed by a gather, not dropped
+    assert list(x) == [100 + i for i in range(20) if i not in slots] and _same(x)
+    y = x.copy()
+    assert isinstance(y, IntList) and y._t is x._t and list(y) == list(x)
+    y.append(5)
+    assert _same(y) and _same(x) and len(x) == 16       # a copy's appends leave the original as it was
+    z = IntList(range(5))                               # no cached tensor: drop_slots leaves none
+    z.drop_slots([1], torch.tensor([0, 2, 3, 4]))
+    assert z._t is None and list(z) == [0, 2, 3, 4] and _same(z)
+
+
+def test_live_positions_keep_their_snapshot_after_any_edit():
+    pos = IntList(range(0, 40, 2))                       # ledger positions (row r at position 2r)
+    live = IntList(range(20))
+    live.tensor()
+    snap = LivePositions(pos, live)
+    live.append(3)                                       # appends: the snapshot reads the list's tensor prefix
+    assert snap.rows_tensor().tolist() == list(range(20))
+    assert positions_tensor([snap]).tolist() == [list(range(0, 40, 2))]
+    live.drop_slots([0, 1], torch.arange(2, 21))         # an eviction after the snapshot (and appends that make the
+    live.extend([30, 31, 32])                            # list as long again): read from its own copy
+    assert len(live) >= 20 and snap.rows_tensor().tolist() == list(range(20))
+    assert positions_tensor([snap], 2, 5).tolist() == [[4, 6, 8]]
+    plain = LivePositions(list(range(0, 40, 2)), [3, 1, 2])   # plain lists: the same numbers, built from the lists
+    assert positions_tensor([plain]).tolist() == [[6, 2, 4]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_positions_follow_a_decoding_cache_through_evictions_and_surgery(tiny_teacher, seed):
+    """A real cache: decode steps, per-layer evictions, a delete and an insert; after each, the tensor path of every
+    layer's positions equals the positions gathered one by one from the ledger."""
+    from kvlab.cache import KVCache
+
+    rng = random.Random(seed)
+    model = tiny_teacher.model
+    c = KVCache()
+    c.forward(model, [rng.randrange(50) for _ in range(24)], writer="teacher")
+
+    def check():
+        lp = c.live_positions()
+        want = [[c.ledger.position[r] for r in live] for live in c._mirror.lives]
+        assert [list(p) for p in lp] == want
+        got = positions_tensor(list(lp))
+        assert got.tolist() == want
+        assert [r.tolist() for r in (s.rows_tensor() for s in lp)] == [list(x) for x in c._mirror.lives]
+
+    check()
+    c.delete(3, model, writer="teacher")                  # surgery (a uniform cache), then a re-rotating eviction
+    check()
+    c.insert(5, [7, 8], model, writer="teacher")
+    check()
+    c.evict([0, 4], model=model, rerotate=True)
+    check()
+    for step in range(6):                                 # decode steps with per-layer evictions
+        c.forward(model, [rng.randrange(50)], writer="student", step=step)
+        n = len(c)
+        layers = [sorted(rng.sample(range(n - 2), 2)) for _ in range(c.num_layers)]
+        c.evict([], layers=layers)
+        check()
+    d = c.copy()
+    d.forward(model, [1], writer="student", step=10)
+    check()
+    c.forward(model, [9], writer="student", step=9)
+    check()
