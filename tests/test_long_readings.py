@@ -45,3 +45,12 @@ def test_needle_reading_names_full_cache_failures():
     text = read_needle_long(t)
     assert "h2o 0.25 [0.05, 0.70] (n = 4)" in text and "full cache itself fails here" in text
     assert "No long-context retrieval runs yet" in read_needle_long(t.iloc[:0])
+
+
+def test_needle_reading_says_which_policies_fall_below_the_full_cache():
+    rows = [dict(setting="streamed", policy="full", length=2048, accuracy=1.0, n=60, ci_lo=0.94, ci_hi=1.0),
+            dict(setting="streamed", policy="snapkv", length=2048, accuracy=0.97, n=60, ci_lo=0.89, ci_hi=0.99),
+            dict(setting="streamed", policy="h2o", length=2048, accuracy=0.05, n=60, ci_lo=0.02, ci_hi=0.14)]
+    text = read_needle_long(pd.DataFrame(rows))
+    assert "Below the full cache (Wilson intervals apart): h2o; not apart from it at n = 60: snapkv." in text
+    assert "apart" not in read_needle_long(pd.DataFrame(rows).assign(n=1))      # a pilot: no verdict

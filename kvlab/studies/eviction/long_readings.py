@@ -115,8 +115,25 @@ def read_needle_long(table: pd.DataFrame) -> str:
         tail = ("" if math.isnan(fa) else
                 " The full cache succeeds here, so a miss is the policy's." if fa >= 0.9 else
                 " The full cache itself fails here often: misses are not only the policy's.")
-        parts.append(f"**{setting}, {int(length):,} tokens:** {cells}.{tail}")
+        parts.append(f"**{setting}, {int(length):,} tokens:** {cells}.{tail}{_against_full(g, full)}")
     return join(parts)
+
+
+def _against_full(g: pd.DataFrame, full: pd.DataFrame) -> str:
+    """Which policies retrieve detectably less than the full cache (their Wilson interval lies wholly below the full
+    cache's: a conservative test) and which are not apart from it at this n; empty below n = 2."""
+    if not len(full) or int(full["n"].iloc[0]) < 2:
+        return ""
+    lo_full = _num(full["ci_lo"].iloc[0])
+    rest = g[g["policy"].astype(str) != "full"]
+    below = [str(r.policy) for r in rest.itertuples() if _num(r.ci_hi) < lo_full]
+    level = [str(r.policy) for r in rest.itertuples() if _num(r.ci_hi) >= lo_full]
+    out = []
+    if below:
+        out.append(f"below the full cache (Wilson intervals apart): {', '.join(below)}")
+    if level:
+        out.append(f"not apart from it at n = {int(full['n'].iloc[0])}: {', '.join(level)}")
+    return " " + cap("; ".join(out)) + "." if out else ""
 
 
 __all__ = ["read_evict_long", "read_needle_long", "CLAIMS"]
