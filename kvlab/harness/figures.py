@@ -57,7 +57,8 @@ def new_figure(**kwargs):
 
 
 def render(name: str, out) -> Path | None:
-    """Render figure ``name`` from the CSVs in ``out`` into ``out/<name>.png`` (None if an input is missing).
+    """Render figure ``name`` from the CSVs in ``out`` into ``out/<name>.png`` (None if an input is missing, or the
+    drawing function returns None: nothing in the inputs for it).
     The module that registers ``name`` must have been imported (a study imports its own ``plots``;
     :func:`kvlab.viz.figures.render` imports them all first)."""
     import pandas as pd
@@ -71,6 +72,8 @@ def render(name: str, out) -> Path | None:
     if not all(p.is_file() for p in paths.values()):
         return None
     fig = fn({n: pd.read_csv(p) for n, p in paths.items()})
+    if fig is None:             # the inputs hold nothing this figure draws
+        return None
     target = out / f"{name}.png"
     fig.savefig(target, dpi=120, bbox_inches="tight")
     return target
