@@ -61,11 +61,11 @@ JOBS = [("train", training_cli.cmd_train_missing), ("baselines", baselines_cli.c
 
 
 # The short-context studies: refresh at 64 tokens with T = 3-14, eviction at 100-1,024-token contexts (the regimes
-# issues 36 and 37 moved past: refresh-long, evict-long and needle-long are the blog's and the papers'). They were 52
-# of the 73 min of the AMD EPYC run (docs/measured/make_figures_timing.jsonl; refresh 22.8, evict 29.6), and the 2-core
-# Xeon is 2-3 times slower per job, so with them make figures cannot stay within 90 min there. `all` runs them only
-# with --short-studies; otherwise their committed tables stay as they are (`python -m kvlab refresh` / `evict`
-# regenerate them alone, at their own defaults).
+# issues 36 and 37 moved past: refresh-long, evict-long and needle-long are the blog's and the papers'). They were
+# 52 of the 73 min of the AMD EPYC run (docs/measured/make_figures_timing_amd.jsonl: refresh 22.8, evict 29.6), and
+# the 2-core Xeon runs the shared jobs 1.7-2.4 times slower (docs/measured/make_figures_timing.jsonl), so with them
+# make figures cannot stay within 90 min there. `all` runs them only with --short-studies; otherwise their committed
+# tables stay as they are (`python -m kvlab refresh` / `evict` regenerate them alone, at their own defaults).
 SHORT_STUDIES = ("refresh", "evict")
 
 # Jobs that splice teacher K/V into the student cache: they need the pair's KV geometry to match.
@@ -73,13 +73,13 @@ SHORT_STUDIES = ("refresh", "evict")
 NEEDS_SAME_GEOMETRY = ("refresh", "refresh-long", "evict", "train-study")
 
 
-# Minutes each job took, 2 threads, alone: docs/measured/make_figures_timing.jsonl (AMD EPYC) and, for the jobs added
-# since and mc-real at 16 prompts, docs/measured/all_long_jobs_timing.jsonl (Intel Xeon). Measured before the trims
-# of `all` (refresh-long 16 -> 8 prompts, mc-real three p -> one, evict without its passkey grid, one refresh timing
-# pair), so each overstates its job now; not re-timed. Only their order is used: with --jobs > 1 the longest start
-# first (longest-processing-time order).
-JOB_MINUTES = {"refresh-long": 30.3, "evict": 29.6, "refresh": 22.8, "mc-real": 13.0, "train-study": 8.6,
-               "baselines-long": 6.9, "evict-long": 5.1, "baselines": 3.4, "needle-long": 1.6, "mc-sim": 0.1}
+# Minutes each job took, 2 threads, alone: the make figures run of docs/measured/make_figures_timing.jsonl (2-core Intel
+# Xeon, 2026-11-27); the short-context studies (--short-studies) from the AMD EPYC run of
+# docs/measured/make_figures_timing_amd.jsonl (1.7-2.4 times faster per job than the Xeon). Only their order is used: with
+# --jobs > 1 the longest start first (longest-processing-time order).
+JOB_MINUTES = {"train-study": 19.2, "refresh-long": 12.9, "baselines-long": 11.5, "baselines": 8.3,
+               "evict-long": 5.1, "mc-real": 3.7, "needle-long": 2.1, "mc-sim": 0.1,
+               "evict": 29.6, "refresh": 22.8}
 
 
 def cmd_all(args) -> list[Path]:
