@@ -163,3 +163,24 @@ def test_decode_speed_reads_the_forward_cache_without_the_deprecated_name(monkey
     with torch.inference_mode():
         out = teacher.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
     assert output_cache(out) is not None and not said
+
+
+def test_the_docs_table_names_the_variant_and_the_file_it_reads(tmp_path):
+    """The README/docs quote of a kept Pareto run (kvlab.studies.training.quotes): the standalone student's tuning run
+    is quoted from its own file and says which variant was trained; a missing file says where to keep one."""
+    from kvlab.studies.training.quotes import VIEWS, pareto_table
+
+    rows = [{"point": "h0.20,i0.50", "status": "cached", "params_M": 75.47, "heldout_kl": 1.133, "heldout_kl_long": 1.2,
+             "speedup": 1.4, "front": False, "front_long": False, "student": "standalone", "device": "cpu",
+             "threads": 2},
+            {"point": "h0.20,i0.50:steps=160,history=0.5", "status": "cached", "params_M": 75.47, "heldout_kl": 1.071,
+             "heldout_kl_long": 1.1, "speedup": 1.5, "front": True, "front_long": True, "student": "standalone",
+             "device": "cpu", "threads": 2}]
+    path = tmp_path / "train_pareto_standalone.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    text = pareto_table(tmp_path, str(path))
+    assert "--student standalone" in text and str(path) in text
+    assert "| `h0.20,i0.50:steps=160,history=0.5` | 75.5 | 1.071 |" in text and "yes / yes" in text
+    missing = pareto_table(tmp_path, str(tmp_path / "none.csv"))
+    assert "No measured run" in missing and "none.csv" in missing
+    assert "pareto_standalone" in VIEWS and "pareto" in VIEWS

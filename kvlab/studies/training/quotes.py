@@ -30,15 +30,16 @@ def heldout_table(figures: Path) -> str:
 
 
 MEASURED_PARETO = "docs/measured/train_pareto.csv"
+MEASURED_PARETO_STANDALONE = "docs/measured/train_pareto_standalone.csv"
 
 
-def pareto_table(figures: Path) -> str:
+def pareto_table(figures: Path, measured: str = MEASURED_PARETO) -> str:
     """The training Pareto: one measured ``train-pareto`` run (held-out KL vs decode speed-up per prune shape
     and recipe), kept under ``docs/measured/`` because its speed columns depend on the machine."""
-    path = ROOT / MEASURED_PARETO
+    path = ROOT / measured
     if not path.is_file():
-        return ("*No measured run is kept yet: run `python -m kvlab train-pareto --out docs/measured` and "
-                "`python -m kvlab docs`.*")
+        return (f"*No measured run is kept yet at `{measured}`: run `python -m kvlab train-pareto --out DIR`, keep "
+                "DIR's train_pareto.csv there and run `python -m kvlab docs`.*")
     df = pd.read_csv(path)
     need = ("point", "status", "params_M", "heldout_kl", "heldout_kl_long", "speedup", "front", "front_long")
     missing = [c for c in need if c not in df.columns]
@@ -56,8 +57,14 @@ def pareto_table(figures: Path) -> str:
                      f"{yes(r['front'])} / {yes(r['front_long'])} |")
     first = df[df["status"] != "missing"].iloc[0] if (df["status"] != "missing").any() else None
     where = "" if first is None else f" on {first.get('device', 'cpu')} with {first.get('threads', '?')} thread(s)"
-    return ("\n".join(lines) + f"\n\n*One run of `python -m kvlab train-pareto`{where}; from "
-            f"[`{MEASURED_PARETO}`]({MEASURED_PARETO}) (the speed-ups depend on the machine).*")
+    variant = str(first.get("student", "overfill")) if first is not None else "overfill"
+    return ("\n".join(lines) + f"\n\n*One run of `python -m kvlab train-pareto --student {variant}`{where}; from "
+            f"[`{measured}`]({measured}) (the speed-ups depend on the machine).*")
+
+
+def pareto_standalone_table(figures: Path) -> str:
+    """The same for the standalone student: its recipes scored on its own held-out KL (issue 37's tuning)."""
+    return pareto_table(figures, MEASURED_PARETO_STANDALONE)
 
 
 VIEWS = {
@@ -72,6 +79,7 @@ VIEWS = {
         ("prompts", "n_prompts")]),
     "train_heldout": heldout_table,
     "pareto": pareto_table,
+    "pareto_standalone": pareto_standalone_table,
     **{name: View(name, [
         ("comparison (OverFill − baseline; negative = OverFill better)", "comparison"),
         ("OverFill decoder", "decoder_variant"), ("seeds", "n_seeds"), ("prompts", "n_prompts"),
@@ -98,4 +106,5 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
     return [(what, "; ".join(parts), "train_seeds")]
 
 
-__all__ = ["VIEWS", "key_results", "MEASURED_PARETO", "heldout_table", "pareto_table"]
+__all__ = ["VIEWS", "key_results", "MEASURED_PARETO", "MEASURED_PARETO_STANDALONE", "heldout_table", "pareto_table",
+           "pareto_standalone_table"]
