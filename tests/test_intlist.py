@@ -68,6 +68,23 @@ def test_live_positions_keep_their_snapshot_after_any_edit():
     assert positions_tensor([plain]).tolist() == [[6, 2, 4]]
 
 
+def test_a_snapshot_of_an_intlist_is_its_tensor_and_survives_in_place_edits():
+    """Taken from an IntList, a LivePositions holds the list's own tensor (no per-entry copy, no Python list for the
+    garbage collector at every step); the list never edits that tensor in place, so the snapshot stays as taken
+    through item assignment, deletes, truncation and evictions, read as a tensor, a sequence, a slot or a slice."""
+    pos = IntList(range(0, 40, 2))
+    live = IntList(range(10))
+    snap = LivePositions(pos, live)
+    assert snap.rows_tensor() is live.tensor()                    # the same tensor object: nothing copied
+    live[0] = 9                                                    # an in-place edit of the list: a new tensor next
+    del live[5:]
+    live.drop_slots([1], torch.tensor([0, 2, 3, 4]))
+    live.append(19)
+    assert snap.rows_tensor().tolist() == list(range(10)) and live.tensor().tolist() == [9, 2, 3, 4, 19]
+    assert list(snap) == list(range(0, 20, 2)) and snap[3] == 6 and snap[2:4] == (4, 6) and len(snap) == 10
+    assert snap == tuple(range(0, 20, 2)) and snap == LivePositions(pos, list(range(10)))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_positions_follow_a_decoding_cache_through_evictions_and_surgery(tiny_teacher, seed):
     """A real cache: decode steps, per-layer evictions, a delete and an insert; after each, the tensor path of every

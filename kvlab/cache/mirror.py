@@ -38,25 +38,34 @@ class LivePositions(abc.Sequence):
     ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
     never change), so it stays what it was when taken. Equal to the tuple of the same positions.
 
-    Taken from an :class:`~kvlab.cache.intlist.IntList` live map, it also remembers that list and its ``version``:
-    while only appends followed, :meth:`rows_tensor` is a prefix of the list's cached tensor (no per-entry work)."""
+    Taken from an :class:`~kvlab.cache.intlist.IntList` live map, the copy is that list's int64 tensor, which the list
+    never edits in place (it makes a new one at each edit): :meth:`rows_tensor` is then that tensor, with no
+    per-entry work; read as a sequence it is converted to a list once."""
 
-    __slots__ = ("_pos", "_rows", "_t", "_src", "_ver")
+    __slots__ = ("_pos", "_rows", "_t", "_l")
 
     def __init__(self, position: list, rows: list[int]):
-        self._pos, self._rows, self._t = position, list(rows), None
-        self._src, self._ver = (rows, rows.version) if isinstance(rows, IntList) else (None, None)
+        self._pos, self._t, self._l = position, None, None
+        # an IntList's own tensor (never edited in place, so it stays the snapshot): no per-entry copy and no
+        # GC-tracked list per layer and row at every step; any other sequence is copied
+        self._rows = rows.tensor() if isinstance(rows, IntList) else list(rows)
+
+    def _list(self) -> list:
+        """The live map as a list (converted once from the tensor)."""
+        if self._l is None:
+            self._l = self._rows.tolist() if isinstance(self._rows, torch.Tensor) else self._rows
+        return self._l
 
     def rows_tensor(self) -> torch.Tensor:
         """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
-        src, n = self._src, len(self._rows)
-        if src is not None and src.version == self._ver and len(src) >= n:
-            return src.tensor()[:n]                              # only appends since: the snapshot is its prefix
+        if isinstance(self._rows, torch.Tensor):
+            return self._rows
+        n = len(self._rows)
         return torch.frombuffer(array("q", self._rows), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
 
     def _tuple(self) -> tuple:
         if self._t is None:
-            self._t = _gather(self._pos, self._rows)
+            self._t = _gather(self._pos, self._list())
         return self._t
 
     def __len__(self) -> int:
@@ -64,15 +73,15 @@ class LivePositions(abc.Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return self._tuple()[i] if self._t is not None else _gather(self._pos, self._rows[i])
-        return self._pos[self._rows[i]]
+            return self._tuple()[i] if self._t is not None else _gather(self._pos, self._list()[i])
+        return self._pos[int(self._rows[i])]
 
     def __iter__(self):
         return iter(self._tuple())
 
     def __eq__(self, other) -> bool:
         if isinstance(other, LivePositions):
-            if other._pos is self._pos and other._rows == self._rows:
+            if other._pos is self._pos and (other._rows is self._rows or other._list() == self._list()):
                 return True
             return self._tuple() == other._tuple()
         return self._tuple() == tuple(other) if isinstance(other, (tuple, list)) else NotImplemented
