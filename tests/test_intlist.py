@@ -74,15 +74,24 @@ def test_a_snapshot_of_an_intlist_is_its_tensor_and_survives_in_place_edits():
     through item assignment, deletes, truncation and evictions, read as a tensor, a sequence, a slot or a slice."""
     pos = IntList(range(0, 40, 2))
     live = IntList(range(10))
+    first = LivePositions(pos, live)                               # no tensor kept yet: a copy, whose tensor read
+    assert first.rows_tensor() is live.tensor()                    # makes the list's own
     snap = LivePositions(pos, live)
-    assert snap.rows_tensor() is live.tensor()                    # the same tensor object: nothing copied
+    assert snap.rows_tensor() is live.tensor()                    # now the same tensor object: nothing copied
     live[0] = 9                                                    # an in-place edit of the list: a new tensor next
     del live[5:]
     live.drop_slots([1], torch.tensor([0, 2, 3, 4]))
     live.append(19)
     assert snap.rows_tensor().tolist() == list(range(10)) and live.tensor().tolist() == [9, 2, 3, 4, 19]
     assert list(snap) == list(range(0, 20, 2)) and snap[3] == 6 and snap[2:4] == (4, 6) and len(snap) == 10
-    assert snap == tuple(range(0, 20, 2)) and snap == LivePositions(pos, list(range(10)))
+    assert snap == tuple(range(0, 20, 2)) and snap == LivePositions(pos, list(range(10))) and snap == first
+    assert first.rows_tensor().tolist() == list(range(10))         # edited since: read from its own copy
+    stale = IntList(range(200))
+    stale.tensor()
+    stale[0] = 5                                                   # an edit drops the tensor (re-rotation's kind):
+    cold = LivePositions(IntList(range(400)), stale)               # the snapshot copies rather than convert it all
+    assert stale.tensor_len == 0 and cold.rows_tensor().tolist() == [5] + list(range(1, 200))
+    assert stale.tensor_len == 200                                 # and its tensor read made the list's own
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -67,6 +67,11 @@ class IntList(list):
         self._edit()
         super().reverse()
 
+    @property
+    def tensor_len(self) -> int:
+        """How many leading entries the cached tensor covers (0: none cached): :meth:`tensor` converts the rest."""
+        return 0 if self._t is None else int(self._t.shape[0])
+
     def tensor(self) -> torch.Tensor:
         """The whole list as an int64 ``(len,)`` tensor (CPU): the cached one, extended by the appended tail."""
         t, n = self._t, len(self)

@@ -33,22 +33,32 @@ def _gather(values: list, rows: list[int]) -> tuple:
     return (values[rows[0]],) if rows else ()
 
 
+FRESH_TAIL = 64     # a live map whose tensor lacks at most this many appended entries is snapshotted as the tensor
+
+
 class LivePositions(abc.Sequence):
     """One layer's live positions as a read-only sequence, gathered from the ledger only when read whole:
     ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
     never change), so it stays what it was when taken. Equal to the tuple of the same positions.
 
-    Taken from an :class:`~kvlab.cache.intlist.IntList` live map, the copy is that list's int64 tensor, which the list
-    never edits in place (it makes a new one at each edit): :meth:`rows_tensor` is then that tensor, with no
-    per-entry work; read as a sequence it is converted to a list once."""
+    Taken from an :class:`~kvlab.cache.intlist.IntList` live map that keeps its int64 tensor up to date, the copy is
+    that tensor, which the list never edits in place (it makes a new one at each edit): :meth:`rows_tensor` is then
+    that tensor, with no per-entry work; read as a sequence it is converted to a list once. Otherwise the copy is a
+    list, and :meth:`rows_tensor` reads the list's own tensor (making it, so that the next snapshot is the cheap kind)
+    while only appends have followed."""
 
-    __slots__ = ("_pos", "_rows", "_t", "_l")
+    __slots__ = ("_pos", "_rows", "_t", "_l", "_src", "_ver")
 
     def __init__(self, position: list, rows: list[int]):
-        self._pos, self._t, self._l = position, None, None
+        self._pos, self._t, self._l, self._src, self._ver = position, None, None, None, None
         # an IntList's own tensor (never edited in place, so it stays the snapshot): no per-entry copy and no
-        # GC-tracked list per layer and row at every step; any other sequence is copied
-        self._rows = rows.tensor() if isinstance(rows, IntList) else list(rows)
+        # GC-tracked list per layer and row at every step. Only while the list keeps it up to date (a decoding
+        # step appends one entry): after an edit that dropped it (re-rotation rewrites every slot) converting the
+        # whole list would cost more than the copy, so that and any other sequence is copied
+        cheap = isinstance(rows, IntList) and rows.tensor_len >= len(rows) - FRESH_TAIL
+        self._rows = rows.tensor() if cheap else list(rows)
+        if isinstance(rows, IntList) and not cheap:             # read as a tensor while only appends follow: the
+            self._src, self._ver = rows, rows.version             # list's own (made once, then kept up to date)
 
     def _list(self) -> list:
         """The live map as a list (converted once from the tensor)."""
@@ -60,7 +70,9 @@ class LivePositions(abc.Sequence):
         """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
         if isinstance(self._rows, torch.Tensor):
             return self._rows
-        n = len(self._rows)
+        src, n = self._src, len(self._rows)
+        if src is not None and src.version == self._ver and len(src) >= n:
+            return src.tensor()[:n]                              # only appends since: the snapshot is its prefix
         return torch.frombuffer(array("q", self._rows), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
 
     def _tuple(self) -> tuple:
