@@ -6,6 +6,7 @@ import statistics
 import time
 
 import torch
+from torch.profiler import record_function
 
 from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
 from kvlab.studies.bench.timing import _sync, check_batches, peak_rss_mb
@@ -130,15 +131,20 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 times, read = [], []
                 for step, tok in enumerate(new, start=1):
                     t0 = time.perf_counter()
-                    logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
-                                          attention=[need] * B)
+                    with record_function("evict_bench.forward"):
+                        logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
+                                              attention=[need] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
-                    views = []                                          # the batched loop's one stats pass
-                    for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
-                        rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-                        views.append(evict_view(c, step, rec, vocab, first=step == 1))
-                    for c, decision in zip(caches, keep_rows(pol, views)):      # every row's decision at once
-                        apply_keep(c, decision, model)
+                    with record_function("evict_bench.views"):
+                        views = []                                      # the batched loop's one stats pass
+                        for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
+                            rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
+                            views.append(evict_view(c, step, rec, vocab, first=step == 1))
+                    with record_function("evict_bench.decide"):
+                        decisions = keep_rows(pol, views)               # every row's decision at once
+                    with record_function("evict_bench.apply"):
+                        for c, decision in zip(caches, decisions):
+                            apply_keep(c, decision, model)
                     _sync()
                     times.append(time.perf_counter() - t0)
                 return times[1:], statistics.mean(read[1:]), len(caches[0])
