@@ -16,5 +16,5 @@ timeout 200 python3 -m kvlab bench evict --batch 1,8 --cache-len 4096 --tokens 1
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench_evict.log"
 timeout 100 python3 -m kvlab bench decode --batch 1,8 --tokens 64 --repeats 2 --out "$OUT" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/bench_decode.log"
-timeout 100 python3 docs/measured/cuda_s8/profile_step.py "$OUT" sliding,h2o,confkv 4096 8 \
+PYTHONPATH=. timeout 150 python3 docs/measured/cuda_s8/profile_step.py "$OUT" sliding,h2o,confkv 4096 8 \
   2>&1 | grep -v "Loading weights" > "$OUT/profile.log"
