@@ -94,6 +94,23 @@ def test_a_snapshot_of_an_intlist_is_its_tensor_and_survives_in_place_edits():
     assert stale.tensor_len == 200                                 # and its tensor read made the list's own
 
 
+def test_live_positions_equality_by_rows_and_by_positions():
+    """Two tensor snapshots of one ledger are equal when their rows are (torch.equal); different rows that give the
+    same positions are equal too (compared as positions), and different positions are not."""
+    pos = IntList([0, 2, 4, 4, 8])                                 # rows 2 and 3 share position 4
+    a, b = IntList([0, 1, 2]), IntList([0, 1, 2])
+    a.tensor(), b.tensor()
+    sa, sb = LivePositions(pos, a), LivePositions(pos, b)
+    assert isinstance(sa._rows, torch.Tensor) and sa._rows is not sb._rows and sa == sb
+    c = IntList([0, 1, 3])
+    c.tensor()
+    assert LivePositions(pos, c) == sa                              # other rows, the same positions
+    d = IntList([0, 1, 4])
+    d.tensor()
+    assert LivePositions(pos, d) != sa and LivePositions(pos, [0, 1]) != sa
+    assert LivePositions(pos, [0, 1, 2]) == sa == (0, 2, 4)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_positions_follow_a_decoding_cache_through_evictions_and_surgery(tiny_teacher, seed):
     """A real cache: decode steps, per-layer evictions, a delete and an insert; after each, the tensor path of every
