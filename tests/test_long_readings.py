@@ -54,3 +54,31 @@ def test_needle_reading_says_which_policies_fall_below_the_full_cache():
     text = read_needle_long(pd.DataFrame(rows))
     assert "Below the full cache (Wilson intervals apart): h2o; not apart from it at n = 60: snapkv." in text
     assert "apart" not in read_needle_long(pd.DataFrame(rows).assign(n=1))      # a pilot: no verdict
+
+
+def test_readme_long_rows_hold_every_context_with_an_interval(tmp_path):
+    """The README's long-context key results: one row for each policy − sliding and one for the paired claims, each
+    cell holding every context with n >= 2 in turn (another context adds no README line); a context with one prompt
+    (a pilot) is left out, and none left gives no row."""
+    from kvlab.harness.quotes import FIGURES
+    from kvlab.studies.eviction.quotes import _long_rows
+
+    t = pd.read_csv(FIGURES / "evict_long.csv")
+    two = t.copy()
+    two.loc[two.context == 4096, "n_prompts"] = 32
+    two.loc[two.context == 2048, "n_prompts"] = 32
+    two.to_csv(tmp_path / "evict_long.csv", index=False)
+    rows = _long_rows(tmp_path)
+    assert [r[2] for r in rows] == ["evict_long", "evict_long"]
+    assert all(r[0].startswith("Eviction at 2,048 and 4,096 tokens, 512 entries (n = 32 per context)") for r in rows)
+    for _, text, _ in rows:
+        assert text.index("**2,048 tokens:**") < text.index("**4,096 tokens:**")
+    assert "scissorhands: Δ" in rows[0][1] and "pyramidkv − snapkv: Δ" in rows[1][1]
+    assert "loose budget on" in rows[1][1].split("**4,096 tokens:**")[1]
+    pilot = two.copy()
+    pilot.loc[pilot.context == 4096, "n_prompts"] = 1
+    pilot.to_csv(tmp_path / "evict_long.csv", index=False)
+    rows = _long_rows(tmp_path)
+    assert rows[0][0].startswith("Eviction at 2,048 tokens, 512 entries") and "4,096" not in rows[0][1]
+    pilot.assign(n_prompts=1).to_csv(tmp_path / "evict_long.csv", index=False)
+    assert _long_rows(tmp_path) == []

@@ -41,24 +41,27 @@ LONG_VS_SLIDING = ("streamingllm", "h2o", "scissorhands", "snapkv", "block", "co
 
 
 def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
-    """The long-context table at the paper's 512-entry budget, per context with an interval (n >= 2): each policy −
-    the sliding window, and the seeds' paired claims (``CLAIMS`` of :mod:`kvlab.studies.eviction.long_readings`)."""
+    """The long-context table at the paper's 512-entry budget, over the contexts with an interval (n >= 2): one row
+    for each policy − the sliding window, one for the seeds' paired claims (``CLAIMS`` of
+    :mod:`kvlab.studies.eviction.long_readings`); each row's cell holds every such context in turn, so another
+    context adds no row."""
     from kvlab.studies.eviction.long_readings import CLAIMS
 
     if not (Path(figures) / "evict_long.csv").exists():
         return []
     t = read(figures, "evict_long")
     t = t[pd.to_numeric(t["budget"], errors="coerce") == LONG_BUDGET]
-    rows = []
+    vs, paired, ctxs, ns = [], [], [], set()
     for ctx, part in t.groupby("context", sort=True):
         n = int(part["n_prompts"].min())
         if n < 2:
             continue
+        ctxs.append(f"{int(ctx):,}")
+        ns.add(n)
         fam = {str(r["family"]): r for _, r in part.iterrows()}
         parts = [f"{f}: Δ " + cell(fam[f], ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))
                  + mde_note(fam[f], "d_kl_forced_mde", 3) for f in LONG_VS_SLIDING if f in fam]
-        rows.append((f"Eviction at {int(ctx):,} tokens, {LONG_BUDGET} entries (n = {n}): each policy − sliding window, "
-                     "teacher-forced KL to the full cache", "; ".join(parts), "evict_long"))
+        vs.append(f"**{int(ctx):,} tokens:** " + "; ".join(parts))
         claims = []
         for f, partner, what in CLAIMS:
             r = fam.get(f)
@@ -69,9 +72,13 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
         if ck is not None:
             claims.append(f"Conf-KV-L at its loose budget on {fmt(float(ck['frac_at_loose']), 2)} of steps, closes "
                           f"{fmt(float(ck['gap_closed']), 2)} of the 512-window → full PPL gap (paper: 0.74)")
-        rows.append((f"Eviction at {int(ctx):,} tokens, {LONG_BUDGET} entries (n = {n}): the seeds' paired claims, "
-                     "teacher-forced KL", "; ".join(claims), "evict_long"))
-    return rows
+        paired.append(f"**{int(ctx):,} tokens:** " + "; ".join(claims))
+    if not ctxs:
+        return []
+    n_txt = f"n = {ns.pop()}" if len(ns) == 1 else "n = " + "/".join(str(int(x)) for x in sorted(ns))
+    where = f"Eviction at {' and '.join(ctxs)} tokens, {LONG_BUDGET} entries ({n_txt} per context)"
+    return [(f"{where}: each policy − sliding window, teacher-forced KL to the full cache", " ".join(vs), "evict_long"),
+            (f"{where}: the seeds' paired claims, teacher-forced KL", " ".join(paired), "evict_long")]
 
 
 def _needle_long_rows(figures: Path) -> list[tuple[str, str, str]]:
