@@ -75,6 +75,9 @@ def test_readme_long_rows_hold_every_context_with_an_interval(tmp_path):
         assert text.index("**2,048 tokens:**") < text.index("**4,096 tokens:**")
     assert "scissorhands: Δ" in rows[0][1] and "pyramidkv − snapkv: Δ" in rows[1][1]
     assert "loose budget on" in rows[1][1].split("**4,096 tokens:**")[1]
+    two.loc[two.context == 4096, "n_prompts"] = 20                 # contexts at different n: both named
+    two.to_csv(tmp_path / "evict_long.csv", index=False)
+    assert _long_rows(tmp_path)[0][0].startswith("Eviction at 2,048 and 4,096 tokens, 512 entries (n = 20/32 per")
     pilot = two.copy()
     pilot.loc[pilot.context == 4096, "n_prompts"] = 1
     pilot.to_csv(tmp_path / "evict_long.csv", index=False)

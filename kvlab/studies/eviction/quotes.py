@@ -56,12 +56,13 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
         n = int(part["n_prompts"].min())
         if n < 2:
             continue
-        ctxs.append(f"{int(ctx):,}")
+        at = f"{int(ctx):,}"
+        ctxs.append(at)
         ns.add(n)
         fam = {str(r["family"]): r for _, r in part.iterrows()}
         parts = [f"{f}: Δ " + cell(fam[f], ("d_kl_forced", "d_kl_forced_lo", "d_kl_forced_hi"))
                  + mde_note(fam[f], "d_kl_forced_mde", 3) for f in LONG_VS_SLIDING if f in fam]
-        vs.append(f"**{int(ctx):,} tokens:** " + "; ".join(parts))
+        vs.append(f"**{at} tokens:** " + "; ".join(parts))
         claims = []
         for f, partner, what in CLAIMS:
             r = fam.get(f)
@@ -72,11 +73,11 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
         if ck is not None:
             claims.append(f"Conf-KV-L at its loose budget on {fmt(float(ck['frac_at_loose']), 2)} of steps, closes "
                           f"{fmt(float(ck['gap_closed']), 2)} of the 512-window → full PPL gap (paper: 0.74)")
-        paired.append(f"**{int(ctx):,} tokens:** " + "; ".join(claims))
+        paired.append(f"**{at} tokens:** " + "; ".join(claims))
     if not ctxs:
         return []
-    n_txt = f"n = {ns.pop()}" if len(ns) == 1 else "n = " + "/".join(str(int(x)) for x in sorted(ns))
-    where = f"Eviction at {' and '.join(ctxs)} tokens, {LONG_BUDGET} entries ({n_txt} per context)"
+    n_txt = "/".join(str(x) for x in sorted(ns))                       # one number when every context has the same n
+    where = f"Eviction at {' and '.join(ctxs)} tokens, {LONG_BUDGET} entries (n = {n_txt} per context)"
     return [(f"{where}: each policy − sliding window, teacher-forced KL to the full cache", " ".join(vs), "evict_long"),
             (f"{where}: the seeds' paired claims, teacher-forced KL", " ".join(paired), "evict_long")]
 
