@@ -46,148 +46,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import pandas as pd
 
 from kvlab.store import provenance
+from kvlab.store.files import _atomic_parquet, _clean, _tag_dir
+from kvlab.store.keys import (SESSION, CodeVersionMismatch, StoredRun, StoreStats, _canon, _label, code_digest,  # noqa: F401
+                              config_digest, default_root, run_key)
 
 ROWS, TRACES, COMPACT, TAGS = "rows", "traces", "compact", "tags"
 AUTO_COMPACT = 512   # loose row files above which load() compacts
 META_KEY = b"kvlab.run"
-
-
-def default_root() -> Path:
-    """``$KVLAB_RUNS``; else ``<project>/runs`` from a source checkout; else ``<kvlab cache>/runs``."""
-    env = os.environ.get("KVLAB_RUNS")
-    if env:
-        return Path(env).expanduser()
-    root = provenance.source_root()
-    if root is not None:
-        return root / "runs"
-    from kvlab.core.models import cache_dir
-
-    return cache_dir() / "runs"
-
-
-def _canon(config: dict) -> dict:
-    return json.loads(json.dumps(config, default=str))
-
-
-def config_digest(config: dict) -> str:
-    blob = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def code_digest(code_version: str | None = None) -> str:
-    v = provenance.CODE_VERSION if code_version is None else code_version
-    return hashlib.sha256(str(v).encode()).hexdigest()[:8]
-
-
-def run_key(config: dict, code_version: str | None = None) -> str:
-    """The run's key: its config's digest and the code version's (default: this process's)."""
-    return f"{config_digest(config)}-{code_digest(code_version)}"
-
-
-class CodeVersionMismatch(ValueError):
-    """A run computed by another code version than this process's (e.g. a stale cluster worker)."""
-
-
-@dataclass(frozen=True)
-class StoredRun:
-    """One stored run: its key, config, result and provenance ``meta``."""
-
-    key: str
-    config: dict
-    result: dict
-    meta: dict
-    path: Path
-
-    @property
-    def current(self) -> bool:
-        """Written by this code version on timing-equivalent hardware (what :meth:`Store.get` reuses)."""
-        return (self.meta.get("code_version") == provenance.CODE_VERSION
-                and self.meta.get("machine_key") == provenance.machine_key())
-
-
-@dataclass
-class StoreStats:
-    """What :meth:`Store.get_or_run` did in this process."""
-
-    reused: int = 0
-    computed: int = 0
-    replaced: int = 0     # of ``computed``: this run was stored, timed on another machine / from older code
-    commits: set = field(default_factory=set)   # commits ("<sha>[+dirty]") of the runs reused or written
-
-    def summary(self) -> str:
-        s = f"{self.reused} reused, {self.computed} computed"
-        if self.replaced:
-            s += f" ({self.replaced} of them stale: older code version or another machine)"
-        if self.commits:
-            s += f"; runs from commit(s) {', '.join(sorted(str(c) for c in self.commits))}"
-        return s
-
-
-# Every Store of this process adds its counts here too, per root (the CLI prints them).
-SESSION: dict[Path, StoreStats] = {}
-
-
-def _label(meta: dict) -> str:
-    sha = meta.get("git_commit")
-    return "unknown commit" if not sha else sha + ("+dirty" if meta.get("git_dirty") else "")
-
-
-def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
-    """Object columns whose values mix kinds (e.g. a policy parameter that is a string in one row
-    and a number in another) become strings, so any set of rows can be written to one file."""
-    out = None
-    for c in df.columns:
-        if df[c].dtype != object:
-            continue
-        kinds = {("num" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__)
-                 for v in df[c] if v is not None and not (isinstance(v, float) and v != v)}
-        if len(kinds) > 1:
-            out = df.copy() if out is None else out
-            out[c] = [None if v is None or (isinstance(v, float) and v != v) else str(v) for v in df[c]]
-    return df if out is None else out
-
-
-def _atomic_parquet(df: pd.DataFrame, target: Path, metadata: dict | None = None) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.Table.from_pandas(_arrow_safe(df), preserve_index=False)
-    if metadata:
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _clean(v):
-    """A cell value Parquet can store in a column of any row (dicts/lists as JSON)."""
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, default=str)
-    return v
-
-
-def _tag_dir(tag: str) -> str:
-    if not isinstance(tag, str) or not tag.strip():
-        raise ValueError(f"tag={tag!r} must be a non-empty string (a sweep name)")
-    return quote(tag, safe="")
 
 
 class Store:
