@@ -84,8 +84,3 @@ class StoreStats:
 
 # Every Store of this process adds its counts here too, per root (the CLI prints them).
 SESSION: dict[Path, StoreStats] = {}
-
-
-def _label(meta: dict) -> str:
-    sha = meta.get("git_commit")
-    return "unknown commit" if not sha else sha + ("+dirty" if meta.get("git_dirty") else "")

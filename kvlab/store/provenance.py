@@ -85,12 +85,14 @@ def git_dirty() -> bool | None:
     return _git_state()[1]
 
 
+def commit_label(sha: str | None, dirty) -> str:
+    """``"<sha>"``, ``"<sha>+dirty"`` or ``"unknown commit"`` (no sha)."""
+    return "unknown commit" if not sha else sha + ("+dirty" if dirty else "")
+
+
 def source_label() -> str:
-    """``"<sha>"``, ``"<sha>+dirty"`` or ``"unknown commit"`` — for table notes."""
-    sha, dirty = _git_state()
-    if sha is None:
-        return "unknown commit"
-    return sha + ("+dirty" if dirty else "")
+    """:func:`commit_label` of this checkout — for table notes."""
+    return commit_label(*_git_state())
 
 
 def _cpu_name() -> str:

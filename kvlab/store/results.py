@@ -55,7 +55,7 @@ import pandas as pd
 
 from kvlab.store import provenance
 from kvlab.store.files import _atomic_parquet, _clean, _tag_dir
-from kvlab.store.keys import (SESSION, CodeVersionMismatch, StoredRun, StoreStats, _canon, _label, code_digest,  # noqa: F401
+from kvlab.store.keys import (SESSION, CodeVersionMismatch, StoredRun, StoreStats, _canon, code_digest,  # noqa: F401
                               config_digest, default_root, run_key)
 
 ROWS, TRACES, COMPACT, TAGS = "rows", "traces", "compact", "tags"
@@ -203,7 +203,7 @@ class Store:
             return None
         for st in (self.stats, SESSION.setdefault(self.root.resolve(), StoreStats())):
             st.reused += 1
-            st.commits.add(_label(hit.meta))
+            st.commits.add(provenance.commit_label(hit.meta.get("git_commit"), hit.meta.get("git_dirty")))
         if tags:
             self.tag(hit.key, *tags)
         return hit.result
