@@ -469,3 +469,35 @@ def test_teacher_catch_up_is_one_batched_forward(tiny_teacher, tiny_student, pol
         d = Decoding(tiny_teacher, tiny_student, p, cfg(refresh=policy))
         singles.append((d, list(d)))
     assert_rows_equal(bd, recs, singles)
+
+
+@pytest.mark.parametrize("evict", [None, "h2o", "sliding", "confkv", "snapkv"])
+def test_additive_masks_decode_as_the_boolean_ones(tiny_teacher, tiny_student, evict, monkeypatch):
+    """The batched step hands SDPA additive masks on CUDA (kvlab.cache.batch.ADDITIVE_MASK_DEVICES): forced onto
+    this CPU, a batched run with eviction (holes, ragged rows, attention mass through the sink) still equals the
+    single runs, which use no batched masks at all."""
+    import kvlab.cache.batch as cb
+
+    monkeypatch.setattr(cb, "ADDITIVE_MASK_DEVICES", frozenset({"cpu"}))
+    seen = []
+    orig = cb.additive_mask
+
+    def spy(mask, dtype):
+        seen.append(dtype)
+        return orig(mask, dtype)
+
+    monkeypatch.setattr(cb, "additive_mask", spy)
+    policy = EVICT[evict] if evict else None
+    assert_rows_equal(*batch_and_singles(tiny_teacher, tiny_student, PROMPTS, cfg(mode="teacher", evict=policy)))
+    assert seen and set(seen) == {tiny_teacher.model.dtype}
+
+
+def test_additive_mask_is_zero_where_seen_and_finite_elsewhere():
+    from kvlab.cache.batch import additive_mask
+
+    m = torch.tensor([[True, False, True], [False, False, True]])
+    for dt in (torch.float32, torch.bfloat16):
+        a = additive_mask(m, dt)
+        assert a.dtype == dt and a.shape == m.shape
+        assert bool((a[m] == 0).all()) and bool((a[~m] == torch.finfo(dt).min).all())
+        assert bool(torch.isfinite(a).all())
