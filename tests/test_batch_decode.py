@@ -471,33 +471,24 @@ def test_teacher_catch_up_is_one_batched_forward(tiny_teacher, tiny_student, pol
     assert_rows_equal(bd, recs, singles)
 
 
+
 @pytest.mark.parametrize("evict", [None, "h2o", "sliding", "confkv", "snapkv"])
-def test_additive_masks_decode_as_the_boolean_ones(tiny_teacher, tiny_student, evict, monkeypatch):
-    """The batched step hands SDPA additive masks on CUDA (kvlab.cache.batch.ADDITIVE_MASK_DEVICES): forced onto
-    this CPU, a batched run with eviction (holes, ragged rows, attention mass through the sink) still equals the
-    single runs, which use no batched masks at all."""
+def test_padded_key_widths_decode_as_the_exact_ones(tiny_teacher, tiny_student, evict, monkeypatch):
+    """On CUDA a batched step pads its key widths to a multiple of kvlab.cache.batch.WIDTH_STEP columns (masked).
+    Forced onto this CPU, a batched run with eviction (holes, ragged rows, attention mass through the sink) still
+    equals the single runs, and the model did see padded widths."""
     import kvlab.cache.batch as cb
 
-    monkeypatch.setattr(cb, "ADDITIVE_MASK_DEVICES", frozenset({"cpu"}))
-    seen = []
-    orig = cb.additive_mask
+    monkeypatch.setattr(cb, "WIDTH_STEP", {"cpu": 8})
+    widths = []
+    orig = cb._StepLayer.__init__
 
-    def spy(mask, dtype):
-        seen.append(dtype)
-        return orig(mask, dtype)
+    def spy(self, bank, i, cols, width):
+        widths.append((width, bank.capacity(i)))
+        orig(self, bank, i, cols, width)
 
-    monkeypatch.setattr(cb, "additive_mask", spy)
+    monkeypatch.setattr(cb._StepLayer, "__init__", spy)
     policy = EVICT[evict] if evict else None
     assert_rows_equal(*batch_and_singles(tiny_teacher, tiny_student, PROMPTS, cfg(mode="teacher", evict=policy)))
-    assert seen and set(seen) == {tiny_teacher.model.dtype}
-
-
-def test_additive_mask_is_zero_where_seen_and_finite_elsewhere():
-    from kvlab.cache.batch import additive_mask
-
-    m = torch.tensor([[True, False, True], [False, False, True]])
-    for dt in (torch.float32, torch.bfloat16):
-        a = additive_mask(m, dt)
-        assert a.dtype == dt and a.shape == m.shape
-        assert bool((a[m] == 0).all()) and bool((a[~m] == torch.finfo(dt).min).all())
-        assert bool(torch.isfinite(a).all())
+    assert widths and all(w % 8 == 0 or w == cap for w, cap in widths)
+    assert any(w % 8 == 0 and w < cap for w, cap in widths)

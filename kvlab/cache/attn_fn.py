@@ -19,8 +19,7 @@ so a model switched to ``"kvlab"`` computes exactly what it did under ``"sdpa"``
 are the same length. A forward that measures attention mass passes a :class:`~kvlab.cache.mass.MassSink` as its
 ``kvlab_mass`` kwarg: a decode step's attention is then computed once, eagerly, and its head-mean probabilities go
 to the sink beside the output (:mod:`.mass`; no second Q·Kᵀ pass, no hooks). A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
-per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns; on CUDA the additive form, see
-:data:`kvlab.cache.batch.ADDITIVE_MASK_DEVICES`) as the forward's
+per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns) as the forward's
 ``kvlab_masks`` kwarg; it is used as given. Building its own mask assumes one unpadded sequence per batch row, which is
 what a :class:`~kvlab.cache.KVCache` holds (batch 1, or the probe's identical copies).
 

@@ -27,11 +27,11 @@ from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported
 from kvlab.core.compat import cache_kwarg
 
 MASKS_KWARG = "kvlab_masks"
-# Device types whose SDPA gets the step's masks ADDITIVE (0 where seen, the dtype's lowest where not) rather than
-# boolean: on CUDA (torch 2.11, H200) a boolean or absent mask sends a decode step's attention to a backend that pays
-# about 40 ms for every key width it has not seen, and a decode step meets a new width every step; an additive mask
-# did not (docs/measured/cuda_s8/sdpa_mask.jsonl, docs/measured/cuda_s10). Same attention either way (a test).
-ADDITIVE_MASK_DEVICES = frozenset({"cuda"})
+# Key widths a batched step hands the attention, per device type: a multiple of this many columns (the extra ones
+# masked; never past the bank's capacity). On CUDA (torch 2.11, H200) SDPA pays tens of ms for every key width it has
+# not seen and a decode step meets a new width every step (docs/measured/cuda_s8/sdpa_mask.jsonl; an additive mask
+# did not avoid it inside the model, docs/measured/cuda_s10); padded widths repeat. The CPU reads exact widths.
+WIDTH_STEP = {"cuda": 256}
 
 
 class _StepLayer(DynamicLayer):
@@ -138,7 +138,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             starts.append(s_row if caches[b] is not None else c_row)
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device).T                # (L, B)
-        widths = (cols_t.max(dim=1).values + n_max).tolist()
+        step = WIDTH_STEP.get(device.type, 1)
+        widths = [min(-(-(max(c[i] for c in cols) + n_max) // step) * step, bank.capacity(i)) for i in range(L)]
         W = max(widths)
         ar = torch.arange(W, device=device)
         last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
@@ -148,10 +149,6 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                   torch.tensor(hc, device=device)] = False
         step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i]) for i in range(L)])
         per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
-        handed = per_layer                                      # what the attention function gets
-        if device.type in ADDITIVE_MASK_DEVICES:
-            add = additive_mask(masks, bank.dtype)                                        # (L, B, n, W)
-            handed = [add[i, :, None, :, :widths[i]] for i in range(L)]                   # (B, 1, n, W_i)
         ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
                            device=device)                                                 # (B, n)
         nxt = [caches[b].next_position if caches[b] is not None else 0 for b in range(B)]
@@ -160,7 +157,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         attn_fn.use(model)
         kwargs = dict(input_ids=ids, position_ids=pos, **{cache_kwarg(model): step_cache}, use_cache=True,
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
-                      **{MASKS_KWARG: handed})
+                      **{MASKS_KWARG: per_layer})
         if sink is not None:                                    # one pass: the attention function measures
             out = model(**kwargs, **{MASS_KWARG: sink})
         elif want:                                              # rows measure differently: the capture's pass
@@ -204,12 +201,6 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         return logits[:, -1, :]                                                           # (B, V)
     pick = torch.tensor([keep.index(len(s) - 1) if s else 0 for s in seqs], device=logits.device)
     return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean ``mask`` (True = attend) as an additive one of ``dtype``: 0 where True, ``finfo(dtype).min`` where
-    False (finite, so a row that saw nothing gives no NaN; every row of a step sees at least its new column)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, masks: list[torch.Tensor]) -> dict:

@@ -1,8 +1,8 @@
-"""Boolean vs additive masks in kvlab's batched step, A/B in one process: a plain ``forward_rows`` step (full cache,
+"""Padded vs exact key widths in kvlab's batched step, A/B in one process: a plain ``forward_rows`` step (full cache,
 no policy) on a bank of B rows holding a CONTEXT-token prefill, decoding NEW key widths every step (as a real decode
-does; no width is seen twice), with ``kvlab.cache.batch.ADDITIVE_MASK_DEVICES`` as shipped (additive on CUDA) and
-emptied (boolean masks everywhere: kvlab before this change). The arms alternate in blocks of STEPS steps, each block
-on its own fresh widths. Median ms per step per arm. Usage: python mask_ab.py OUT_DIR [CONTEXT] [BATCH] [STEPS]"""
+does; no exact width is seen twice), with ``kvlab.cache.batch.WIDTH_STEP`` as shipped (widths padded to a multiple
+of 256 columns on CUDA) and emptied (exact widths: kvlab before this change). The arms alternate in blocks of STEPS
+steps. Median ms per step per arm. Usage: python width_ab.py OUT_DIR [CONTEXT] [BATCH] [STEPS]"""
 import json
 import statistics
 import sys
@@ -30,26 +30,26 @@ src = KVCache()
 src.forward(model, ids, writer="teacher")
 bank = Bank.for_model(model, B, capacity=ctx + 2 * blocks * steps + 8)
 caches = [bank.adopt(b, src) for b in range(B)]
-shipped = cb.ADDITIVE_MASK_DEVICES
-arms = {"additive (shipped)": shipped, "boolean (before)": frozenset()}
+shipped = cb.WIDTH_STEP
+arms = {"padded (shipped)": shipped, "exact (before)": {}}
 times = {a: [] for a in arms}
 s = 0
 forward_rows(bank, model, caches, [17] * B, writer="teacher", steps=[0] * B)    # one warm-up step (its own width)
 _sync()
 for blk in range(blocks):
     for arm, devs in (arms.items() if blk % 2 == 0 else reversed(list(arms.items()))):
-        cb.ADDITIVE_MASK_DEVICES = devs
+        cb.WIDTH_STEP = devs
         for _ in range(steps):
             s += 1
             t = time.perf_counter()
             forward_rows(bank, model, caches, [17] * B, writer="teacher", steps=[s] * B)
             _sync()
             times[arm].append(1000 * (time.perf_counter() - t))
-cb.ADDITIVE_MASK_DEVICES = shipped
+cb.WIDTH_STEP = shipped
 rows = [{"arm": a, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B, "context": ctx,
          "steps": len(v), "median_ms": round(statistics.median(v), 2), "min_ms": round(min(v), 2),
          "max_ms": round(max(v), 2), "torch": torch.__version__} for a, v in times.items()]
 out.mkdir(parents=True, exist_ok=True)
-(out / "mask_ab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+(out / "width_ab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 for r in rows:
     print(json.dumps(r))
