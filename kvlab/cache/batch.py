@@ -3,7 +3,7 @@
 :func:`forward_rows` runs one model forward over the bank's slots ``[0, width)``, each row
 appending its token(s) at its own positions (``position_ids`` ``(B, n)``). Row ``b``'s new keys are
 written at its columns ``s_b + n_b + j`` of every layer; the ``"kvlab"`` attention function
-(:mod:`.attn_fn`) gets each layer's per-row mask ``(B, 1, n, W)`` (True on the row's used columns
+(:mod:`.attn_fn`) gets each layer's per-row mask ``(B, 1, n, W)`` (W padded to a multiple of ``WIDTH_STEP`` on CUDA; True on the row's used columns
 and its new ones up to the query; padding and other rows' garbage masked) through the forward's
 kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at the end;
 the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
