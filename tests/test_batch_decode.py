@@ -471,7 +471,6 @@ def test_teacher_catch_up_is_one_batched_forward(tiny_teacher, tiny_student, pol
     assert_rows_equal(bd, recs, singles)
 
 
-
 @pytest.mark.parametrize("evict", [None, "h2o", "sliding", "confkv", "snapkv"])
 def test_padded_key_widths_decode_as_the_exact_ones(tiny_teacher, tiny_student, evict, monkeypatch):
     """On CUDA a batched step pads its key widths to a multiple of kvlab.cache.batch.WIDTH_STEP columns (masked).

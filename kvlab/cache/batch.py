@@ -1,16 +1,16 @@
 """The batched forward over a :class:`~.bank.Bank`: B sequences in one model forward, each row its own cache.
 
-:func:`forward_rows` runs one model forward over the bank's slots ``[0, width)``, each row
-appending its token(s) at its own positions (``position_ids`` ``(B, n)``). Row ``b``'s new keys are
-written at its columns ``s_b + n_b + j`` of every layer; the ``"kvlab"`` attention function
-(:mod:`.attn_fn`) gets each layer's per-row mask ``(B, 1, n, W)`` (W padded to a multiple of ``WIDTH_STEP`` on CUDA; True on the row's used columns
-and its new ones up to the query; padding and other rows' garbage masked) through the forward's
-kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at the end;
-the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
-refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway
-column past their used part and see only it; their cache is unchanged. After the forward each
-active row commits its columns (lengths + n), ledger rows, live maps and attention mass — or, on
-any error, no row commits anything. No step copies a cache.
+:func:`forward_rows` runs one model forward over the bank's slots ``[0, width)``, each row appending its
+token(s) at its own positions (``position_ids`` ``(B, n)``). Row ``b``'s new keys are written at its columns
+``s_b + n_b + j`` of every layer; the ``"kvlab"`` attention function (:mod:`.attn_fn`) gets each layer's per-row
+mask ``(B, 1, n, W)`` (True on the row's used columns and its new ones up to the query; padding and other rows'
+garbage masked; on CUDA ``W`` is rounded up to a multiple of :data:`WIDTH_STEP`, the extra columns masked)
+through the forward's kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at
+the end; the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
+refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway column past
+their used part and see only it; their cache is unchanged. After the forward each active row commits its columns
+(lengths + n), ledger rows, live maps and attention mass — or, on any error, no row commits anything.
+No step copies a cache.
 """
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device).T                # (L, B)
         step = WIDTH_STEP.get(device.type, 1)
-        widths = [min(-(-(max(c[i] for c in cols) + n_max) // step) * step, bank.capacity(i)) for i in range(L)]
+        used = [max(c[i] for c in cols) + n_max for i in range(L)]                       # per layer: columns read
+        widths = [min(-(-u // step) * step, bank.capacity(i)) for i, u in enumerate(used)]  # rounded up, in the bank
         W = max(widths)
         ar = torch.arange(W, device=device)
         last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
