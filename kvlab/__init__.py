@@ -29,7 +29,7 @@ _EXPORTS = {
     # eviction policies
     "BlockEvict": "eviction", "ConfKV": "eviction", "FullCache": "eviction", "H2O": "eviction",
     "PyramidKV": "eviction", "RandomEvict": "eviction", "Scissorhands": "eviction", "SlidingWindow": "eviction", "StreamingLLM": "eviction",
-    "SnapKV": "eviction", "EVICTION_POLICIES": "eviction",
+    "SnapKV": "eviction", "Every": "eviction", "EVICTION_POLICIES": "eviction",
     "ScorerPolicy": "eviction", "Knorm": "eviction", "SnapKVScorer": "eviction",
     "from_kvpress": "eviction.press_policy",     # kvpress's presses (optional install; imported only when used)
     # the run store

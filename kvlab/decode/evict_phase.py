@@ -11,7 +11,7 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.cache.attention import attention_modules
 from kvlab.cache.inputs import LayerInputs
-from kvlab.decode.protocols import EvictView, evict_attr
+from kvlab.decode.protocols import EvictView, evict_attr, evict_due
 from kvlab.decode.records import Signals, StepRecord
 
 
@@ -37,9 +37,10 @@ class EvictPhases:
         return rec if view is None else self._apply_evict(rec, self.config.evict.keep(view))
 
     def _evict_view(self, rec: StepRecord, logits: torch.Tensor) -> EvictView | None:
-        """The view the eviction policy decides from at this step (None: no policy, or an empty cache)."""
+        """The view the eviction policy decides from at this step (None: no policy, an empty cache, or a step the
+        policy is not asked at: its ``every``)."""
         cache, policy = self.cache, self.config.evict
-        if policy is None or not len(cache):
+        if policy is None or not len(cache) or not evict_due(policy, rec.step, self.first_step):
             return None
         sp = self.config.sampling
         return evict_view(cache, rec.step, rec, int(logits.shape[-1]), logits=logits,

@@ -47,6 +47,9 @@ EVICT_ATTRS: dict[str, Attr] = {
     "score_stat": Attr(None, "the statistic the policy ranks by, shown by the cache inspector (None: 'acc' when "
                              "it needs_attention)"),
     "batchable": Attr(True, "the policy may run as a row of a batched decode (False: batch 1 only)"),
+    "every": Attr(1, "the loop asks the policy only at the run's first step and every N-th step after it (kvpress's "
+                     "DecodingPress compression_interval); between, it builds no view and the cache grows by up to "
+                     "N - 1 entries past the budget (kvlab.eviction.every.Every gives any policy an N)"),
     "keep_rows": Attr(None, "keep_rows(views) -> [Keep]: the decisions of several rows of a batch at once, the same "
                             "as keep(view) row by row (ranked policies: one ranking for all rows); None: keep per row"),
 }
@@ -62,6 +65,13 @@ REFRESH_ATTRS: dict[str, Attr] = {
 def evict_attr(policy, name: str):
     """An eviction policy's optional attribute ``name`` (declared in :data:`EVICT_ATTRS`), or its default."""
     return getattr(policy, name, EVICT_ATTRS[name].default)
+
+
+def evict_due(policy, step: int, first_step: int = 1) -> bool:
+    """Whether the loop asks ``policy`` at ``step`` (a run whose first step is ``first_step``): at the first step,
+    then every ``every``-th (:data:`EVICT_ATTRS`)."""
+    every = evict_attr(policy, "every")
+    return every == 1 or (step - first_step) % every == 0
 
 
 def keep_rows(policy, views: Sequence["EvictView"]) -> list["Keep"]:
@@ -218,6 +228,9 @@ def validate_evict(policy) -> None:
     """The protocol checks the loop relies on (ValueError naming the attribute)."""
     if not callable(getattr(policy, "keep", None)):
         raise ValueError(f"evict={policy!r} needs a keep(view) -> Keep method (see kvlab.eviction)")
+    every = evict_attr(policy, "every")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"evict.every={every!r} must be an int >= 1 (the policy decides every N-th step)")
     decay = evict_attr(policy, "ema_decay")
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
         raise ValueError(f"evict.ema_decay={decay!r} must be in [0, 1)")

@@ -15,6 +15,7 @@ from kvlab.core.registry import EVICTION_POLICIES
 from kvlab.eviction.base import EvictView, Keep, drawn_stats, validate_evict
 from kvlab.eviction.block import BlockEvict
 from kvlab.eviction.confkv import ConfKV, confidence, pyramid_weights
+from kvlab.eviction.every import Every
 from kvlab.eviction.full import FullCache
 from kvlab.eviction.h2o import H2O
 from kvlab.eviction.pyramidkv import PyramidKV
@@ -30,6 +31,6 @@ from kvlab.eviction.snapkv import SnapKV
 register_eviction = EVICTION_POLICIES.register        # @register_eviction("mine") on your class
 unregister_eviction = EVICTION_POLICIES.unregister
 
-__all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "FullCache", "H2O", "Keep", "PyramidKV",
+__all__ = ["EVICTION_POLICIES", "register_eviction", "unregister_eviction", "BlockEvict", "ConfKV", "EvictView", "Every", "FullCache", "H2O", "Keep", "PyramidKV",
            "RandomEvict", "RankedEviction", "Scissorhands", "SlidingWindow", "SnapKV", "StreamingLLM", "confidence", "drawn_stats", "pyramid_weights",
            "validate_evict", "ScorerPolicy", "KeyNorm", "Knorm", "SnapKVScorer", "SnapKVWindow"]

@@ -29,6 +29,9 @@ def register(sub, bench_sweep) -> None:
     p.add_argument("--prompts", type=positive_int("--prompts"), default=2, help="refresh: prompts")
     p.add_argument("--cache-len", type=_cache_lens, default=2048,
                    help="surgery / evict: cache entries (bench evict --batch: a list, e.g. 2048,4096,8192)")
+    p.add_argument("--every", type=_every_list, default=[1],
+                   help="evict --batch: also ask each policy only every N-th step (kvpress's compression interval), "
+                        "e.g. 1,16 (1 = every step)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
@@ -48,6 +51,17 @@ def _batch_list(s: str) -> list[int]:
         out = []
     if not out or any(b < 1 for b in out):
         raise argparse.ArgumentTypeError(f"--batch must be positive ints separated by commas (e.g. 1,4,8,16), got {s!r}")
+    return out
+
+
+def _every_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(e < 1 for e in out):
+        raise argparse.ArgumentTypeError(f"--every must be positive ints separated by commas (e.g. 1,16; 1 = every "
+                                         f"step), got {s!r}")
     return out
 
 
@@ -99,6 +113,8 @@ def cmd_bench(args, *, bench_sweep) -> None:
         cmd = (f"python -m kvlab bench evict --batch {','.join(map(str, args.batch))} "
                f"--cache-len {','.join(map(str, lens))} "
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
+        if args.every != [1]:
+            cmd = cmd.replace(" --out", f" --every {','.join(map(str, args.every))} --out")
 
         def emit(r):
             print(json.dumps(r), flush=True)
@@ -106,7 +122,7 @@ def cmd_bench(args, *, bench_sweep) -> None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
 
         bench_evict_batch(lm, args.batch, cache_len=lens, steps=args.tokens or 16, repeats=args.repeats,
-                          on_row=emit)
+                          on_row=emit, every=args.every)
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]

@@ -7,7 +7,7 @@ import time
 import torch
 
 from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb  # noqa: F401
-from kvlab.decode.protocols import evict_attr
+from kvlab.decode.protocols import evict_attr, evict_due
 
 
 def default_evict_policies(cache_len: int) -> dict:
@@ -101,11 +101,11 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
             t1 = time.perf_counter()
             _, ent, top1, margin = token_stats(logits)
             rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-            d = pol.keep(evict_view(c, step, rec, vocab, first=step == 1))
+            d = pol.keep(evict_view(c, step, rec, vocab, first=step == 1)) if evict_due(pol, step) else None
             _sync()
             t2 = time.perf_counter()
-            phases: dict = {}
-            r = apply_keep(c, d, model, phases)
+            phases: dict = {"compact": 0.0}
+            r = apply_keep(c, d, model, phases) if d is not None else None       # not asked this step: no edit
             _sync()
             t4 = time.perf_counter()
             rows.append({"forward": t1 - t0, "metadata": t2 - t1, "compact": phases["compact"],

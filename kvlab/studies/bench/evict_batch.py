@@ -65,15 +65,35 @@ def _settings(pol) -> tuple:
                                               "ema_prefill"))
 
 
+def with_every(policies: dict, every) -> dict:
+    """``policies`` (name -> policy), each also asked only every ``e``-th step for each ``e > 1`` in ``every``
+    (:class:`~kvlab.eviction.every.Every`; the full cache is not wrapped): label -> ``(name, e, policy)``, the label
+    ``name`` for ``e = 1`` and ``name/every{e}`` otherwise."""
+    from kvlab.eviction.every import Every
+
+    every = [1] if every is None else list(every)
+    if not every or any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in every):
+        raise ValueError(f"every={every!r} must be a non-empty list of ints >= 1 (--every 1,16)")
+    out = {}
+    for e in every:
+        for n, pol in policies.items():
+            if e == 1:
+                out[n] = (n, 1, pol)
+            elif n != "full":
+                out[f"{n}/every{e}"] = (n, e, Every(pol, every=e))
+    return out
+
+
 def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, repeats: int = 2,
-                      policies: dict | None = None, seed: int = 0, on_row=None) -> list[dict]:
+                      policies: dict | None = None, seed: int = 0, on_row=None, every=(1,)) -> list[dict]:
     """Batched decode steps with eviction vs the full cache, one row per (context, batch, policy).
 
     ``cache_len``: an int or a list of contexts. Per context one prompt of ``cache_len`` random tokens is
     prefilled once per attention-statistics setting the policies need (untimed) and copied into every
     row of a :class:`~kvlab.cache.batch.Bank`; each policy then runs ``steps`` steps of one batched
     forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
-    every row's decision (all rows at once where the policy can: :func:`kvlab.decode.protocols.keep_rows`) and
+    every row's decision (all rows at once where the policy can: :func:`kvlab.decode.protocols.keep_rows`; at the
+    steps the policy is asked: ``every`` > 1 adds each policy asked every ``e``-th step, :func:`with_every`) and
     the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
     of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
@@ -91,7 +111,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep, evict_view
-    from kvlab.decode.protocols import keep_rows
+    from kvlab.decode.protocols import evict_due, keep_rows
 
     batches = check_batches(batches)
     lens = [cache_len] if isinstance(cache_len, int) and not isinstance(cache_len, bool) else list(cache_len)
@@ -99,13 +119,15 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
         raise ValueError("cache_len must be an int >= 64 or a non-empty list of them (--cache-len 2048,4096)")
     for cl in lens:
         _check_evict_bench(cl, steps)
+    with_every({}, every)                                                 # the list checked before any model work
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
     model = lm.model
     vocab = int(model.get_input_embeddings().weight.shape[0])
     out = []
     for cl in lens:
-        pols = policies if policies is not None else batch_evict_policies(cl)
+        labelled = with_every(policies if policies is not None else batch_evict_policies(cl), every)
+        pols = {k: v[2] for k, v in labelled.items()}
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (cl,), generator=g).tolist()
         new = torch.randint(0, vocab, (steps,), generator=g).tolist()
@@ -135,6 +157,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                         logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
                                               attention=[need] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
+                    if not evict_due(pol, step):                        # not asked this step: no view, no edit
+                        _sync()
+                        times.append(time.perf_counter() - t0)
+                        continue
                     with record_function("evict_bench.views"):
                         views = []                                      # the batched loop's one stats pass
                         for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
@@ -183,8 +209,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
             for n in pols:
                 mean_len, final = got[n]
                 plain_s = statistics.median(plains[start[n]])
-                row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B, "policy": n,
-                       "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
+                row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B,
+                       "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
                        "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
                        "peak_rss_mb": peak_rss_mb()}

@@ -35,12 +35,13 @@ def evict_table(figures: Path) -> str:
     """The kept run of ``bench evict --batch``: per policy, batch size and context, the speed over the full cache's,
     the byte bound, the fraction of it reached, and the evicting step against a plain step at equal live length."""
     rows = jsonl(MEASURED_EVICT)
-    lines = ["| policy | batch | context → mean live entries | speed-up over full | byte bound | fraction of bound | "
-             "plain step's fraction | evicting / plain |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | asked every | batch | context → mean live entries | speed-up over full | byte bound | "
+             "fraction of bound | plain step's fraction | evicting / plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["policy"] == "full":
             continue
-        lines.append(f"| {r['policy']} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
+        every = r.get("every", 1)
+        lines.append(f"| {r['policy']} | {'step' if every == 1 else f'{every} steps'} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
                      f"{fmt(r['speedup_vs_full'])}× | {fmt(r.get('bound'))}× | {fmt(r.get('frac_of_bound'))} | "
                      f"{fmt(plain_fraction(r, rows))} | {fmt(r.get('evict_vs_plain'))} |")
     full = [r for r in rows if r["policy"] == "full"]

@@ -102,7 +102,10 @@ def _record(step: int, logits: torch.Tensor):
 
 def _evict(cache, pol, step: int, logits: torch.Tensor, model) -> dict:
     from kvlab.decode.evict_phase import apply_keep, evict_view
+    from kvlab.decode.protocols import evict_due
 
+    if not evict_due(pol, step):
+        return {}
     view = evict_view(cache, step, _record(step, logits), int(logits.shape[-1]), logits=logits, temperature=1.0,
                       top_p=1.0, first=step == 1)
     decision = pol.keep(view)
