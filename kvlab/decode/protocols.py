@@ -178,7 +178,11 @@ class Kept(abc.Sequence):
 
 def _dropped(kept, length: int) -> list[int]:
     fast = getattr(kept, "dropped", None)
-    return fast(length) if fast is not None else sorted(set(range(length)).difference(kept))
+    if fast is not None:
+        return fast(length)
+    if len(kept) == length and (not length or (kept[0] == 0 and kept[-1] == length - 1)):
+        return []                           # sorted distinct slots 0 .. length - 1: everything kept (no set built)
+    return sorted(set(range(length)).difference(kept))
 
 
 @dataclass(frozen=True)

@@ -79,11 +79,12 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
     ``bench evict --batch``: speed-up over the full cache and the fraction of the byte bound, per batch and context)."""
     rows = [r for r in jsonl(MEASURED_EVICT) if r["policy"] != "full"]
     out = []
-    for batch, ctx in dict.fromkeys((r["batch"], r["cache_len"]) for r in rows):
-        part = [r for r in rows if (r["batch"], r["cache_len"]) == (batch, ctx)]
+    for batch, ctx, every in dict.fromkeys((r["batch"], r["cache_len"], r.get("every", 1)) for r in rows):
+        part = [r for r in rows if (r["batch"], r["cache_len"], r.get("every", 1)) == (batch, ctx, every)]
         lens = sorted({round(float(r["mean_len"])) for r in part if r.get("mean_len") is not None})
         kept = (f"cut to ~{lens[0]}" if len(lens) == 1 else "cut to the mean live entries in brackets")
-        out.append((f"Eviction speed, batch {batch}, {ctx:,} entries {kept} "
+        asked = "" if every == 1 else f", each policy asked every {every} steps"
+        out.append((f"Eviction speed, batch {batch}, {ctx:,} entries {kept}{asked} "
                     f"({part[0].get('device', '?')}): speed-up over the full cache (fraction of the byte bound)",
                     ", ".join(f"{r['policy']}{_kept(r, len(lens))} {fmt(r['speedup_vs_full'], 2)}× "
                               f"({fmt(r.get('frac_of_bound'), 2)})" for r in part), "docs/benchmarks.md"))

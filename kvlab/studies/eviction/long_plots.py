@@ -32,7 +32,8 @@ def bench_speed(folder, batch: int = 8) -> dict[tuple[str, int], float]:
             r = json.loads(line)
         except ValueError:
             continue
-        if r.get("batch") == batch and "tok_s" in r and "policy" in r and "cache_len" in r:
+        if r.get("batch") == batch and "tok_s" in r and "policy" in r and "cache_len" in r \
+                and r.get("every", 1) == 1:                           # the policy as the study runs it: every step
             out[(str(r["policy"]), int(r["cache_len"]))] = float(r["tok_s"])
     return out
 
