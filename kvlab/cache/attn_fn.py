@@ -18,7 +18,8 @@ then runs transformers' own SDPA attention. The mask function registered for ``"
 so a model switched to ``"kvlab"`` computes exactly what it did under ``"sdpa"`` whenever all layers
 are the same length. A forward that measures attention mass passes a :class:`~kvlab.cache.mass.MassSink` as its
 ``kvlab_mass`` kwarg: a decode step's attention is then computed once, eagerly, and its head-mean probabilities go
-to the sink beside the output (:mod:`.mass`; no second Q·Kᵀ pass, no hooks). A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
+to the sink beside the output (:mod:`.mass`; no second Q·Kᵀ pass, no hooks); a deferred step passes a
+:class:`~kvlab.cache.deferred.QuerySink` as ``kvlab_queries``, which keeps each layer's query (:mod:`.deferred`). A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
 per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns) as the forward's
 ``kvlab_masks`` kwarg; it is used as given. Building its own mask assumes one unpadded sequence per batch row, which is
 what a :class:`~kvlab.cache.KVCache` holds (batch 1, or the probe's identical copies).
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache import mass
+from kvlab.cache import deferred, mass
 
 NAME = "kvlab"
 
@@ -51,6 +52,9 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     masks = kwargs.pop("kvlab_masks", None)
     sink = kwargs.pop(mass.KWARG, None)
+    queries = kwargs.pop(deferred.KWARG, None)
+    if queries is not None:                 # a deferred step keeps its queries (kvlab.cache.deferred)
+        queries.take(module.layer_idx, query, kwargs.get("scaling"))
     n, t = query.shape[2], key.shape[2]
     if masks is not None:                   # a batched step (kvlab.cache.batch): each row's own columns
         attention_mask = masks[module.layer_idx]                                          # (B, 1, 1, T)

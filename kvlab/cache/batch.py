@@ -20,6 +20,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.cache import attn_fn
+from kvlab.cache.deferred import KWARG as QUERIES_KWARG
+from kvlab.cache.deferred import QuerySink
 from kvlab.cache.attention import QueryCapture
 from kvlab.cache.mass import KWARG as MASS_KWARG
 from kvlab.cache.mass import MassSink
@@ -70,14 +72,17 @@ class _StepCache(Cache):
 
 @torch.inference_mode()
 def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, writer: str,
-                 steps: Sequence[int], attention: Sequence[bool] | None = None) -> torch.Tensor:
+                 steps: Sequence[int], attention: Sequence[bool] | None = None,
+                 defer: Sequence[bool] | None = None) -> torch.Tensor:
     """One batched forward over the bank's slots ``[0, bank.width)``. ``caches[b]`` is slot ``b``'s
     KVCache (from :meth:`Bank.row_cache` / :meth:`Bank.adopt`) or None (a dummy row this time);
     ``tokens[b]`` the token (a decode step) or token list (a prefill or a teacher catching up; rows
     may differ in length: padded, the padding never committed) it appends at its ``next_position``
     on; ``steps[b]`` its ledger step. The lists have ``bank.batch`` entries (None past the width).
     ``attention[b]``: measure row ``b``'s attention mass (needs ``track_attention``; rows of the
-    longest length only). Returns logits ``(width, V)``: each row's after its last token (dummies'
+    longest length only). ``defer[b]``: row ``b``'s one-token step keeps its queries and its attention statistics
+    are computed when next read or edited (:mod:`.deferred`; needs ``track_attention``, excludes
+    ``attention[b]``). Returns logits ``(width, V)``: each row's after its last token (dummies'
     are meaningless). All-or-nothing: on error no row's cache changes."""
     if len(caches) != bank.batch or len(tokens) != bank.batch or len(steps) != bank.batch:
         raise ValueError(f"caches, tokens and steps need one entry per slot ({bank.batch})")
@@ -86,6 +91,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         raise ValueError(f"slots {B}.. are past the bank's width ({B}): they take no part in a forward")
     caches, tokens, steps = list(caches[:B]), list(tokens[:B]), list(steps[:B])
     attention = list(attention)[:B] if attention is not None else [False] * B
+    defer = list(defer)[:B] if defer is not None else [False] * B
     active = [b for b in range(B) if caches[b] is not None]
     if not active:
         raise ValueError("forward_rows needs at least one active row")
@@ -104,11 +110,17 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
     for b in active:
         if attention[b] and caches[b]._stats is None:
             raise ValueError(f"row {b}: attention=True needs cache.track_attention(ema_decay) first")
+        if defer[b] and (caches[b]._stats is None or attention[b] or len(seqs[b]) != 1):
+            raise ValueError(f"row {b}: defer=True needs cache.track_attention first, one token, and attention=False")
         if attention[b] and len(seqs[b]) != n_max:
             raise ValueError(f"row {b}: attention mass needs the row's tokens to fill the batch ({n_max}), got "
                              f"{len(seqs[b])}")
     device = bank.device
     L = bank.num_layers
+    for b in active:
+        if attention[b]:
+            caches[b]._settle()                                 # its deferred queries first: the fold keeps order
+    deferring = [b for b in active if defer[b]]
     materialized = []
     try:
         for b in active:
@@ -159,6 +171,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         kwargs = dict(input_ids=ids, position_ids=pos, **{cache_kwarg(model): step_cache}, use_cache=True,
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
+        qsink = QuerySink() if deferring else None
+        if qsink is not None:
+            kwargs[QUERIES_KWARG] = qsink
         if sink is not None:                                    # one pass: the attention function measures
             out = model(**kwargs, **{MASS_KWARG: sink})
         elif want:                                              # rows measure differently: the capture's pass
@@ -172,6 +187,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 lay._views()
         masses = {}
         try:
+            queries = qsink.stacked(L) if qsink is not None else None                     # (L, B, H, D)
             if sink is not None:
                 masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer)
             elif want:                                          # all measured rows at once (QueryCapture.mass_rows)
@@ -197,6 +213,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         p0 = c.next_position
         commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before,
                       ema_mass)
+        if defer[b]:
+            c._stats.defer(queries, b, c.layer_lengths(), [qsink.scaling[i] for i in range(L)])
     logits = out.logits                                                                   # (B, k, V)
     if n_max == 1:
         return logits[:, -1, :]                                                           # (B, V)

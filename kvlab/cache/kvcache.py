@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
+from kvlab.cache import deferred as _deferred
 from kvlab.cache import evict as _evict
 from kvlab.cache import forward as _forward
 from kvlab.cache import splices as _splices
@@ -69,6 +70,7 @@ class KVCache(CacheViews):
     @torch.inference_mode()
     def copy(self) -> "KVCache":
         """A deep copy: new tensors, new ledger, new live map."""
+        self._settle()
         new = KVCache.__new__(KVCache)
         new._store = self._store.copy()
         new._mirror = self._mirror.copy()
@@ -76,6 +78,12 @@ class KVCache(CacheViews):
         new.next_position = self.next_position
         new.check()
         return new
+
+    def _settle(self) -> None:
+        """Fold deferred queries into the attention statistics (:mod:`.deferred`): every edit and every read of the
+        statistics starts here, so they are always as if each step had been measured."""
+        if self._stats is not None and self._stats.pending:
+            _deferred.settle(self)
 
     # ------------------------------------------------------------------ attention statistics
 
@@ -138,6 +146,7 @@ class KVCache(CacheViews):
         layer's output and hands it to a :class:`~kvlab.cache.mass.MassSink`: no hooks, no second pass) and folds it into :attr:`attn`. INT8 entries are dequantized into the
         ``DynamicCache`` for the duration of the forward and dropped again afterwards.
         """
+        self._settle()
         return _forward.forward(self, model, token_ids, writer=writer, step=step, positions=positions,
                                 logits=logits, attention=attention)
 
@@ -170,6 +179,7 @@ class KVCache(CacheViews):
         tensor is touched). The ledger gains ``k`` rows carrying ``src``'s writer and step, and
         the live map points at them. Returns the slots rewritten.
         """
+        self._settle()
         return _splices.splice_last(self, src, k)
 
     def splice_positions(self, src: "KVCache", positions: Sequence[int]) -> list[int]:
@@ -180,6 +190,7 @@ class KVCache(CacheViews):
         token (checked before any tensor is touched). The ledger gains one row per position with
         ``src``'s writer and step. Returns the slots rewritten.
         """
+        self._settle()
         return _splices.splice_positions(self, src, positions)
 
     def append_from(self, src: "KVCache", n: int) -> list[int]:
@@ -188,10 +199,12 @@ class KVCache(CacheViews):
         The K/V are copied (not recomputed); the ledger rows carry ``src``'s writer, token and
         step, and ``next_position`` advances by ``n``. Returns the new slots.
         """
+        self._settle()
         return _splices.append_from(self, src, n)
 
     def crop(self, n: int) -> None:
         """Keep the first ``n`` entries (``n >= 0``); ``next_position`` is unchanged."""
+        self._settle()
         _splices.crop(self, n)
 
     # ------------------------------------------------------------------ surgery (.surgery, seed 004)
@@ -202,6 +215,7 @@ class KVCache(CacheViews):
         """Execute an action list (``delete``, ``insert``, ``replace_pair``, ``add``) as one tick;
         tensors and live map are cut by the same layout, all-or-nothing. Semantics (positions,
         ``rerotate``, failure and rebuild, ``fault_hook``): :func:`kvlab.cache.surgery.apply`."""
+        self._settle()
         return _surgery.apply(self, actions, model, writer=writer, step=step, splice=splice,
                               fault_hook=fault_hook, rerotate=rerotate)
 
@@ -238,6 +252,7 @@ class KVCache(CacheViews):
         position, so the next query's position fits all of them; ValueError otherwise).
         Validation (ints, distinct, in range, per layer) happens before any tensor is touched.
         """
+        self._settle()
         return _evict.evict(self, slots, model=model, rerotate=rerotate, layers=layers)
 
     def reposition(self, model, positions: Sequence[int]) -> int:
@@ -246,6 +261,7 @@ class KVCache(CacheViews):
         get new ledger rows (token, writer, step copied; new position) and events ``moved``; the
         old rows' status becomes ``moved``. ``next_position`` becomes ``max(positions) + 1``.
         Returns how many entries moved. Positions must be distinct ints."""
+        self._settle()
         return _evict.reposition(self, model, positions)
 
     def quantize_older(self, window: int, group: int | None = 64) -> int:
@@ -253,10 +269,12 @@ class KVCache(CacheViews):
         once at least ``group`` of them are waiting (they form one scale group); ``group=None``: every
         step, into one scale per (head, channel) over the whole INT8 prefix (the paper's). Returns
         how many entries were quantized (0 if fewer than ``group`` wait)."""
+        self._settle()
         return _evict.quantize_older(self, window, group)
 
     @torch.inference_mode()
     def dequantize(self) -> None:
         """Turn every INT8 entry back into an FP entry (values as dequantized)."""
+        self._settle()
         self._store.dequantize()
         self.check()

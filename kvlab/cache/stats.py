@@ -37,6 +37,8 @@ class AttnStats:
         self.device = device
         self._mats: dict[str, tuple] = {}   # name -> (matrix, its rows or None): data[name] as one (L, T) tensor
         self.data = {k: [torch.zeros(n, device=device) for n in lengths] for k in self.names}
+        self.pending: list[tuple] = []      # deferred steps (kvlab.cache.deferred): (queries (L, B, H, D), row, lengths)
+        self.pending_scaling: list[float] = []
 
     @property
     def data(self) -> dict[str, list[torch.Tensor]]:
@@ -119,6 +121,7 @@ class AttnStats:
         new = AttnStats.__new__(AttnStats)
         new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
         new.below, new.ema_prefill = self.below, self.ema_prefill
+        new.pending, new.pending_scaling = list(self.pending), list(self.pending_scaling)
         new._mats, new.data = {}, {}
         for k in self._data:
             m = self._matrix(k)
@@ -136,6 +139,8 @@ class AttnStats:
         the EMA takes the forward's ``w`` measured queries as ``w`` updates in query order,
         ``ema ← β^w·ema + (1-β)·ema_mass``; without it, one update ``ema ← β·ema + (1-β)·mass``."""
         w = n if self.window is None else min(self.window, n)
+        if mass is not None:
+            self._no_pending("a measured append")
         if self._lengths() and self._append_stacked(n, w, mass, low, ema_mass):
             return
         a = self.data
@@ -159,6 +164,39 @@ class AttnStats:
             if self.below:
                 lo = torch.cat([a["low"][i], z])
                 a["low"][i] = lo + low[i].to(self.device) if (mass is not None and low is not None) else lo
+
+    def defer(self, queries: torch.Tensor, row: int, lengths: list[int], scaling: list[float]) -> None:
+        """A deferred one-token step (:mod:`kvlab.cache.deferred`), after its entry was appended unmeasured:
+        ``queries[:, row]`` ``(L, H, D)`` are its queries, ``lengths`` each layer's length after it."""
+        self.pending.append((queries, row, list(lengths)))
+        self.pending_scaling = list(scaling)
+
+    def fold(self, n: int, adds: dict) -> None:
+        """Fold ``n`` deferred queries' statistics in (:func:`kvlab.cache.deferred.settle`): per layer
+        ``acc += adds["acc"][l]``, ``ema ← β^n·ema + (1-β)·adds["ema_in"][l]``, ``count += adds["count"][l]``
+        and, when ``below``, ``low += adds["low"][l]`` (each ``(T_l,)``)."""
+        b = self.ema_decay
+        lengths = self._lengths()
+        if lengths and len(set(lengths)) == 1:                           # one (L, T) op per statistic
+            mat = {k: torch.stack(v) for k, v in adds.items() if k != "low" or self.below}
+            self._set("acc", self._stack("acc") + mat["acc"])
+            self._set("ema", b ** n * self._stack("ema") + (1.0 - b) * mat["ema_in"])
+            self._set("count", self._stack("count") + mat["count"])
+            if self.below:
+                self._set("low", self._stack("low") + mat["low"])
+            return
+        a = self.data
+        for i in range(len(lengths)):
+            a["acc"][i] = a["acc"][i] + adds["acc"][i]
+            a["ema"][i] = b ** n * a["ema"][i] + (1.0 - b) * adds["ema_in"][i]
+            a["count"][i] = a["count"][i] + adds["count"][i]
+            if self.below:
+                a["low"][i] = a["low"][i] + adds["low"][i]
+
+    def _no_pending(self, what: str) -> None:
+        if self.pending:
+            raise RuntimeError(f"attention statistics: {what} with deferred queries pending (the cache settles them "
+                               "before any edit: KVCache._settle)")
 
     def _append_stacked(self, n: int, w: int, mass, low, ema_mass) -> bool:
         """:meth:`append` for every layer at once when the layers hold equally many entries and the forward
@@ -192,6 +230,7 @@ class AttnStats:
 
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:
         """Layer ``i`` keeps its columns ``keeps[i]`` (slots, in order; None: unchanged)."""
+        self._no_pending("keep")
         lengths = self._lengths()
         if keeps and all(k is not None for k in keeps) and len({int(k.shape[0]) for k in keeps}) == 1 \
                 and len(set(lengths)) == 1 and len(keeps) == len(lengths):
@@ -207,6 +246,7 @@ class AttnStats:
 
     def remap(self, idx: Sequence[int]) -> None:
         """Stats for a new slot order on every layer: ``idx[s]`` = old slot, or -1 for a new entry (zeros)."""
+        self._no_pending("remap")
         src = torch.tensor([max(i, 0) for i in idx], dtype=torch.long, device=self.device)
         new = torch.tensor([i < 0 for i in idx], dtype=torch.bool, device=self.device)
         self.data = {k: [t[src].masked_fill(new, 0.0) for t in ts] for k, ts in self.data.items()}

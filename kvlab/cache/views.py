@@ -202,6 +202,7 @@ class CacheViews:
         ``t_l`` of shape ``(T_l,)`` over layer ``l``'s live slots (views; read only), as
         :class:`~kvlab.eviction.base.EvictView` carries them. ``matrix``: a statistic held as one ``(L, T)``
         matrix (every layer as long) comes as it (row ``l`` = ``t_l``; what the eviction phase's view carries)."""
+        self._settle()
         return self._stats.per_layer(matrix) if self._stats is not None else None
 
     def attention_stats(self) -> dict[str, torch.Tensor] | None:

@@ -209,13 +209,15 @@ class BatchDecoding:
         if need:
             dec = rows[0].decoder
             caches, tokens, steps, attention = [None] * B, [None] * B, [0] * B, [False] * B   # per bank slot
+            defer = [False] * B
             for b in need:
                 s = slot[b]
                 caches[s], tokens[s], steps[s] = rows[b].cache, rows[b].tokens[-1], step_of[b] - 1
-                attention[s] = rows[b]._needs_attention
+                defer[s] = rows[b]._defer_attention              # statistics computed when the policy reads them
+                attention[s] = rows[b]._needs_attention and not defer[s]
             with capture_rows({slot[b]: rows[b]._inputs for b in need}, dec.model):
                 logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name,
-                                      steps=steps, attention=attention)               # (width, V) per slot
+                                      steps=steps, attention=attention, defer=defer)  # (width, V) per slot
             _sync(dec.device)
         stats = token_stats_rows(logits) if need else None      # every slot's in one pass (rows in `need`)
         shared = time.perf_counter() - t0

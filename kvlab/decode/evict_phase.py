@@ -23,6 +23,13 @@ class EvictPhases:
         ev = self.config.evict
         return ev is not None and bool(evict_attr(ev, "needs_attention"))
 
+    @property
+    def _defer_attention(self) -> bool:
+        """A policy asked only every N-th step (``every`` > 1) that measures attention: a batched decode step keeps
+        its queries and the statistics are computed when the policy next reads them (:mod:`kvlab.cache.deferred`;
+        the same numbers as measuring every step)."""
+        return self._needs_attention and evict_attr(self.config.evict, "every") > 1
+
     def _track(self, cache: KVCache) -> None:
         if self._needs_attention:
             ev = self.config.evict

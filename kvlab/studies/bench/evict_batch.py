@@ -148,6 +148,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 from kvlab.decode.protocols import evict_attr
 
                 need = bool(evict_attr(pol, "needs_attention"))
+                later = need and evict_attr(pol, "every") > 1         # statistics deferred to the asked steps
                 src = bases[_settings(pol)] if need else plain_base
                 caches = [bank.adopt(b, src) for b in range(B)]              # untimed copies
                 times, read = [], []
@@ -155,7 +156,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     t0 = time.perf_counter()
                     with record_function("evict_bench.forward"):
                         logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
-                                              attention=[need] * B)
+                                              attention=[need and not later] * B, defer=[later] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
                     if not evict_due(pol, step):                        # not asked this step: no view, no edit
                         _sync()
