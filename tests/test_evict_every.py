@@ -121,3 +121,13 @@ def test_bench_labels():
     assert got["h2o/every16"][:2] == ("h2o", 16) and got["h2o/every16"][2].every == 16
     with pytest.raises(ValueError, match="every="):
         with_every(pols, [0])
+
+
+def test_bench_rows_name_the_interval(tiny_teacher):
+    from kvlab.studies.bench.evict_batch import bench_evict_batch
+
+    rows = bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=6, repeats=1, every=[1, 4])
+    got = {(r["policy"], r["every"]) for r in rows}
+    assert ("h2o", 1) in got and ("h2o", 4) in got and ("full", 1) in got and ("full", 4) not in got
+    for r in rows:
+        assert r["plain_ms"] > 0 and r["step_ms"] > 0 and r["final_len"] >= 1

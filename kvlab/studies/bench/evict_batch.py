@@ -97,7 +97,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
     of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
-    ``evict_vs_plain`` = ``step_ms / plain_ms``). Policies interleave per repeat after one warm-up.
+    ``evict_vs_plain`` = ``step_ms / plain_ms``), run right after the policy (right before it in odd repeats).
+    Policies interleave per repeat after one warm-up.
 
     Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
     entries the policy's forwards read, mean over rows, layers and steps), ``bound``
@@ -194,22 +195,22 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 start[n] = max(1, min(cl, round(mean_len - (steps + 2) / 2)))   # plain reads that length on average
                 plain(start[n])
             runs = {n: [] for n in pols}
-            plains: dict[int, list[float]] = {}
+            plains: dict[str, list[float]] = {n: [] for n in pols}
             got = {}
-            for _ in range(repeats):
-                done = set()
-                for n, pol in pols.items():
+            for r in range(repeats):
+                for n, pol in pols.items():                               # each policy beside its own plain run,
+                    if r % 2:                                             # the order alternating per repeat: the
+                        plains[n] += plain(start[n])                      # machine's drift cancels out of the ratio
                     t, mean_len, final = one(pol)
                     runs[n] += t
                     got[n] = (mean_len, final)
-                    if start[n] not in done:                              # one plain run per length per repeat
-                        plains.setdefault(start[n], []).extend(plain(start[n]))
-                        done.add(start[n])
+                    if not r % 2:
+                        plains[n] += plain(start[n])
             med = {n: statistics.median(v) for n, v in runs.items()}
             full_len = got["full"][0] if "full" in got else cl + (steps + 2) / 2
             for n in pols:
                 mean_len, final = got[n]
-                plain_s = statistics.median(plains[start[n]])
+                plain_s = statistics.median(plains[n])
                 row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B,
                        "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
                        "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
