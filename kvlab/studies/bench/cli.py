@@ -44,36 +44,29 @@ def register(sub, bench_sweep) -> None:
     p.set_defaults(fn=partial(cmd_bench, bench_sweep=bench_sweep))
 
 
-def _batch_list(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(b < 1 for b in out):
-        raise argparse.ArgumentTypeError(f"--batch must be positive ints separated by commas (e.g. 1,4,8,16), got {s!r}")
-    return out
-
-
-def _every_list(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(e < 1 for e in out):
-        raise argparse.ArgumentTypeError(f"--every must be positive ints separated by commas (e.g. 1,16; 1 = every "
-                                         f"step), got {s!r}")
-    return out
-
-
-def _cache_lens(s: str) -> int | list[int]:
-    """``--cache-len``: one positive int, or (bench evict --batch) several separated by commas (a list)."""
+def _positive_ints(s: str, what: str) -> list[int]:
+    """Positive ints separated by commas, or ArgumentTypeError saying ``what`` is wanted (the flag and an example)."""
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         out = []
     if not out or any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError(f"--cache-len must be a positive int, or (bench evict --batch) several "
-                                         f"separated by commas (e.g. 2048,4096), got {s!r}")
+        raise argparse.ArgumentTypeError(f"{what}, got {s!r}")
+    return out
+
+
+def _batch_list(s: str) -> list[int]:
+    return _positive_ints(s, "--batch must be positive ints separated by commas (e.g. 1,4,8,16)")
+
+
+def _every_list(s: str) -> list[int]:
+    return _positive_ints(s, "--every must be positive ints separated by commas (e.g. 1,16; 1 = every step)")
+
+
+def _cache_lens(s: str) -> int | list[int]:
+    """``--cache-len``: one positive int, or (bench evict --batch) several separated by commas (a list)."""
+    out = _positive_ints(s, "--cache-len must be a positive int, or (bench evict --batch) several separated by "
+                            "commas (e.g. 2048,4096)")
     return out[0] if len(out) == 1 else out
 
 

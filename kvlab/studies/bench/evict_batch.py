@@ -97,8 +97,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
     of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
-    ``evict_vs_plain`` = ``step_ms / plain_ms``), run right after the policy (right before it in odd repeats).
-    Policies interleave per repeat after one warm-up.
+    ``evict_vs_plain`` = ``step_ms / plain_ms``), stepped alternately with the policy's (a plain step after the
+    policy's, then before it, ...), so both see the machine alike. Policies interleave per repeat after one warm-up.
 
     Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
     entries the policy's forwards read, mean over rows, layers and steps), ``bound``
@@ -144,68 +144,72 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
 
         for B in batches:
             bank = Bank.for_model(model, B, capacity=cl + steps + 2)
+            pbank = Bank.for_model(model, B, capacity=cl + steps + 2)      # the plain rows, stepped alternately
+            plain_src: dict[int, KVCache] = {}
 
-            def one(pol) -> tuple[list[float], float, int]:
+            def one(pol, n0: int | None = None) -> tuple[list[float], list[float], float, int]:
+                """``steps`` steps of ``pol``; with ``n0``, each step beside a plain step on rows that start at
+                ``n0`` entries (the order alternating per step). Returns both step times (the first step left
+                out), the policy's mean live length and its final length."""
                 from kvlab.decode.protocols import evict_attr
 
                 need = bool(evict_attr(pol, "needs_attention"))
                 later = need and evict_attr(pol, "every") > 1         # statistics deferred to the asked steps
                 src = bases[_settings(pol)] if need else plain_base
                 caches = [bank.adopt(b, src) for b in range(B)]              # untimed copies
-                times, read = [], []
-                for step, tok in enumerate(new, start=1):
+                if n0 is not None:
+                    if n0 not in plain_src:
+                        plain_src[n0] = plain_base.copy()
+                        plain_src[n0].crop(n0)
+                    pcaches = [pbank.adopt(b, plain_src[n0]) for b in range(B)]
+                times, ptimes, read = [], [], []
+
+                def evicting(step: int, tok: int) -> None:
                     t0 = time.perf_counter()
                     with record_function("evict_bench.forward"):
                         logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
                                               attention=[need and not later] * B, defer=[later] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
-                    if not evict_due(pol, step):                        # not asked this step: no view, no edit
-                        _sync()
-                        times.append(time.perf_counter() - t0)
-                        continue
-                    with record_function("evict_bench.views"):
-                        views = []                                      # the batched loop's one stats pass
-                        for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
-                            rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-                            views.append(evict_view(c, step, rec, vocab, first=step == 1))
-                    with record_function("evict_bench.decide"):
-                        decisions = keep_rows(pol, views)               # every row's decision at once
-                    with record_function("evict_bench.apply"):
-                        for c, decision in zip(caches, decisions):
-                            apply_keep(c, decision, model)
+                    if evict_due(pol, step):                            # asked this step: views, decision, edit
+                        with record_function("evict_bench.views"):
+                            views = []                                  # the batched loop's one stats pass
+                            for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
+                                rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
+                                views.append(evict_view(c, step, rec, vocab, first=step == 1))
+                        with record_function("evict_bench.decide"):
+                            decisions = keep_rows(pol, views)           # every row's decision at once
+                        with record_function("evict_bench.apply"):
+                            for c, decision in zip(caches, decisions):
+                                apply_keep(c, decision, model)
                     _sync()
                     times.append(time.perf_counter() - t0)
-                return times[1:], statistics.mean(read[1:]), len(caches[0])
 
-            def plain(n0: int) -> list[float]:
-                src = plain_base.copy()
-                src.crop(n0)
-                caches = [bank.adopt(b, src) for b in range(B)]
-                times = []
-                for step, tok in enumerate(new, start=1):
+                def plain(step: int, tok: int) -> None:
                     t0 = time.perf_counter()
-                    forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B)
+                    forward_rows(pbank, model, pcaches, [tok] * B, writer="teacher", steps=[step] * B)
                     _sync()
-                    times.append(time.perf_counter() - t0)
-                return times[1:]
+                    ptimes.append(time.perf_counter() - t0)
+
+                for step, tok in enumerate(new, start=1):
+                    order = (evicting, plain) if step % 2 else (plain, evicting)
+                    for fn in order if n0 is not None else (evicting,):
+                        fn(step, tok)
+                return times[1:], ptimes[1:], statistics.mean(read[1:]), len(caches[0])
 
             start = {}
             for n, pol in pols.items():                                  # warm-up; each policy's mean length
-                _, mean_len, _ = one(pol)
+                _, _, mean_len, _ = one(pol)
                 start[n] = max(1, min(cl, round(mean_len - (steps + 2) / 2)))   # plain reads that length on average
-                plain(start[n])
+                one(pol, start[n])
             runs = {n: [] for n in pols}
             plains: dict[str, list[float]] = {n: [] for n in pols}
             got = {}
-            for r in range(repeats):
-                for n, pol in pols.items():                               # each policy beside its own plain run,
-                    if r % 2:                                             # the order alternating per repeat: the
-                        plains[n] += plain(start[n])                      # machine's drift cancels out of the ratio
-                    t, mean_len, final = one(pol)
+            for _ in range(repeats):
+                for n, pol in pols.items():
+                    t, pt, mean_len, final = one(pol, start[n])
                     runs[n] += t
+                    plains[n] += pt
                     got[n] = (mean_len, final)
-                    if not r % 2:
-                        plains[n] += plain(start[n])
             med = {n: statistics.median(v) for n, v in runs.items()}
             full_len = got["full"][0] if "full" in got else cl + (steps + 2) / 2
             for n in pols:
@@ -224,5 +228,5 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 out.append(row)
                 if on_row is not None:
                     on_row(row)
-            del bank
+            del bank, pbank
     return out
