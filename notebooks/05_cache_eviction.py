@@ -277,6 +277,20 @@ display(Markdown(read_evict_long(long_table)))
 display(Markdown(read_needle_long(pd.read_csv(FIGURES / "evict_needle_long.csv"))))
 
 # %% [markdown]
+# ## 6c · What eviction buys in speed
+# Where the cache dominates a step (4,096 entries at batch 8: 0.54 GB of weights, 1.5 GB of K/V), each policy is
+# timed against the full cache and against a plain step at its own live length, asked at every step (as the studies
+# run it) and asked only every 16th step (`kvlab.Every`, kvpress's compression interval: the cache grows by up to
+# 15 entries between cuts, and the attention statistics of the steps in between are computed in one pass when the
+# policy reads them). The kept run of `python -m kvlab bench evict --batch 8 --cache-len 4096 --tokens 64
+# --every 1,16` (`docs/measured/evict_bench_batch.jsonl`; rerun it on your machine: timings are the machine's):
+
+# %%
+from kvlab.studies.bench.quotes import evict_table
+
+display(Markdown(evict_table(FIGURES)))
+
+# %% [markdown]
 # ## 7 · Your own policy in one cell
 # An eviction policy is one short class with a `keep(view) -> Keep` method; `kvlab.register_eviction`
 # makes it a family everywhere kvlab offers policies by name: the matched-memory table, the sawtooth,
