@@ -9,7 +9,8 @@ through the forward's kwargs. Rows of different lengths (a batched prefill, teac
 the end; the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
 refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway column past
 their used part and see only it; their cache is unchanged. After the forward each active row commits its columns
-(lengths + n), ledger rows, live maps and attention mass — or, on any error, no row commits anything.
+(lengths + n), ledger rows, live maps and attention mass — or, on any error, no row commits anything. A row that
+defers its statistics (``defer``) runs the plain attention and keeps its queries (:mod:`.deferred`).
 No step copies a cache.
 """
 from __future__ import annotations
