@@ -50,8 +50,8 @@ def test_asked_only_every_nth_step(tiny_teacher, every):
     d.cache.check()
 
 
-def test_an_asked_step_decides_as_the_wrapped_policy(tiny_teacher):
-    """At the asked steps the wrapper hands the view to the wrapped policy: the same Keep for the same view."""
+def test_decisions_are_applied_only_at_asked_steps(tiny_teacher):
+    """The loop's evict phase runs at the first step and every 4th after it, and at no other step."""
     pol = SlidingWindow(window=8, sinks=2)
     d = Decoding(tiny_teacher, tiny_teacher, PROMPT, cfg(Every(pol, every=4), 12))
     seen = []

@@ -206,6 +206,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         raise
     from kvlab.cache.forward import commit_append
 
+    scales = [qsink.scaling[i] for i in range(L)] if qsink is not None else None          # per layer, once a step
     for b in active:
         c = caches[b]
         c._store.dematerialize()
@@ -215,7 +216,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before,
                       ema_mass)
         if defer[b]:
-            c._stats.defer(queries, b, c.layer_lengths(), [qsink.scaling[i] for i in range(L)])
+            c._stats.defer(queries, b, c.layer_lengths(), scales)
     logits = out.logits                                                                   # (B, k, V)
     if n_max == 1:
         return logits[:, -1, :]                                                           # (B, V)

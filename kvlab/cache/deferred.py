@@ -53,19 +53,19 @@ def settle(cache) -> None:
     L = store.num_layers
     n = len(pending)
     q = torch.stack([qs[:, b] for qs, b, _ in pending], dim=2)                          # (L, H, N, D)
-    seen_upto = torch.tensor([lens for _, _, lens in pending], dtype=torch.long)        # (N, L) slots query j saw
+    seen_upto = torch.tensor([lens for _, _, lens in pending], dtype=torch.long, device=q.device)  # (N, L) slots seen
     beta = st.ema_decay
-    wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32)                      # (N,) β^(N-1-j)
+    wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32, device=q.device)     # (N,) β^(N-1-j)
     adds = {name: [] for name in ("acc", "ema_in", "count", "low")}
     for i in range(L):
         k = store.full_kv(i)[0]                                                          # (1, H_kv, T, D)
         t = int(k.shape[2])
-        vis = (torch.arange(t)[None, :] < seen_upto[:, i, None]).to(k.device)[None]     # (1, N, T)
+        vis = (torch.arange(t, device=k.device)[None, :] < seen_upto[:, i, None])[None]  # (1, N, T)
         probs = torch.softmax(_scores(None, q[i][None].to(k.dtype), k, vis[:, None], scaling[i]), dim=-1)
         a = probs.mean(1)[0]                                                             # (N, T) float32
         m = max_pool_next(a, st.pool)                                                    # (N, T) pooled per query
         adds["acc"].append(m.sum(0))
-        adds["ema_in"].append((wts.to(m.device)[:, None] * m).sum(0))
+        adds["ema_in"].append((wts[:, None] * m).sum(0))
         adds["count"].append(vis[0].sum(0).float())
         adds["low"].append(below_counts(a[None], vis)[0] if st.below else None)
     st.fold(n, adds)

@@ -169,7 +169,7 @@ class AttnStats:
         """A deferred one-token step (:mod:`kvlab.cache.deferred`), after its entry was appended unmeasured:
         ``queries[:, row]`` ``(L, H, D)`` are its queries, ``lengths`` each layer's length after it."""
         self.pending.append((queries, row, list(lengths)))
-        self.pending_scaling = list(scaling)
+        self.pending_scaling = scaling      # per layer, the same at every step (one list per batched step)
 
     def fold(self, n: int, adds: dict) -> None:
         """Fold ``n`` deferred queries' statistics in (:func:`kvlab.cache.deferred.settle`): per layer
