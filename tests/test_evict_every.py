@@ -126,8 +126,22 @@ def test_bench_labels():
 def test_bench_rows_name_the_interval(tiny_teacher):
     from kvlab.studies.bench.evict_batch import bench_evict_batch
 
-    rows = bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=6, repeats=1, every=[1, 4])
+    rows = bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=8, repeats=1, every=[1, 4])
     got = {(r["policy"], r["every"]) for r in rows}
     assert ("h2o", 1) in got and ("h2o", 4) in got and ("full", 1) in got and ("full", 4) not in got
     for r in rows:
-        assert r["plain_ms"] > 0 and r["step_ms"] > 0 and r["final_len"] >= 1
+        assert r["plain_ms"] > 0 and r["step_ms"] > 0 and r["asked_ms"] > 0 and r["final_len"] >= 1
+    with pytest.raises(ValueError, match=r"--tokens.*at least 8"):
+        bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=6, repeats=1, every=[1, 4])
+
+
+def test_period_times_spread_the_asked_step():
+    """A policy asked every 4 steps is timed over whole periods that start at an asked step (1, 5, 9, ...): the
+    asked step's cost counts once per period; a per-step median would leave it out."""
+    from kvlab.studies.bench.timing import period_times
+
+    times = [1.0 if (s - 1) % 4 else 9.0 for s in range(2, 14)]        # steps 2..13; asked steps 5 and 9 cost 9
+    assert period_times(times, 4) == [3.0, 3.0]                         # periods 5-8 and 9-12; 13 is no whole one
+    assert sorted(times)[len(times) // 2] == 1.0                        # the per-step median hides them
+    assert period_times(times, 1) == times
+    assert period_times(times[:3], 4) == []

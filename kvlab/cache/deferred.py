@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.cache.mass import _scores, below_counts
+from kvlab.cache.mass import below_counts
 from kvlab.cache.stats import max_pool_next
 
 KWARG = "kvlab_queries"
@@ -57,12 +57,19 @@ def settle(cache) -> None:
     beta = st.ema_decay
     wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32, device=q.device)     # (N,) β^(N-1-j)
     adds = {name: [] for name in ("acc", "ema_in", "count", "low")}
+    first_seen = seen_upto.min(0).values.tolist()                                         # (L,) every query sees these
+    H, D = q.shape[1], q.shape[3]
     for i in range(L):
         k = store.full_kv(i)[0]                                                          # (1, H_kv, T, D)
-        t = int(k.shape[2])
+        t, hkv = int(k.shape[2]), int(k.shape[1])
         vis = (torch.arange(t, device=k.device)[None, :] < seen_upto[:, i, None])[None]  # (1, N, T)
-        probs = torch.softmax(_scores(None, q[i][None].to(k.dtype), k, vis[:, None], scaling[i]), dim=-1)
-        a = probs.mean(1)[0]                                                             # (N, T) float32
+        qg = (q[i] * scaling[i]).to(k.dtype).reshape(1, hkv, (H // hkv) * n, D)          # (1, H_kv, g·N, D) scaled
+        s = torch.matmul(qg, k.transpose(-1, -2)).view(H, n, t)                          # (H, N, T) scores
+        s = s.float() if s.dtype != torch.float32 else s
+        t0 = first_seen[i]
+        if t0 < t:                                                                       # only the tail differs
+            s[:, :, t0:].masked_fill_(~vis[:, :, t0:], float("-inf"))
+        a = torch.softmax(s, dim=-1).mean(0)                                             # (N, T) float32
         m = max_pool_next(a, st.pool)                                                    # (N, T) pooled per query
         adds["acc"].append(m.sum(0))
         adds["ema_in"].append((wts[:, None] * m).sum(0))

@@ -143,6 +143,8 @@ class AttnStats:
             self._no_pending("a measured append")
         if self._lengths() and self._append_stacked(n, w, mass, low, ema_mass):
             return
+        if mass is None and self._pad_stacked(n):
+            return
         a = self.data
         z = torch.zeros(n, device=self.device)
         incs: dict[int, torch.Tensor] = {}          # lifetime increment per layer length (layers alike share one)
@@ -226,6 +228,17 @@ class AttnStats:
         if self.below:
             lo = grow("low")
             self._set("low", lo + mat(low) if low is not None else lo)
+        return True
+
+    def _pad_stacked(self, n: int) -> bool:
+        """An unmeasured :meth:`append` when the layers hold equally many entries: each statistic one ``(L, T)``
+        matrix padded with ``n`` zero columns (one op per statistic, not one per layer: a deferred step appends
+        unmeasured at every step). False (nothing done) when layers differ in length or there are none."""
+        lengths = self._lengths()
+        if not lengths or any(x != lengths[0] for x in lengths):
+            return False
+        for name in list(self._data):
+            self._set(name, torch.nn.functional.pad(self._stack(name), (0, n)))
         return True
 
     def keep(self, keeps: Sequence[torch.Tensor | None]) -> None:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb  # noqa: F401
+from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb, period_times  # noqa: F401
 from kvlab.decode.protocols import evict_attr, evict_due
 
 
@@ -72,7 +72,9 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     the same repeat: ``plain_ms``, a plain decode step (forward only, the same attention
     measurement, no policy, no eviction) on a cache holding the policy's live length after its
     first eviction (cropped back to it before every step, untimed), and ``evict_vs_plain`` =
-    ``step_ms / plain_ms`` (1.0: an evicting step costs what a plain step at that length costs).
+    ``step_ms / plain_ms`` (1.0: an evicting step costs what a plain step at that length costs). A policy asked
+    every ``e`` steps (:class:`~kvlab.eviction.every.Every`): ``step_ms`` and ``plain_ms`` are medians over whole
+    periods of ``e`` steps (:func:`~kvlab.studies.bench.timing.period_times`), so the asked step counts.
     Also the attention-mass cost, full-cache forward with ``attention=True`` vs without
     (``attn_forward_ratio``). Ratios print; nothing is asserted. The Conf-KV paper reports 0.22 ms
     compaction + 0.11 ms metadata per step on GPT-2 (GPU).
@@ -84,9 +86,14 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     from kvlab.decode.evict_phase import apply_keep, evict_view
 
     _check_evict_bench(cache_len, steps)
+    policies = policies if policies is not None else default_evict_policies(cache_len)
+    for n, pol in policies.items():
+        e = evict_attr(pol, "every")
+        if steps < 2 * e:
+            raise ValueError(f"steps={steps} times no whole period of policy {n!r} (asked every {e} steps): use "
+                             f"at least {2 * e}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
-    policies = policies if policies is not None else default_evict_policies(cache_len)
     model = lm.model
     vocab, new, base = _evict_bench_cache(model, cache_len, steps, seed)
 
@@ -152,10 +159,13 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     for n, rs in runs.items():
         later = [row for r in rs for row in r["rows"][1:]]
         first = [r["rows"][0] for r in rs]
+        e = evict_attr(policies[n], "every")                    # whole periods: a policy asked every e steps
         med = {k: 1000 * statistics.median(row[k] for row in later)
-               for k in ("step", "forward", "metadata", "compact", "int8", "rotate")}
+               for k in ("forward", "metadata", "compact", "int8", "rotate")}
+        med["step"] = 1000 * statistics.median(x for r in rs for x in period_times([w["step"] for w in r["rows"][1:]], e))
         res = {f"{k}_ms": round(v, 3) for k, v in med.items()}
-        plain_ms = 1000 * statistics.median(row["step"] for r in plains[n] for row in r["rows"][1:])
+        plain_ms = 1000 * statistics.median(x for r in plains[n]
+                                            for x in period_times([w["step"] for w in r["rows"][1:]], e))
         res["plain_ms"] = round(plain_ms, 3)
         res["evict_vs_plain"] = round(med["step"] / plain_ms, 3)
         res["first_evict_ms"] = round(1000 * statistics.median(row["compact"] for row in first), 3)

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
-from kvlab.studies.bench.timing import _sync, check_batches, peak_rss_mb
+from kvlab.studies.bench.timing import period_times, _sync, check_batches, peak_rss_mb
 
 
 def batch_evict_policies(cache_len: int) -> dict:
@@ -94,10 +94,13 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
     every row's decision (all rows at once where the policy can: :func:`kvlab.decode.protocols.keep_rows`; at the
     steps the policy is asked: ``every`` > 1 adds each policy asked every ``e``-th step, :func:`with_every`) and
-    the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out
-    of the medians. Beside every policy, in the same repeat, a plain batched step (forward only: no
+    the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out.
+    ``step_ms`` is the median over periods of the mean step time of each whole period of ``e`` steps starting at an
+    asked step (:func:`~kvlab.studies.bench.timing.period_times`; ``e = 1``: the median step), so a policy asked
+    every ``e`` steps pays its asked step's decision and edit spread over the steps it serves; ``asked_ms``: the
+    median time of the asked steps alone. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
-    ``evict_vs_plain`` = ``step_ms / plain_ms``), stepped alternately with the policy's (a plain step after the
+    ``evict_vs_plain`` = ``step_ms / plain_ms``, over the same periods), stepped alternately with the policy's (a plain step after the
     policy's, then before it, ...), so both see the machine alike. Policies interleave per repeat after one warm-up.
 
     Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
@@ -121,6 +124,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     for cl in lens:
         _check_evict_bench(cl, steps)
     with_every({}, every)                                                 # the list checked before any model work
+    for e in [1] if every is None else every:
+        if steps < 2 * e:
+            raise ValueError(f"steps={steps} (--tokens) times no whole period of a policy asked every {e} steps: "
+                             f"use at least {2 * e} (the first period starts at step {e + 1})")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
     model = lm.model
@@ -203,12 +210,15 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 one(pol, start[n])
             runs = {n: [] for n in pols}
             plains: dict[str, list[float]] = {n: [] for n in pols}
+            asked: dict[str, list[float]] = {n: [] for n in pols}
             got = {}
             for _ in range(repeats):
                 for n, pol in pols.items():
                     t, pt, mean_len, final = one(pol, start[n])
-                    runs[n] += t
-                    plains[n] += pt
+                    e = labelled[n][1]
+                    runs[n] += period_times(t, e)                       # whole periods: asked step included
+                    plains[n] += period_times(pt, e)                    # the same steps' plain twins
+                    asked[n] += [x for j, x in enumerate(t) if (j + 1) % e == 0]     # steps 1 + k·e (t[0]: step 2)
                     got[n] = (mean_len, final)
             med = {n: statistics.median(v) for n, v in runs.items()}
             full_len = got["full"][0] if "full" in got else cl + (steps + 2) / 2
@@ -219,7 +229,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                        "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
                        "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
-                       "peak_rss_mb": peak_rss_mb()}
+                       "asked_ms": round(1000 * statistics.median(asked[n]), 2), "peak_rss_mb": peak_rss_mb()}
                 if "full" in med:
                     row["speedup_vs_full"] = round(med["full"] / med[n], 3)
                     row["bound"] = round(byte_bound(model, B, full_len, mean_len), 3)

@@ -36,3 +36,17 @@ def check_batches(batches) -> list[int]:
     if not out or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in out):
         raise ValueError(f"--batch={batches!r} must be positive ints, e.g. --batch 1,4,8,16")
     return out
+
+
+def period_times(times, every: int, first_step: int = 1, start: int = 2) -> list[float]:
+    """Mean step time of each whole period of ``every`` steps that begins at an asked step (``first_step``, then
+    every ``every``-th: :func:`kvlab.decode.protocols.evict_due`); ``times[j]`` is step ``start + j``. With
+    ``every == 1`` each step is its own period (the steps' own times). A policy asked every N steps pays its
+    decision and edit on one step in N: a per-step median would leave that step out, a period's mean spreads it over
+    the N steps it serves. Empty when no whole period is timed."""
+    out = []
+    for j, _ in enumerate(times):
+        step = start + j
+        if (step - first_step) % every == 0 and j + every <= len(times):
+            out.append(sum(times[j:j + every]) / every)
+    return out
