@@ -97,3 +97,32 @@ def test_measured_append_refuses_pending():
         st.keep([torch.tensor([0, 1]), torch.tensor([0, 1])])
     with pytest.raises(RuntimeError, match="pending"):
         st.append(1, [torch.zeros(4), torch.zeros(4)])
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_rows_settled_together_equal_each_alone(tiny_teacher, setting):
+    """settle_rows: rows with the same pending steps share one pass per layer (softmax, pooling, sums over the
+    rows at once); a row of another length settles alone. Every row ends with what its own settle gives."""
+    from kvlab.cache.deferred import settle_rows
+
+    model = tiny_teacher.model
+    g = torch.Generator().manual_seed(1)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    bases = []
+    for n in (12, 12, 12, 9):                                     # three alike (different tokens), one shorter
+        c = KVCache()
+        c.track_attention(**setting)
+        c.forward(model, torch.randint(0, vocab, (n,), generator=g).tolist(), writer="teacher", attention=True)
+        bases.append(c)
+    toks = torch.randint(0, vocab, (5,), generator=g).tolist()
+    banks = [Bank.for_model(model, 4, capacity=64) for _ in range(2)]
+    rows = [[bk.adopt(b, bases[b]) for b in range(4)] for bk in banks]
+    for bk, cs in zip(banks, rows):
+        for j, t in enumerate(toks):
+            forward_rows(bk, model, cs, [t] * 4, writer="teacher", steps=[1 + j] * 4, defer=[True] * 4)
+    settle_rows(rows[0])                                          # together
+    for c in rows[1]:
+        c._settle()                                               # one by one
+    for a, b in zip(rows[0], rows[1]):
+        assert not a._stats.pending
+        assert_same(b, a)

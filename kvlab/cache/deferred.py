@@ -45,35 +45,65 @@ class QuerySink:
 @torch.inference_mode()
 def settle(cache) -> None:
     """Fold ``cache``'s pending queries into its attention statistics (module docstring); a no-op when none wait."""
-    st = cache._stats
-    if st is None or not st.pending:
-        return
-    pending, scaling = st.pending, st.pending_scaling
-    store = cache._store
-    L = store.num_layers
-    n = len(pending)
-    q = torch.stack([qs[:, b] for qs, b, _ in pending], dim=2)                          # (L, H, N, D)
+    settle_rows([cache])
+
+
+def _group_key(cache) -> tuple:
+    """Rows that settle together: the same pending steps (count and per-layer lengths seen), statistics settings,
+    layer lengths, scaling and key dtype."""
+    st, store = cache._stats, cache._store
+    k0 = store.full_kv(0)[0]
+    return (tuple(tuple(lens) for _, _, lens in st.pending), tuple(st.pending_scaling), st.ema_decay, st.pool,
+            st.below, tuple(cache.layer_lengths()), k0.dtype, k0.device)
+
+
+@torch.inference_mode()
+def settle_rows(caches) -> None:
+    """:func:`settle` for several caches (the rows of a batch) at once: rows with the same pending steps, settings
+    and layer lengths share each layer's softmax, head mean, pooling and sums (one op over the rows instead of one
+    per row); the ``Q·Kᵀ`` stays one matmul per row and layer, over the row's own keys (no copy). Rows that
+    match no other settle alone. The same numbers as one :func:`settle` per row."""
+    groups: dict[tuple, list] = {}
+    for c in caches:
+        if c is not None and c._stats is not None and c._stats.pending:
+            groups.setdefault(_group_key(c), []).append(c)
+    for group in groups.values():
+        _settle_group(group)
+
+
+def _settle_group(group: list) -> None:
+    st0 = group[0]._stats
+    pending, scaling = st0.pending, st0.pending_scaling
+    L = group[0]._store.num_layers
+    n, G = len(pending), len(group)
+    q = torch.stack([torch.stack([qs[:, b] for qs, b, _ in c._stats.pending], dim=2) for c in group])  # (G, L, H, N, D)
     seen_upto = torch.tensor([lens for _, _, lens in pending], dtype=torch.long, device=q.device)  # (N, L) slots seen
-    beta = st.ema_decay
-    wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32, device=q.device)     # (N,) β^(N-1-j)
+    first_seen = seen_upto.min(0).values.tolist()                                     # (L,) every query sees these
+    beta = st0.ema_decay
+    wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32, device=q.device)  # (N,) β^(N-1-j)
+    H, D = q.shape[2], q.shape[4]
     adds = {name: [] for name in ("acc", "ema_in", "count", "low")}
-    first_seen = seen_upto.min(0).values.tolist()                                         # (L,) every query sees these
-    H, D = q.shape[1], q.shape[3]
     for i in range(L):
-        k = store.full_kv(i)[0]                                                          # (1, H_kv, T, D)
-        t, hkv = int(k.shape[2]), int(k.shape[1])
-        vis = (torch.arange(t, device=k.device)[None, :] < seen_upto[:, i, None])[None]  # (1, N, T)
-        qg = (q[i] * scaling[i]).to(k.dtype).reshape(1, hkv, (H // hkv) * n, D)          # (1, H_kv, g·N, D) scaled
-        s = torch.matmul(qg, k.transpose(-1, -2)).view(H, n, t)                          # (H, N, T) scores
+        keys = [c._store.full_kv(i)[0] for c in group]                               # G × (1, H_kv, T, D)
+        t, hkv = int(keys[0].shape[2]), int(keys[0].shape[1])
+        qi = (q[:, i] * scaling[i]).to(keys[0].dtype)                                  # (G, H, N, D) scaled
+        s = torch.empty(G, H, n, t, dtype=keys[0].dtype, device=keys[0].device)      # (G, H, N, T) scores
+        for g, k in enumerate(keys):                                                  # GQA grouped: no K copy
+            torch.matmul(qi[g].reshape(hkv, (H // hkv) * n, D), k[0].transpose(-1, -2),
+                         out=s[g].view(hkv, (H // hkv) * n, t))
         s = s.float() if s.dtype != torch.float32 else s
+        vis = (torch.arange(t, device=s.device)[None, :] < seen_upto[:, i, None])[None]   # (1, N, T)
         t0 = first_seen[i]
-        if t0 < t:                                                                       # only the tail differs
-            s[:, :, t0:].masked_fill_(~vis[:, :, t0:], float("-inf"))
-        a = torch.softmax(s, dim=-1).mean(0)                                             # (N, T) float32
-        m = max_pool_next(a, st.pool)                                                    # (N, T) pooled per query
-        adds["acc"].append(m.sum(0))
-        adds["ema_in"].append((wts[:, None] * m).sum(0))
-        adds["count"].append(vis[0].sum(0).float())
-        adds["low"].append(below_counts(a[None], vis)[0] if st.below else None)
-    st.fold(n, adds)
-    st.pending = []
+        if t0 < t:                                                                    # only the tail differs
+            s[..., t0:].masked_fill_(~vis[:, None, :, t0:], float("-inf"))
+        a = torch.softmax(s, dim=-1).mean(1)                                          # (G, N, T) float32
+        m = max_pool_next(a.reshape(G * n, t), st0.pool).view(G, n, t)               # pooled per query
+        adds["acc"].append(m.sum(1))                                                  # (G, T)
+        adds["ema_in"].append((wts[:, None] * m).sum(1))
+        adds["count"].append(vis[0].sum(0).float().expand(G, t))
+        adds["low"].append(below_counts(a, vis) if st0.below else None)
+    uniform = len({int(x.shape[1]) for x in adds["acc"]}) == 1
+    for g, c in enumerate(group):                                                     # (L, T) matrices or lists
+        c._stats.fold(n, {name: None if v[0] is None else torch.stack(v, 1)[g] if uniform else [x[g] for x in v]
+                          for name, v in adds.items()})
+        c._stats.pending = []

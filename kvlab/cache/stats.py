@@ -176,11 +176,12 @@ class AttnStats:
     def fold(self, n: int, adds: dict) -> None:
         """Fold ``n`` deferred queries' statistics in (:func:`kvlab.cache.deferred.settle`): per layer
         ``acc += adds["acc"][l]``, ``ema ← β^n·ema + (1-β)·adds["ema_in"][l]``, ``count += adds["count"][l]``
-        and, when ``below``, ``low += adds["low"][l]`` (each ``(T_l,)``)."""
+        and, when ``below``, ``low += adds["low"][l]`` (each ``(T_l,)``; or one ``(L, T)`` matrix per statistic)."""
         b = self.ema_decay
         lengths = self._lengths()
         if lengths and len(set(lengths)) == 1:                           # one (L, T) op per statistic
-            mat = {k: torch.stack(v) for k, v in adds.items() if k != "low" or self.below}
+            mat = {k: v if isinstance(v, torch.Tensor) else torch.stack(v)               # (L, T) each
+                   for k, v in adds.items() if k != "low" or self.below}
             self._set("acc", self._stack("acc") + mat["acc"])
             self._set("ema", b ** n * self._stack("ema") + (1.0 - b) * mat["ema_in"])
             self._set("count", self._stack("count") + mat["count"])

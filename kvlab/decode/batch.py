@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
+from kvlab.cache.deferred import settle_rows
 from kvlab.cache.inputs import capture_rows
 from kvlab.core.compat import IncompatiblePairError
 from kvlab.decode.config import DecodeConfig
@@ -240,6 +241,10 @@ class BatchDecoding:
             scored[b] = (rec, lg, shared + time.perf_counter() - t1, due)
         teacher_s = self._catch_up({b: v[3] for b, v in scored.items() if v[3] is not None})
         ready, views = {}, {}
+        settling = [b for b, v in scored.items() if rows[b]._settles_at(v[0].step)]
+        t1 = time.perf_counter()
+        settle_rows([rows[b].cache for b in settling])  # deferred statistics of the rows asked now, together
+        settled = {b: (time.perf_counter() - t1) / len(settling) for b in settling}   # each row's share of it
         for b, (rec, lg, spent, due) in scored.items():  # probe, refresh and the eviction view, per row
             d = rows[b]
             t1 = time.perf_counter()
@@ -251,7 +256,8 @@ class BatchDecoding:
                 continue
             if view is not None:
                 views[b] = view
-            ready[b] = (rec, spent + (teacher_s if due is not None else 0.0) + time.perf_counter() - t1)
+            ready[b] = (rec, spent + settled.get(b, 0.0) + (teacher_s if due is not None else 0.0)
+                        + time.perf_counter() - t1)
         decided, share = self._decide(views)            # every row's eviction decided at once, per policy
         for b, (rec, spent) in ready.items():
             d = rows[b]

@@ -30,6 +30,11 @@ class EvictPhases:
         the same numbers as measuring every step)."""
         return self._needs_attention and evict_attr(self.config.evict, "every") > 1
 
+    def _settles_at(self, step: int) -> bool:
+        """Whether this row's deferred statistics are read at ``step`` (its policy is asked then): a batched step
+        settles such rows together first (:func:`kvlab.cache.deferred.settle_rows`)."""
+        return self._defer_attention and len(self.cache) > 0 and evict_due(self.config.evict, step, self.first_step)
+
     def _track(self, cache: KVCache) -> None:
         if self._needs_attention:
             ev = self.config.evict

@@ -113,6 +113,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
 
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
+    from kvlab.cache.deferred import settle_rows
     from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep, evict_view
     from kvlab.decode.protocols import evict_due, keep_rows
@@ -179,6 +180,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
                     if evict_due(pol, step):                            # asked this step: views, decision, edit
                         with record_function("evict_bench.views"):
+                            settle_rows(caches)                         # deferred statistics, the rows together
                             views = []                                  # the batched loop's one stats pass
                             for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
                                 rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
