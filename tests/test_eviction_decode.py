@@ -274,3 +274,27 @@ def test_pyramidkv_cuts_the_prompt_per_layer_then_appends(tiny3):
     full = list(Decoding(tiny3, None, PROMPT, cfg(mode="teacher", max_new_tokens=6)))
     per_entry = full[0].cache_bytes / (3 * L)
     assert recs[0].cache_bytes == sum(budgets) * per_entry              # the bytes of what each layer kept
+
+
+@pytest.mark.parametrize("cls", [SnapKV, PyramidKV])
+def test_one_cut_policies_measure_attention_only_until_their_cut(tiny_teacher, cls):
+    """SnapKV and PyramidKV read attention only at their first-step cut (``attention_steps = "first"``): later
+    forwards run unmeasured, which changes no token and no kept entry against the same policy measuring every step,
+    and the entries appended after the cut carry no measured mass."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Always(cls):
+        attention_steps = "all"
+
+    def go(pol):
+        d = Decoding(tiny_teacher, None, PROMPT, cfg(mode="teacher", max_new_tokens=10, evict=pol))
+        recs = list(d)
+        return d, recs
+
+    lazy, eager = go(cls(budget=12, window=4)), go(Always(budget=12, window=4))
+    assert [r.token_id for r in lazy[1]] == [r.token_id for r in eager[1]]
+    assert [r.evicted for r in lazy[1]] == [r.evicted for r in eager[1]]
+    assert lazy[0].cache.layer_positions() == eager[0].cache.layer_positions()
+    late = lambda d: float(d.cache.layer_attn()["acc"][0][-5:].abs().sum())   # noqa: E731 entries after the cut
+    assert late(lazy[0]) == 0.0 and late(eager[0]) > 0.0

@@ -214,8 +214,9 @@ class BatchDecoding:
             for b in need:
                 s = slot[b]
                 caches[s], tokens[s], steps[s] = rows[b].cache, rows[b].tokens[-1], step_of[b] - 1
-                defer[s] = rows[b]._defer_attention              # statistics computed when the policy reads them
-                attention[s] = rows[b]._needs_attention and not defer[s]
+                measure = rows[b]._measures_at(step_of[b])
+                defer[s] = measure and rows[b]._defer_attention  # statistics computed when the policy reads them
+                attention[s] = measure and not defer[s]
             with capture_rows({slot[b]: rows[b]._inputs for b in need}, dec.model):
                 logits = forward_rows(self.bank, dec.model, caches, tokens, writer=rows[0].decoder_name,
                                       steps=steps, attention=attention, defer=defer)  # (width, V) per slot

@@ -11,7 +11,7 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.cache.attention import attention_modules
 from kvlab.cache.inputs import LayerInputs
-from kvlab.decode.protocols import EvictView, evict_attr, evict_due
+from kvlab.decode.protocols import EvictView, evict_attr, evict_due, measures_at
 from kvlab.decode.records import Signals, StepRecord
 
 
@@ -29,6 +29,10 @@ class EvictPhases:
         its queries and the statistics are computed when the policy next reads them (:mod:`kvlab.cache.deferred`;
         the same numbers as measuring every step)."""
         return self._needs_attention and evict_attr(self.config.evict, "every") > 1
+
+    def _measures_at(self, step: int) -> bool:
+        """Whether this row's forward at ``step`` measures attention (:func:`~kvlab.decode.protocols.measures_at`)."""
+        return measures_at(self.config.evict, step, self.first_step)
 
     def _settles_at(self, step: int) -> bool:
         """Whether this row's deferred statistics are read at ``step`` (its policy is asked then): a batched step

@@ -326,7 +326,7 @@ class Decoding(RefreshPhases, EvictPhases):
             return pending
         with capture(self._inputs, self.decoder.model, prefill=False):
             logits = self.cache.forward(self.decoder.model, [self.tokens[-1]], writer=self.decoder_name,
-                                        step=step - 1, attention=self._needs_attention)
+                                        step=step - 1, attention=self._measures_at(step))
         self._fwd_bytes = self.cache.forward_nbytes()
         return logits, self.decoder_name
 

@@ -26,6 +26,9 @@ class Attr(NamedTuple):
 EVICT_ATTRS: dict[str, Attr] = {
     "needs_attention": Attr(False, "the loop measures attention mass on its forwards (prefill included) and the view "
                                    "carries ``attn``"),
+    "attention_steps": Attr("all", "with needs_attention: 'all' measures at every step; 'first' only at the prefill "
+                                   "and the run's first step, the one step the policy reads attention at (SnapKV, "
+                                   "PyramidKV: one cut); later steps append unmeasured (zeros)"),
     "ema_decay": Attr(0.9, "beta of the cache's EMA of attention mass (KVCache.track_attention), in [0, 1)"),
     "rerotate": Attr(False, "survivors are moved to consecutive positions (RoPE re-rotation); refused with refresh"),
     "attention_window": Attr(None, "only the last N queries of a multi-token forward are measured (SnapKV's "
@@ -65,6 +68,14 @@ REFRESH_ATTRS: dict[str, Attr] = {
 def evict_attr(policy, name: str):
     """An eviction policy's optional attribute ``name`` (declared in :data:`EVICT_ATTRS`), or its default."""
     return getattr(policy, name, EVICT_ATTRS[name].default)
+
+
+def measures_at(policy, step: int, first_step: int = 1) -> bool:
+    """Whether the loop measures attention on ``policy``'s forward at ``step`` (a run whose first step is
+    ``first_step``): ``needs_attention``, at every step or, with ``attention_steps == 'first'``, at the first."""
+    if policy is None or not evict_attr(policy, "needs_attention"):
+        return False
+    return evict_attr(policy, "attention_steps") == "all" or step == first_step
 
 
 def evict_due(policy, step: int, first_step: int = 1) -> bool:

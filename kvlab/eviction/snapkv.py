@@ -35,6 +35,7 @@ class ObservationWindow(RankedEviction):
 
     newest_field = "window"
     needs_attention = True
+    attention_steps = "first"      # its one cut reads attention at the first step; later steps keep everything
 
     @property
     def attention_window(self) -> int:

@@ -7,7 +7,7 @@ import time
 import torch
 
 from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb, period_times  # noqa: F401
-from kvlab.decode.protocols import evict_attr, evict_due
+from kvlab.decode.protocols import evict_attr, evict_due, measures_at
 
 
 def default_evict_policies(cache_len: int) -> dict:
@@ -103,7 +103,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
         rows = []
         for step, tok in enumerate(new, start=1):
             t0 = time.perf_counter()
-            logits = c.forward(model, [tok], writer="teacher", step=step, attention=need)
+            logits = c.forward(model, [tok], writer="teacher", step=step, attention=measures_at(pol, step))
             _sync()
             t1 = time.perf_counter()
             _, ent, top1, margin = token_stats(logits)

@@ -116,7 +116,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     from kvlab.cache.deferred import settle_rows
     from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep, evict_view
-    from kvlab.decode.protocols import evict_due, keep_rows
+    from kvlab.decode.protocols import evict_due, keep_rows, measures_at
 
     batches = check_batches(batches)
     lens = [cache_len] if isinstance(cache_len, int) and not isinstance(cache_len, bool) else list(cache_len)
@@ -176,7 +176,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     t0 = time.perf_counter()
                     with record_function("evict_bench.forward"):
                         logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
-                                              attention=[need and not later] * B, defer=[later] * B)
+                                              attention=[measures_at(pol, step) and not later] * B,
+                                              defer=[measures_at(pol, step) and later] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
                     if evict_due(pol, step):                            # asked this step: views, decision, edit
                         with record_function("evict_bench.views"):

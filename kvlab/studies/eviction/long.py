@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.decode.protocols import measures_at
 from kvlab.studies.eviction.long_policies import CONTROL, PROTECT, confkv_control, row_name
 
 STUDY_VERSION = 1
@@ -185,7 +186,8 @@ def forced_branch(model, base, first, pol, cont: list[int], full_logp: torch.Ten
     for s in range(2, row.m + 1):
         if on_forward is not None:
             on_forward(1)
-        logits = row.cache.forward(model, [cont[s - 1]], writer="teacher", step=s, attention=row.need)
+        logits = row.cache.forward(model, [cont[s - 1]], writer="teacher", step=s,
+                                   attention=row.need and measures_at(row.pol, s))
         row.score(s, logits)
         row.evict(s, logits, model)
     return row.result()
@@ -221,7 +223,7 @@ def forced_batch(model, rows: list[_Row], on_forward: Callable | None = None, ba
             for _ in rows:
                 on_forward(1)
         logits = forward_rows(bank, model, [r.cache for r in rows], [cont[s - 1]] * n, writer="teacher",
-                              steps=[s] * n, attention=[r.need for r in rows])
+                              steps=[s] * n, attention=[r.need and measures_at(r.pol, s) for r in rows])
         for b, r in enumerate(rows):
             r.score(s, logits[b])
             r.evict(s, logits[b], model)
@@ -331,7 +333,8 @@ def _steps(model, row: _Row, on_forward) -> _Row:
     for s in range(2, row.m + 1):
         if on_forward is not None:
             on_forward(1)
-        logits = row.cache.forward(model, [row.cont[s - 1]], writer="teacher", step=s, attention=row.need)
+        logits = row.cache.forward(model, [row.cont[s - 1]], writer="teacher", step=s,
+                                   attention=row.need and measures_at(row.pol, s))
         row.score(s, logits)
         row.evict(s, logits, model)
     return row
