@@ -77,7 +77,8 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
     if not ctxs:
         return []
     n_txt = "/".join(str(x) for x in sorted(ns))                       # one number when every context has the same n
-    where = f"Eviction at {' and '.join(ctxs)} tokens, {LONG_BUDGET} entries (n = {n_txt} per context)"
+    listed = ctxs[0] if len(ctxs) == 1 else f"{', '.join(ctxs[:-1])} and {ctxs[-1]}"
+    where = f"Eviction at {listed} tokens, {LONG_BUDGET} entries (n = {n_txt} per context)"
     return [(f"{where}: each policy − sliding window, teacher-forced KL to the full cache", " ".join(vs), "evict_long"),
             (f"{where}: the seeds' paired claims, teacher-forced KL", " ".join(paired), "evict_long")]
 
