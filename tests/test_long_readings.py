@@ -64,7 +64,11 @@ def test_readme_long_rows_hold_every_context_with_an_interval(tmp_path):
     from kvlab.studies.eviction.quotes import _long_rows
 
     t = pd.read_csv(FIGURES / "evict_long.csv")
-    two = t.copy()
+    three = t.copy()
+    three.loc[three.context.isin([2048, 4096, 8192]), "n_prompts"] = 32
+    three.to_csv(tmp_path / "evict_long.csv", index=False)
+    assert _long_rows(tmp_path)[0][0].startswith("Eviction at 2,048, 4,096 and 8,192 tokens, 512 entries (n = 32 per")
+    two = t[t.context.isin([2048, 4096])].copy()
     two.loc[two.context == 4096, "n_prompts"] = 32
     two.loc[two.context == 2048, "n_prompts"] = 32
     two.to_csv(tmp_path / "evict_long.csv", index=False)
