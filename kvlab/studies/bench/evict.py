@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb, period_times  # noqa: F401
+from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb, period_times, check_whole_period  # noqa: F401
 from kvlab.decode.protocols import evict_attr, evict_due, measures_at
 
 
@@ -88,10 +88,7 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
     _check_evict_bench(cache_len, steps)
     policies = policies if policies is not None else default_evict_policies(cache_len)
     for n, pol in policies.items():
-        e = evict_attr(pol, "every")
-        if steps < 2 * e:
-            raise ValueError(f"steps={steps} times no whole period of policy {n!r} (asked every {e} steps): use "
-                             f"at least {2 * e}")
+        check_whole_period(steps, evict_attr(pol, "every"), f"policy {n!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
     model = lm.model
@@ -99,7 +96,6 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
 
     def one(pol) -> dict:
         c = base.copy()
-        need = bool(evict_attr(pol, "needs_attention"))
         rows = []
         for step, tok in enumerate(new, start=1):
             t0 = time.perf_counter()
@@ -121,13 +117,14 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
                          "rotate": r.rotate_s if r is not None else 0.0})
         return {"rows": rows}
 
-    def plain(c: KVCache, need: bool) -> dict:
-        """Plain steps, each on a cache of the length this copy starts with (cropped back, untimed)."""
+    def plain(c: KVCache, pol) -> dict:
+        """Plain steps, each on a cache of the length this copy starts with (cropped back, untimed), measuring
+        attention at the steps ``pol``'s run does (:func:`~kvlab.decode.protocols.measures_at`)."""
         n0, rows = len(c), []
         for step, tok in enumerate(new, start=1):
             c.crop(n0)
             t0 = time.perf_counter()
-            c.forward(model, [tok], writer="teacher", step=step, attention=need)
+            c.forward(model, [tok], writer="teacher", step=step, attention=measures_at(pol, step))
             _sync()
             rows.append({"step": time.perf_counter() - t0})
         return {"rows": rows}
@@ -140,14 +137,14 @@ def bench_evict(lm, cache_len: int = 2048, steps: int = 16, repeats: int = 3, po
         c = base.copy()
         c.crop(min(live[n], cache_len))  # the evicting run's length when its next forward starts
         plain_base[n] = c
-        plain(c.copy(), bool(evict_attr(pol, "needs_attention")))
+        plain(c.copy(), pol)
     runs = {n: [] for n in policies}
     plains = {n: [] for n in policies}
     attn = {True: [], False: []}
     for _ in range(repeats):
         for n, pol in policies.items():
             runs[n].append(one(pol))
-            plains[n].append(plain(plain_base[n].copy(), bool(evict_attr(pol, "needs_attention"))))
+            plains[n].append(plain(plain_base[n].copy(), pol))
         for flag in (False, True):
             c = base.copy()
             attn[flag].append(_timed(lambda: c.forward(model, [new[0]], writer="teacher", attention=flag)))

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
-from kvlab.studies.bench.timing import period_times, _sync, check_batches, peak_rss_mb
+from kvlab.studies.bench.timing import _sync, check_batches, check_whole_period, peak_rss_mb, period_times
 
 
 def batch_evict_policies(cache_len: int) -> dict:
@@ -126,9 +126,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
         _check_evict_bench(cl, steps)
     with_every({}, every)                                                 # the list checked before any model work
     for e in [1] if every is None else every:
-        if steps < 2 * e:
-            raise ValueError(f"steps={steps} (--tokens) times no whole period of a policy asked every {e} steps: "
-                             f"use at least {2 * e} (the first period starts at step {e + 1})")
+        check_whole_period(steps, e, "a policy")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
     model = lm.model

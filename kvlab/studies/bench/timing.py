@@ -38,6 +38,14 @@ def check_batches(batches) -> list[int]:
     return out
 
 
+def check_whole_period(steps: int, every: int, what: str) -> None:
+    """ValueError naming ``--tokens`` when ``steps`` time no whole period of ``what``, asked every ``every`` steps
+    (:func:`period_times`: the first whole period starts at step ``every + 1``)."""
+    if steps < 2 * every:
+        raise ValueError(f"steps={steps} (--tokens) times no whole period of {what} asked every {every} steps: use "
+                         f"at least {2 * every} (the first period starts at step {every + 1})")
+
+
 def period_times(times, every: int, first_step: int = 1, start: int = 2) -> list[float]:
     """Mean step time of each whole period of ``every`` steps that begins at an asked step (``first_step``, then
     every ``every``-th: :func:`kvlab.decode.protocols.evict_due`); ``times[j]`` is step ``start + j``. With
