@@ -75,7 +75,7 @@ def _record(cache, ids: list[int], positions: list[int], writer: str, step: int,
     mirror.set_layers(store.num_layers)
     mirror.extend(rows)
     if cache._stats is not None:
-        cache._stats.set_layers(store.num_layers, before[0])
+        cache._stats.set_layers(store.num_layers, before[0], store.device)
         cache._stats.append(len(ids), mass, low, ema_mass)
     cache.check_lengths()           # the new rows are valid by construction: lengths are what can slip
 

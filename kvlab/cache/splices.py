@@ -109,7 +109,7 @@ def append_from(cache, src, n: int) -> list[int]:
         for live, theirs, slive in zip(mirror.lives, theirs_l, smirror.lives):
             live.extend(new[slive[b]] for b in theirs)
         if cache._stats is not None:
-            cache._stats.set_layers(cache.num_layers, before[0])
+            cache._stats.set_layers(cache.num_layers, before[0], cache._store.device)
             cache._stats.append(n, None)
         cache.check()
     except BaseException:

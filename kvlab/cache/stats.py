@@ -91,9 +91,11 @@ class AttnStats:
         """The statistics kept: acc, ema, count, and ``low`` when ``below`` (Scissorhands)."""
         return NAMES + ("low",) if self.below else NAMES
 
-    def set_layers(self, layers: int, n: int) -> None:
-        """Tracking started before the cache had layers: one row of ``n`` zeros per layer."""
+    def set_layers(self, layers: int, n: int, device=None) -> None:
+        """Tracking started before the cache had layers: one row of ``n`` zeros per layer, on ``device`` (the
+        storage's, which an empty cache did not know yet)."""
         if len(self._lengths()) != layers:
+            self.device = torch.device(device) if device is not None else self.device
             self.data = {k: [torch.zeros(n, device=self.device) for _ in range(layers)] for k in self.names}
 
     def check(self, lengths: Sequence[int]) -> None:

@@ -84,22 +84,33 @@ def _long_rows(figures: Path) -> list[tuple[str, str, str]]:
 
 
 def _needle_long_rows(figures: Path) -> list[tuple[str, str, str]]:
-    """Long-context retrieval (``evict_needle_long``), one row per (length, setting) with n >= 2 cases: each policy's
-    exact-match accuracy as hits/n with its Wilson 95 % interval, written "a to b" (an interval of a proportion, not
-    of a difference: the key-results audit, which reads ``[lo, hi]`` as a paired difference, leaves it out)."""
+    """Long-context retrieval (``evict_needle_long``), one row per setting over its lengths with n >= 2 cases: each
+    policy's exact-match accuracy as hits/n with its Wilson 95 % interval, written "a to b" (an interval of a
+    proportion, not of a difference: the key-results audit, which reads ``[lo, hi]`` as a paired difference, leaves
+    it out)."""
     if not (Path(figures) / "evict_needle_long.csv").exists():
         return []
     t = read(figures, "evict_needle_long")
     rows = []
-    for (length, setting), g in t.groupby(["length", "setting"], sort=True):
-        n = int(g["n"].min())
-        if n < 2:
+    for setting, gs in t.groupby("setting", sort=True):
+        parts, lengths, ns, tasks, budget = [], [], set(), {}, 0
+        for length, g in gs.groupby("length", sort=True):
+            n = int(g["n"].min())
+            if n < 2:
+                continue
+            ns.add(n)
+            lengths.append(f"{int(length):,}")
+            tasks.update(dict.fromkeys(str(x) for x in g["task"]))
+            budget = max(budget, int(g["budget"].max()))
+            cells = [f"{r.policy} {fmt(r.accuracy, 2)} ({round(r.accuracy * r.n)}/{int(r.n)}; Wilson "
+                     f"{fmt(r.ci_lo, 2)} to {fmt(r.ci_hi, 2)})" for r in g.itertuples()]
+            parts.append(f"**{int(length):,} tokens:** " + ", ".join(cells))
+        if not parts:
             continue
-        tasks = ", ".join(dict.fromkeys(str(x) for x in g["task"]))
-        cells = [f"{r.policy} {fmt(r.accuracy, 2)} ({round(r.accuracy * r.n)}/{int(r.n)}; Wilson {fmt(r.ci_lo, 2)} to "
-                 f"{fmt(r.ci_hi, 2)})" for r in g.itertuples()]
-        rows.append((f"Retrieval at {int(length):,} tokens ({tasks}, at most {int(g['budget'].max())} entries, n = {n} "
-                     f"cases), {setting} setting: exact match", ", ".join(cells), "evict_needle_long"))
+        listed = lengths[0] if len(lengths) == 1 else f"{', '.join(lengths[:-1])} and {lengths[-1]}"
+        n_txt = "/".join(str(x) for x in sorted(ns))
+        rows.append((f"Retrieval at {listed} tokens ({', '.join(tasks)}, at most {budget} entries, n = {n_txt} "
+                     f"cases per length), {setting} setting: exact match", " ".join(parts), "evict_needle_long"))
     return rows
 
 
