@@ -77,8 +77,9 @@ def _settle_group(group: list) -> None:
     L = group[0]._store.num_layers
     n, G = len(pending), len(group)
     q = torch.stack([torch.stack([qs[:, b] for qs, b, _ in c._stats.pending], dim=2) for c in group])  # (G, L, H, N, D)
-    seen_upto = torch.tensor([lens for _, _, lens in pending], dtype=torch.long, device=q.device)  # (N, L) slots seen
-    first_seen = seen_upto.min(0).values.tolist()                                     # (L,) every query sees these
+    seen = [lens for _, _, lens in pending]
+    seen_upto = torch.tensor(seen, dtype=torch.long, device=q.device)                 # (N, L) slots seen
+    first_seen = [min(col) for col in zip(*seen)]                     # (L,) every query sees these (no read-back)
     beta = st0.ema_decay
     wts = beta ** torch.arange(n - 1, -1, -1, dtype=torch.float32, device=q.device)  # (N,) β^(N-1-j)
     H, D = q.shape[2], q.shape[4]

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.decode.protocols import Kept
 from kvlab.eviction.base import EvictView, Keep, keep_all, layer_rows, nonneg_int, per_layer, positive_int
 from kvlab.core.registry import register_eviction
 
@@ -194,8 +195,8 @@ class BlockEvict:
         (indicators, anchor, Hamming distances, candidate order) for inspection."""
         s, bs = self.start_blocks * self.block_size, self.block_size
         e = nb * bs
-        a = acc[s:s + e].double()
-        order = sorted(range(e), key=lambda i: (-float(a[i]), i))              # top half by raw score
+        a = acc[s:s + e].double().cpu()                                         # one copy to the host
+        order = torch.sort(-a, stable=True).indices                             # top half by raw score, ties by slot
         ind = torch.zeros(e, dtype=torch.long)
         ind[order[: e // 2]] = 1
         ind = ind.view(nb, bs)                                                  # (nb, bs)
@@ -215,16 +216,17 @@ class BlockEvict:
             return []
         nb = len(self.areas(n)[1])
         scores = self.block_scores(acc, count, nb)
-        evicted = sorted(sorted(range(nb), key=lambda b: (float(scores[b]), b))[:d])
+        # the d lowest blocks, ties by block index: one sort and one copy to the host (no per-block read-back)
+        evicted = sorted(torch.sort(scores, stable=True).indices[:d].tolist())
         if self.kvcrush and len(evicted) >= self.kvcrush:
             kept, _ = self.kvcrush_keep(acc, evicted, nb, step)
             evicted = [b for b in evicted if b not in set(kept)]
         return evicted
 
-    def kept_slots(self, evicted: list[int], n: int) -> tuple[int, ...]:
+    def kept_slots(self, evicted: list[int], n: int) -> Kept:
+        """Slots ``0 .. n - 1`` without the ``evicted`` blocks' (read as the kept tuple; the cache gets the drops)."""
         s, bs = self.start_blocks * self.block_size, self.block_size
-        gone = {s + b * bs + j for b in evicted for j in range(bs)}
-        return tuple(j for j in range(n) if j not in gone)
+        return Kept(n, [s + b * bs + j for b in sorted(evicted) for j in range(bs)])
 
     def keep(self, view: EvictView) -> Keep:
         budget = self.max_cache_size
