@@ -78,6 +78,9 @@ def test_bench_evict_batch_rows(tiny_teacher):
         assert r["plain_frac_of_bound"] > 0           # the plain step's own fraction: this machine's ceiling
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["bound"] == 1.0 for r in full)
+    assert all(r["speedup_vs_full"] == 1.0 and r["full_ms"] == r["step_ms"] for r in full)
+    for r in rows:                  # the full cache is timed beside each policy, in the policy's own block
+        assert r["speedup_vs_full"] == pytest.approx(r["full_ms"] / r["step_ms"], rel=0.01)
     two = bench_evict_batch(tiny_teacher, [1], cache_len=[64, 80], steps=2, repeats=1,
                             policies={"full": __import__("kvlab").eviction.FullCache()})
     assert [r["cache_len"] for r in two] == [64, 80]

@@ -103,7 +103,9 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     ``evict_vs_plain`` = ``step_ms / plain_ms``, over the same periods), stepped alternately with the policy's (a plain step after the
     policy's, then before it, ...), so both see the machine alike. Policies interleave per repeat after one warm-up.
 
-    Per row: ``tok_s``, ``speedup_vs_full`` (full-cache step time / the policy's), ``mean_len`` (live
+    Per row: ``tok_s``, ``speedup_vs_full`` (``full_ms`` / ``step_ms``: the full cache's own policy row stepped
+    beside this policy in the same block, the order rotating per step, so slow drift of the machine between blocks
+    does not enter the ratio), ``mean_len`` (live
     entries the policy's forwards read, mean over rows, layers and steps), ``bound``
     (:func:`byte_bound` at the full cache's and the policy's mean lengths) and ``frac_of_bound`` =
     ``speedup_vs_full / bound``; ``plain_frac_of_bound``: the same for the plain step at the policy's mean length (the
@@ -151,33 +153,27 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
         for B in batches:
             bank = Bank.for_model(model, B, capacity=cl + steps + 2)
             pbank = Bank.for_model(model, B, capacity=cl + steps + 2)      # the plain rows, stepped alternately
+            fbank = Bank.for_model(model, B, capacity=cl + steps + 2) if "full" in pols else None   # the full cache's
             plain_src: dict[int, KVCache] = {}
 
-            def one(pol, n0: int | None = None) -> tuple[list[float], list[float], float, int]:
-                """``steps`` steps of ``pol``; with ``n0``, each step beside a plain step on rows that start at
-                ``n0`` entries (the order alternating per step). Returns both step times (the first step left
-                out), the policy's mean live length and its final length."""
+            def stepper(p, bk, times: list, read: list):
+                """One step of policy ``p`` on the rows of ``bk`` (adopted from its prefill, untimed), timed into
+                ``times``: the forward, and at an asked step the views, the decision and the edit."""
                 from kvlab.decode.protocols import evict_attr
 
-                need = bool(evict_attr(pol, "needs_attention"))
-                later = need and evict_attr(pol, "every") > 1         # statistics deferred to the asked steps
-                src = bases[_settings(pol)] if need else plain_base
-                caches = [bank.adopt(b, src) for b in range(B)]              # untimed copies
-                if n0 is not None:
-                    if n0 not in plain_src:
-                        plain_src[n0] = plain_base.copy()
-                        plain_src[n0].crop(n0)
-                    pcaches = [pbank.adopt(b, plain_src[n0]) for b in range(B)]
-                times, ptimes, read = [], [], []
+                need = bool(evict_attr(p, "needs_attention"))
+                later = need and evict_attr(p, "every") > 1           # statistics deferred to the asked steps
+                src = bases[_settings(p)] if need else plain_base
+                caches = [bk.adopt(b, src) for b in range(B)]                # untimed copies
 
                 def evicting(step: int, tok: int) -> None:
                     t0 = time.perf_counter()
                     with record_function("evict_bench.forward"):
-                        logits = forward_rows(bank, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
-                                              attention=[measures_at(pol, step) and not later] * B,
-                                              defer=[measures_at(pol, step) and later] * B)
+                        logits = forward_rows(bk, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
+                                              attention=[measures_at(p, step) and not later] * B,
+                                              defer=[measures_at(p, step) and later] * B)
                     read.append(sum(sum(c.layer_lengths()) for c in caches) / (B * caches[0].num_layers))
-                    if evict_due(pol, step):                            # asked this step: views, decision, edit
+                    if evict_due(p, step):                              # asked this step: views, decision, edit
                         with record_function("evict_bench.views"):
                             settle_rows(caches)                         # deferred statistics, the rows together
                             views = []                                  # the batched loop's one stats pass
@@ -185,40 +181,61 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                                 rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
                                 views.append(evict_view(c, step, rec, vocab, first=step == 1))
                         with record_function("evict_bench.decide"):
-                            decisions = keep_rows(pol, views)           # every row's decision at once
+                            decisions = keep_rows(p, views)             # every row's decision at once
                         with record_function("evict_bench.apply"):
                             for c, decision in zip(caches, decisions):
                                 apply_keep(c, decision, model)
                     _sync()
                     times.append(time.perf_counter() - t0)
+                return evicting, caches
 
-                def plain(step: int, tok: int) -> None:
-                    t0 = time.perf_counter()
-                    forward_rows(pbank, model, pcaches, [tok] * B, writer="teacher", steps=[step] * B)
-                    _sync()
-                    ptimes.append(time.perf_counter() - t0)
+            def one(pol, n0: int | None = None, full=None):
+                """``steps`` steps of ``pol``; with ``n0``, each step beside a plain step on rows that start at
+                ``n0`` entries, and with ``full``, beside a step of the full cache too (the order rotating per
+                step). Returns the step times of the policy, the plain rows and the full cache (the first step
+                left out), the policy's mean live length and its final length."""
+                times, ptimes, ftimes, read = [], [], [], []
+                evicting, caches = stepper(pol, bank, times, read)
+                fns = [evicting]
+                if n0 is not None:
+                    if n0 not in plain_src:
+                        plain_src[n0] = plain_base.copy()
+                        plain_src[n0].crop(n0)
+                    pcaches = [pbank.adopt(b, plain_src[n0]) for b in range(B)]
 
+                    def plain(step: int, tok: int) -> None:
+                        t0 = time.perf_counter()
+                        forward_rows(pbank, model, pcaches, [tok] * B, writer="teacher", steps=[step] * B)
+                        _sync()
+                        ptimes.append(time.perf_counter() - t0)
+                    fns.append(plain)
+                if full is not None:
+                    fns.append(stepper(full, fbank, ftimes, [])[0])
                 for step, tok in enumerate(new, start=1):
-                    order = (evicting, plain) if step % 2 else (plain, evicting)
-                    for fn in order if n0 is not None else (evicting,):
+                    k = step % len(fns)
+                    for fn in fns[k:] + fns[:k]:                       # each goes first, middle, last in turn
                         fn(step, tok)
-                return times[1:], ptimes[1:], statistics.mean(read[1:]), len(caches[0])
+                return times[1:], ptimes[1:], ftimes[1:], statistics.mean(read[1:]), len(caches[0])
 
             start = {}
+            full_pol = pols.get("full")
             for n, pol in pols.items():                                  # warm-up; each policy's mean length
-                _, _, mean_len, _ = one(pol)
+                _, _, _, mean_len, _ = one(pol)
                 start[n] = max(1, min(cl, round(mean_len - (steps + 2) / 2)))   # plain reads that length on average
                 one(pol, start[n])
             runs = {n: [] for n in pols}
             plains: dict[str, list[float]] = {n: [] for n in pols}
+            fulls: dict[str, list[float]] = {n: [] for n in pols}
             asked: dict[str, list[float]] = {n: [] for n in pols}
             got = {}
             for _ in range(repeats):
                 for n, pol in pols.items():
-                    t, pt, mean_len, final = one(pol, start[n])
+                    twin = full_pol if n != "full" else None            # the full cache beside every other policy
+                    t, pt, ft, mean_len, final = one(pol, start[n], twin)
                     e = labelled[n][1]
                     runs[n] += period_times(t, e)                       # whole periods: asked step included
                     plains[n] += period_times(pt, e)                    # the same steps' plain twins
+                    fulls[n] += period_times(ft if twin is not None else t, e)   # ... and full-cache twins
                     asked[n] += [x for j, x in enumerate(t) if (j + 1) % e == 0]     # steps 1 + k·e (t[0]: step 2)
                     got[n] = (mean_len, final)
             med = {n: statistics.median(v) for n, v in runs.items()}
@@ -232,12 +249,14 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
                        "asked_ms": round(1000 * statistics.median(asked[n]), 2), "peak_rss_mb": peak_rss_mb()}
                 if "full" in med:
-                    row["speedup_vs_full"] = round(med["full"] / med[n], 3)
+                    full_s = statistics.median(fulls[n])                # the full cache stepped beside this policy
+                    row["full_ms"] = round(1000 * full_s, 2)
+                    row["speedup_vs_full"] = round(full_s / med[n], 3)
                     row["bound"] = round(byte_bound(model, B, full_len, mean_len), 3)
                     row["frac_of_bound"] = round(row["speedup_vs_full"] / row["bound"], 3)
-                    row["plain_frac_of_bound"] = round(med["full"] / plain_s / row["bound"], 3)   # this machine's ceiling
+                    row["plain_frac_of_bound"] = round(full_s / plain_s / row["bound"], 3)   # this machine's ceiling
                 out.append(row)
                 if on_row is not None:
                     on_row(row)
-            del bank, pbank
+            del bank, pbank, fbank
     return out
