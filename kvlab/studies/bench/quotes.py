@@ -48,7 +48,10 @@ def evict_table(figures: Path) -> str:
                      f"{fmt(r['asked_ms'] / r['plain_ms']) if r.get('asked_ms') and r.get('plain_ms') else '–'} |")
     full = [r for r in rows if r["policy"] == "full"]
     ctrl = ", ".join(f"batch {r['batch']}: {fmt(r.get('evict_vs_plain'))}" for r in full)
-    return ("\n".join(lines) + f"\n\n*Each row against the full cache in the same run, {rows[0]['steps']} steps; the full "
+    beside = all("full_ms" in r for r in rows)             # the full cache stepped beside each policy (3d000eb on)
+    return ("\n".join(lines) + ("\n\n*Each row against the full cache stepped beside it in the same block (the order "
+                                 "rotating per step)" if beside else "\n\n*Each row against the full cache in the same "
+                                 "run") + f", {rows[0]['steps']} steps; the full "
             f"cache's own evicting / plain (the noise control): {ctrl}. The plain step's fraction: the full cache's step "
             "time over a plain step's (forward only) at the policy's mean length, divided by the bound: the fraction this "
             "machine's plain loop reaches, i.e. what an eviction costing nothing would reach. A policy asked every N "
