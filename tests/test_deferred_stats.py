@@ -126,3 +126,16 @@ def test_rows_settled_together_equal_each_alone(tiny_teacher, setting):
     for a, b in zip(rows[0], rows[1]):
         assert not a._stats.pending
         assert_same(b, a)
+
+
+def test_statistics_follow_the_storage_device_when_layers_arrive():
+    """A cache that starts tracking before it has layers does not know its device yet: the statistics move to the
+    storage's device with the layers (on a GPU they were left on the CPU, and a deferred fold then mixed devices)."""
+    from kvlab.cache.stats import AttnStats
+
+    st = AttnStats(0.9, [], torch.device("cpu"))
+    st.set_layers(3, 5, torch.device("meta"))
+    assert st.device == torch.device("meta")
+    assert all(t.device.type == "meta" and t.shape == (5,) for ts in st.data.values() for t in ts)
+    st.set_layers(3, 5)                                  # layers already there: nothing moves
+    assert st.device == torch.device("meta")
