@@ -223,22 +223,28 @@ def test_screen_stops_cells_the_full_cache_fails(tiny_teacher, tmp_path):
 
 
 def test_key_results_quote_retrieval_with_wilson_intervals_outside_the_difference_audit(tmp_path):
-    """README's key rows for needle-long: one per (length, setting) with n >= 2, each policy as hits/n with its Wilson
-    interval; a n = 1 pilot gives none, and the audit of paired-difference intervals does not count them."""
+    """README's key rows for needle-long: one per setting over its lengths with n >= 2, each policy as hits/n with its
+    Wilson interval under its length; a n = 1 pilot gives none (a n = 1 length leaves the row), and the audit of
+    paired-difference intervals does not count them."""
     import pandas as pd
 
     from kvlab.harness.intervals import audit_intervals
     from kvlab.studies.eviction.quotes import _needle_long_rows
 
-    rows = [{"setting": st, "policy": p, "length": 2048, "accuracy": acc, "n": 60, "ci_lo": lo, "ci_hi": hi,
+    rows = [{"setting": st, "policy": p, "length": length, "accuracy": acc, "n": 60, "ci_lo": lo, "ci_hi": hi,
              "task": "niah_single", "budget": 256}
-            for st in ("prefill", "streamed") for p, acc, lo, hi in (("full", 1.0, 0.94, 1.0), ("snapkv", 0.5, 0.38, 0.62))]
+            for st in ("prefill", "streamed") for length in (2048, 4096)
+            for p, acc, lo, hi in (("full", 1.0, 0.94, 1.0), ("snapkv", 0.5, 0.38, 0.62))]
     pd.DataFrame(rows).to_csv(tmp_path / "evict_needle_long.csv", index=False)
     got = _needle_long_rows(tmp_path)
-    assert [r[0] for r in got] == [f"Retrieval at 2,048 tokens (niah_single, at most 256 entries, n = 60 cases), {s} "
-                                   "setting: exact match" for s in ("prefill", "streamed")]
-    assert got[0][1] == "full 1.00 (60/60; Wilson 0.94 to 1.00), snapkv 0.50 (30/60; Wilson 0.38 to 0.62)"
+    assert [r[0] for r in got] == [f"Retrieval at 2,048 and 4,096 tokens (niah_single, at most 256 entries, n = 60 "
+                                   f"cases per length), {s} setting: exact match" for s in ("prefill", "streamed")]
+    cells = "full 1.00 (60/60; Wilson 0.94 to 1.00), snapkv 0.50 (30/60; Wilson 0.38 to 0.62)"
+    assert got[0][1] == f"**2,048 tokens:** {cells} **4,096 tokens:** {cells}"
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in got)
     assert audit_intervals(table) == []
+    pilot = [{**r, "n": 1} if r["length"] == 4096 else r for r in rows]
+    pd.DataFrame(pilot).to_csv(tmp_path / "evict_needle_long.csv", index=False)
+    assert [r[1] for r in _needle_long_rows(tmp_path)] == [f"**2,048 tokens:** {cells}"] * 2
     pd.DataFrame([{**r, "n": 1} for r in rows]).to_csv(tmp_path / "evict_needle_long.csv", index=False)
     assert _needle_long_rows(tmp_path) == []
