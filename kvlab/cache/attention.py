@@ -171,13 +171,12 @@ class QueryCapture:
         b, _, w, d = q.shape
         hkv, t = k.shape[1], k.shape[2]
         groups = q.shape[1] // hkv                                                 # GQA: no K copy, group the queries
-        qg = q.reshape(b, hkv, groups * w, d)                                      # (b, H_kv, g·w, D)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * float(m.scaling)          # (b, H_kv, g·w, T)
+        qg = q.reshape(b, hkv, groups * w, d) * float(m.scaling)                   # (b, H_kv, g·w, D) scaled
+        scores = torch.matmul(qg, k.transpose(-1, -2))                             # (b, H_kv, g·w, T)
         scores = scores.view(b, hkv * groups, w, t)                                # (b, H, w, T)
-        if w > 1:
-            qi = torch.arange(w, device=q.device).view(w, 1) + (t - w)
-            kj = torch.arange(t, device=q.device).view(1, t)
-            scores = scores.masked_fill(kj > qi, float("-inf"))
+        if w > 1:                                   # causal: query i (at t-w+i) sees no key after it; only the
+            late = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)     # last w keys can be later
+            scores[..., t - w:].masked_fill_(late, float("-inf"))                  # in place: no (b, H, w, T) copy
         probs = torch.softmax(scores, dim=-1)                                      # (b, H, w, T)
         return probs.mean(1)                                                       # (b, w, T)
 

@@ -85,12 +85,19 @@ def _scores(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor |
     b, h, w, d = query.shape
     hkv, t = key.shape[1], key.shape[2]
     g = h // hkv
-    qg = query.reshape(b, hkv, g * w, d)                                              # (B, H_kv, g·w, D)
-    s = torch.matmul(qg, key.transpose(-1, -2)).float().view(b, h, w, t)             # (B, H, w, T)
-    s = s * float(scaling if scaling is not None else d ** -0.5)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    scale = float(scaling if scaling is not None else d ** -0.5)
+    qg = query.reshape(b, hkv, g * w, d) * scale                                      # (B, H_kv, g·w, D) scaled
+    s = torch.matmul(qg, key.transpose(-1, -2))                                       # a new tensor: edited in place
+    s = (s if s.dtype == torch.float32 else s.float()).view(b, h, w, t)               # (B, H, w, T)
+    if mask is not None:                    # in place: no second (B, H, w, T) tensor (a prefill's is ~0.3 GB)
+        s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask.float())
     return s
+
+
+def softmax_(s: torch.Tensor) -> torch.Tensor:
+    """``softmax(s, -1)`` computed in ``s``'s own storage (a prefill's scores are ~0.3 GB: no second tensor)."""
+    s.sub_(s.amax(-1, keepdim=True)).exp_()
+    return s.div_(s.sum(-1, keepdim=True))
 
 
 def decode_attention(module, query, key, value, mask, scaling, sink: MassSink):
@@ -112,5 +119,5 @@ def window_mass(module, query, key, mask, scaling, sink: MassSink) -> None:
     if mask is not None:
         mask = mask[..., n - w:, :]
     vis = _visible(mask, w, t, query.device)                                          # (B | 1, w, T)
-    probs = torch.softmax(_scores(module, query[:, :, n - w:, :], key, vis[:, None], scaling), dim=-1)  # (B, H, w, T)
+    probs = softmax_(_scores(module, query[:, :, n - w:, :], key, vis[:, None], scaling))   # (B, H, w, T)
     sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, w, T)
