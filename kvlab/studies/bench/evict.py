@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from kvlab.studies.bench.timing import _sync, _timed, check_batches, peak_rss_mb, period_times, check_whole_period  # noqa: F401
 from kvlab.decode.protocols import evict_attr, evict_due, measures_at
+from kvlab.studies.bench.timing import _sync, _timed, check_whole_period, period_times
 
 
 def default_evict_policies(cache_len: int) -> dict:
