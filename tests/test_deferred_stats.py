@@ -128,6 +128,22 @@ def test_rows_settled_together_equal_each_alone(tiny_teacher, setting):
         assert_same(b, a)
 
 
+def test_rows_view_joins_a_banks_rows_without_copy():
+    """Rows of one buffer at equal steps of its row stride settle with one matmul (a view, no copy); rows that are not
+    (out of order, another buffer, other columns) fall back to one matmul per row."""
+    from kvlab.cache.deferred import _rows_view
+
+    buf = torch.randn(4, 3, 20, 8)                                # (B, H_kv, cap, D)
+    keys = [buf[b:b + 1, :, 2:11] for b in range(1, 4)]          # rows 1..3, columns 2..10
+    v = _rows_view(keys)
+    assert v is not None and v.shape == (3, 3, 9, 8) and v.data_ptr() == keys[0].data_ptr()
+    assert torch.equal(v, torch.cat(keys))
+    assert _rows_view([keys[1], keys[0]]) is None                 # out of order
+    assert _rows_view([keys[0], buf.clone()[2:3, :, 2:11]]) is None   # another storage
+    assert _rows_view([keys[0], buf[2:3, :, 3:12]]) is None        # other columns
+    assert _rows_view(keys[:1]) is None                           # one row: nothing to join
+
+
 def test_statistics_follow_the_storage_device_when_layers_arrive():
     """A cache that starts tracking before it has layers does not know its device yet: the statistics move to the
     storage's device with the layers (on a GPU they were left on the CPU, and a deferred fold then mixed devices)."""

@@ -71,6 +71,21 @@ def settle_rows(caches) -> None:
         _settle_group(group)
 
 
+def _rows_view(keys: list) -> torch.Tensor | None:
+    """The rows' keys ``G × (1, H_kv, T, D)`` as one ``(G, H_kv, T, D)`` view when they lie in one storage at equal
+    steps of their own row stride (a bank's rows ``b, b+1, …`` at the same columns), else None. No copy."""
+    k0 = keys[0]
+    if len(keys) < 2 or k0.stride(0) <= 0:
+        return None
+    step = k0.stride(0)
+    for g, k in enumerate(keys):
+        if (k.untyped_storage().data_ptr() != k0.untyped_storage().data_ptr() or k.shape != k0.shape
+                or k.stride() != k0.stride() or k.dtype != k0.dtype
+                or k.storage_offset() != k0.storage_offset() + g * step):
+            return None
+    return k0.as_strided((len(keys),) + tuple(k0.shape[1:]), k0.stride(), k0.storage_offset())
+
+
 def _settle_group(group: list) -> None:
     st0 = group[0]._stats
     pending, scaling = st0.pending, st0.pending_scaling
@@ -89,9 +104,14 @@ def _settle_group(group: list) -> None:
         t, hkv = int(keys[0].shape[2]), int(keys[0].shape[1])
         qi = (q[:, i] * scaling[i]).to(keys[0].dtype)                                  # (G, H, N, D) scaled
         s = torch.empty(G, H, n, t, dtype=keys[0].dtype, device=keys[0].device)      # (G, H, N, T) scores
-        for g, k in enumerate(keys):                                                  # GQA grouped: no K copy
-            torch.matmul(qi[g].reshape(hkv, (H // hkv) * n, D), k[0].transpose(-1, -2),
-                         out=s[g].view(hkv, (H // hkv) * n, t))
+        rows = _rows_view(keys)                                                       # (G, H_kv, T, D) or None
+        if rows is not None:                                                          # one matmul for the group
+            torch.matmul(qi.reshape(G, hkv, (H // hkv) * n, D), rows.transpose(-1, -2),
+                         out=s.view(G, hkv, (H // hkv) * n, t))
+        else:
+            for g, k in enumerate(keys):                                              # GQA grouped: no K copy
+                torch.matmul(qi[g].reshape(hkv, (H // hkv) * n, D), k[0].transpose(-1, -2),
+                             out=s[g].view(hkv, (H // hkv) * n, t))
         s = s.float() if s.dtype != torch.float32 else s
         vis = (torch.arange(t, device=s.device)[None, :] < seen_upto[:, i, None])[None]   # (1, N, T)
         t0 = first_seen[i]
