@@ -100,3 +100,19 @@ def test_batched_rows_one_pass_equal_the_capture(settings):
             old_forward(refs[b], model, [conts[b][step]], step)
             assert_stats_close(rows[b], refs[b])
             rows[b].check()
+
+
+def test_in_place_softmax_equals_torch_softmax():
+    """``mass.softmax_`` (a prefill's scores normalized in their own storage) is ``torch.softmax`` over the last dim,
+    masked (-inf) entries included, within fp32 rounding; it returns the tensor it was given."""
+    from kvlab.cache.mass import softmax_
+
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 5, 17, generator=g) * 8
+    s[..., 10:] = float("-inf")                                   # causal-style masked tail
+    want = torch.softmax(s, dim=-1)
+    x = s.clone()
+    got = softmax_(x)
+    assert got is x
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert bool((got[..., 10:] == 0).all())
