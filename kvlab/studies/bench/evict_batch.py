@@ -58,6 +58,27 @@ def _track(cache, pol) -> None:
                           ema_prefill=evict_attr(pol, "ema_prefill"))
 
 
+PREFILL_CHUNK = 1024          # tokens per forward of an attention prefill whose statistics compose over chunks
+
+
+def attention_prefill(model, ids, pol, chunk: int = PREFILL_CHUNK):
+    """A new cache of ``ids`` with ``pol``'s attention statistics measured over the prompt. In forwards of ``chunk``
+    tokens when chunks measure what one forward does (every query counted, no pooling, a per-query EMA: sums, counts
+    and EMA updates compose), so a long prompt's scores are ``(H, chunk, T)``, not ``(H, T, T)`` (about 2.4 GB per
+    layer at 8,192 tokens); otherwise (an observation window, pooled or one-update EMA statistics, defined over one
+    forward) in one forward."""
+    from kvlab.cache import KVCache
+
+    decay, window, pool, _, ema_prefill = _settings(pol)
+    composes = window is None and (pool or 1) == 1 and (decay is None or ema_prefill in (None, "query"))
+    step = int(chunk) if composes else len(ids)
+    cache = KVCache()
+    _track(cache, pol)
+    for i in range(0, len(ids), step):
+        cache.forward(model, list(ids[i:i + step]), writer="teacher", attention=True)
+    return cache
+
+
 def _settings(pol) -> tuple:
     from kvlab.decode.protocols import evict_attr
 
@@ -146,9 +167,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
         for pol in pols.values():                                      # one prefill per statistics setting
             key = _settings(pol)
             if key not in bases:
-                bases[key] = KVCache()
-                _track(bases[key], pol)
-                bases[key].forward(model, ids, writer="teacher", attention=True)
+                bases[key] = attention_prefill(model, ids, pol)
 
         for B in batches:
             bank = Bank.for_model(model, B, capacity=cl + steps + 2)
