@@ -89,7 +89,7 @@ def test_bench_evict_batch_rows(tiny_teacher):
 
 
 @pytest.mark.parametrize("name", ["h2o", "scissorhands", "confkv", "snapkv"])
-def test_bench_attention_prefill_in_chunks_measures_what_one_forward_does(tiny_teacher, name):
+def test_bench_attention_prefill_in_chunks_measures_what_one_forward_does(tiny_teacher, name, monkeypatch):
     """bench evict's attention prefill runs in chunks (a long prompt's scores stay (H, chunk, T)) only where chunks
     compose: the statistics equal one forward's (counts exact up to a share sitting on 1/T_i); SnapKV's observation
     window is one forward's, so its prefill stays one forward."""
@@ -100,8 +100,16 @@ def test_bench_attention_prefill_in_chunks_measures_what_one_forward_does(tiny_t
     pol = batch_evict_policies(64)[name]
     vocab = int(tiny_teacher.model.get_input_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    from kvlab.cache import KVCache
+
     one = attention_prefill(tiny_teacher.model, ids, pol, chunk=len(ids))
+    sizes, forward = [], KVCache.forward
+    monkeypatch.setattr(KVCache, "forward", lambda self, model, tok, **kw: sizes.append(len(tok)) or forward(
+        self, model, tok, **kw))
     parts = attention_prefill(tiny_teacher.model, ids, pol, chunk=7)
+    monkeypatch.undo()
+    window = _settings(pol)[1] is not None
+    assert sizes == ([len(ids)] if window else [7] * 5 + [5])      # chunked exactly where the statistics compose
     a, b = parts.layer_attn(), one.layer_attn()
     assert set(a) == set(b) and parts.layer_lengths() == one.layer_lengths() == [len(ids)] * len(a["acc"])
     for stat in a:
@@ -110,5 +118,5 @@ def test_bench_attention_prefill_in_chunks_measures_what_one_forward_does(tiny_t
                 assert int((x != y).sum()) <= 1
             else:
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    if _settings(pol)[1] is not None:                               # a window: one forward, whatever the chunk
+    if window:                                                      # a window: one forward, whatever the chunk
         assert all(torch.equal(x, y) for s in a for x, y in zip(a[s], b[s]))
