@@ -26,6 +26,7 @@ from kvlab.cache.deferred import QuerySink
 from kvlab.cache.attention import QueryCapture
 from kvlab.cache.mass import KWARG as MASS_KWARG
 from kvlab.cache.mass import MassSink
+from kvlab.cache.step import explicit_step
 from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
 
@@ -176,12 +177,16 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         if qsink is not None:
             kwargs[QUERIES_KWARG] = qsink
         if sink is not None:                                    # one pass: the attention function measures
-            out = model(**kwargs, **{MASS_KWARG: sink})
-        elif want:                                              # rows measure differently: the capture's pass
+            kwargs[MASS_KWARG] = sink
+        explicit = explicit_step(model) if not (want and sink is None) else None
+        if explicit is not None:                                # the layers written out, packed products
+            logits = explicit(ids, pos, step_cache, kwargs["logits_to_keep"],
+                              **{k: kwargs[k] for k in (MASKS_KWARG, MASS_KWARG, QUERIES_KWARG) if k in kwargs})
+        elif want and sink is None:                             # rows measure differently: the capture's pass
             with QueryCapture(model) as cap:
-                out = model(**kwargs)
+                logits = model(**kwargs).logits
         else:
-            out = model(**kwargs)
+            logits = model(**kwargs).logits
         for b in active:                                        # the new columns join each active row
             for lay in bank.rows[b]:
                 lay.n += len(seqs[b])
@@ -217,7 +222,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                       ema_mass)
         if defer[b]:
             c._stats.defer(queries, b, c.layer_lengths(), scales)
-    logits = out.logits                                                                   # (B, k, V)
+    # logits: (B, k, V)
     if n_max == 1:
         return logits[:, -1, :]                                                           # (B, V)
     pick = torch.tensor([keep.index(len(s) - 1) if s else 0 for s in seqs], device=logits.device)
