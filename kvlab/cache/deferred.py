@@ -21,6 +21,18 @@ from kvlab.cache.mass import below_counts
 from kvlab.cache.stats import max_pool_next
 
 KWARG = "kvlab_queries"
+# Whether a batched step defers a policy's statistics to its asked step, per device type (else it measures every
+# step, one pass: :mod:`.mass`). Deferring moves the steps' Q·Kᵀ to the asked step and batches it; it pays where a
+# step's eager mass costs launches (CUDA, docs/measured/cuda_s13), not where the settle's N-query products are
+# compute the CPU pays in full: on the 2-core CPU (batch 8, 4,096 → ~1,030 entries, H2O asked every 16 steps)
+# evicting / plain was 1.15 deferred and 1.09 measuring each step, the asked step 2.8 plain steps against 1.1
+# (docs/measured/defer_cpu).
+DEFERS = {"cuda": True}
+
+
+def defers(device) -> bool:
+    """Whether a batched step on ``device`` defers the statistics of a policy asked every N steps (:data:`DEFERS`)."""
+    return DEFERS.get(torch.device(device).type, False)
 
 
 class QuerySink:

@@ -106,7 +106,8 @@ class LlamaStep:
         self.rotary = base.rotary_emb
         self.norm, self.eps = base.norm.weight, _rms(base.norm, self.width)
         self.head = PackedLinear(model.lm_head.weight)
-        self.key = _weights_key(model)
+        self.params = list(model.parameters())
+        self.key = _weights_key(self.params)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep=1,
                  **attn_kwargs) -> torch.Tensor:
@@ -139,9 +140,10 @@ class LlamaStep:
         return self.head(F.rms_norm(x, (self.width,), self.norm, self.eps))             # (B, k, V)
 
 
-def _weights_key(model) -> tuple:
-    """Changes whenever a parameter is replaced or edited in place (optimizer steps, ``.to``, loading)."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+def _weights_key(params) -> tuple:
+    """Changes whenever a parameter's tensor is replaced or edited in place (optimizer steps, ``.to``, loading;
+    an inference tensor keeps no version counter: only its replacement is seen)."""
+    return tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in params)
 
 
 def explicit_step(model) -> LlamaStep | None:
@@ -150,7 +152,7 @@ def explicit_step(model) -> LlamaStep | None:
     if model.training:
         return None
     got = _STEPS.get(model)
-    if got is not None and (got is False or got.key == _weights_key(model)):
+    if got is not None and (got is False or got.key == _weights_key(got.params)):
         return got or None
     if unsupported(model) is not None:
         _STEPS[model] = False

@@ -10,6 +10,7 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.cache.attention import attention_modules
+from kvlab.cache.deferred import defers
 from kvlab.cache.inputs import LayerInputs
 from kvlab.decode.protocols import EvictView, evict_attr, evict_due, measures_at
 from kvlab.decode.records import Signals, StepRecord
@@ -27,8 +28,9 @@ class EvictPhases:
     def _defer_attention(self) -> bool:
         """A policy asked only every N-th step (``every`` > 1) that measures attention: a batched decode step keeps
         its queries and the statistics are computed when the policy next reads them (:mod:`kvlab.cache.deferred`;
-        the same numbers as measuring every step)."""
-        return self._needs_attention and evict_attr(self.config.evict, "every") > 1
+        the same numbers as measuring every step) where that measures faster (:func:`kvlab.cache.deferred.defers`:
+        CUDA; the CPU measures every step)."""
+        return self._needs_attention and evict_attr(self.config.evict, "every") > 1 and defers(getattr(self, "_device", None) or self.decoder.device)
 
     def _measures_at(self, step: int) -> bool:
         """Whether this row's forward at ``step`` measures attention (:func:`~kvlab.decode.protocols.measures_at`)."""
