@@ -163,3 +163,24 @@ def test_deferral_is_chosen_per_device_type():
     from kvlab.cache.deferred import DEFERS, defers
     assert defers("cuda") is True and defers(torch.device("cpu")) is False
     assert DEFERS == {"cuda": True}
+
+
+def test_a_hooked_model_runs_its_own_forward():
+    """Hooks (the loop's layer-input capture for kvpress's presses, a user's) see only the model's own forward."""
+    lm = make_tiny_lm(seed=6)
+    model = lm.model.eval()
+    assert S.explicit_step(model) is not None
+    seen = []
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: seen.append(1))
+    try:
+        assert S.explicit_step(model) is None
+        base = KVCache()
+        base.forward(model, [5, 6, 7], writer="teacher")
+        bank = Bank.for_model(model, 2, capacity=16)
+        caches = [bank.adopt(b, base) for b in range(2)]
+        seen.clear()
+        forward_rows(bank, model, caches, [8, 9], writer="teacher", steps=[0, 0])
+        assert seen == [1]
+    finally:
+        handle.remove()
+    assert S.explicit_step(model) is not None

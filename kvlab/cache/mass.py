@@ -41,7 +41,8 @@ class MassSink:
 
     def take(self, layer: int, a: torch.Tensor, vis: torch.Tensor) -> None:
         """``a``: ``(B, w, T)`` head-mean probabilities of the measured queries (float32); ``vis``: bool
-        ``(B | 1, w, T)``, the entries each query sees (its count is that query's ``T_i``)."""
+        ``(B | 1, w, T)``, the entries each query sees (its count is that query's ``T_i``; read only when
+        ``below``)."""
         w = a.shape[1]
         self.mass[layer] = a[:, 0] if w == 1 else a.sum(1)                           # (B, T)
         if self.decay is not None:
@@ -106,7 +107,8 @@ def decode_attention(module, query, key, value, mask, scaling, sink: MassSink):
     b, h, n, d = query.shape
     hkv, t = key.shape[1], key.shape[2]
     probs = torch.softmax(_scores(module, query, key, mask, scaling), dim=-1)         # (B, H, 1, T) float32
-    sink.take(module.layer_idx, probs.mean(1), _visible(mask, 1, t, query.device))    # (B, 1, T)
+    vis = _visible(mask, 1, t, query.device) if sink.below else None                  # only the counts read it
+    sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, 1, T)
     out = torch.matmul(probs.to(value.dtype).view(b, hkv, (h // hkv) * n, t), value)  # (B, H_kv, g, D)
     return out.view(b, h, n, value.shape[-1]).transpose(1, 2).contiguous(), None
 

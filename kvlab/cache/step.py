@@ -13,7 +13,9 @@ float rounding (tests/test_explicit_step.py); on CUDA or in bf16 the products ar
 :func:`explicit_step` builds it once per model (and again when any parameter changes: training, ``.to``),
 or returns None when the model is not one it computes exactly; the caller then runs the model's own forward.
 Supported: every decoder layer holds exactly ``self_attn`` (``q/k/v/o_proj``, no bias), ``mlp`` (``gate/up/down``,
-no bias, SiLU) and two RMS norms (checked on a probe), full attention on every layer, eval mode.
+no bias, SiLU) and two RMS norms (checked on a probe), full attention on every layer, eval mode, and no forward
+hook on any of the model's modules (hooks see only the model's own forward: the decode loop's layer-input capture
+for kvpress's presses runs that).
 """
 from __future__ import annotations
 
@@ -107,7 +109,15 @@ class LlamaStep:
         self.norm, self.eps = base.norm.weight, _rms(base.norm, self.width)
         self.head = PackedLinear(model.lm_head.weight)
         self.params = list(model.parameters())
+        self.modules = list(model.modules())
         self.key = _weights_key(self.params)
+
+    def hooked(self) -> bool:
+        """A forward hook sits on the model (a capture of layer inputs, kvpress's press hooks, a user's): only the
+        model's own forward runs it."""
+        from torch.nn.modules import module as nn_module
+        return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep=1,
                  **attn_kwargs) -> torch.Tensor:
@@ -148,15 +158,15 @@ def _weights_key(params) -> tuple:
 
 def explicit_step(model) -> LlamaStep | None:
     """``model``'s :class:`LlamaStep` (built on first use and whenever its weights changed), or None when
-    :func:`unsupported` names a reason (then run the model's own forward)."""
+    :func:`unsupported` names a reason or a forward hook sits on the model (then run the model's own forward)."""
     if model.training:
         return None
     got = _STEPS.get(model)
     if got is not None and (got is False or got.key == _weights_key(got.params)):
-        return got or None
+        return None if got is False or got.hooked() else got
     if unsupported(model) is not None:
         _STEPS[model] = False
         return None
     step = LlamaStep(model)
     _STEPS[model] = step
-    return step
+    return None if step.hooked() else step
