@@ -159,10 +159,11 @@ def test_real_teacher_explicit_step_equals_its_forward(real_pair):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_deferral_is_chosen_per_device_type():
-    from kvlab.cache.deferred import DEFERS, defers
-    assert defers("cuda") is True and defers(torch.device("cpu")) is False
-    assert DEFERS == {"cuda": True}
+def test_deferral_is_chosen_per_device_type(monkeypatch):
+    from kvlab.cache import deferred
+    assert deferred.defers("cuda") is True and deferred.defers(torch.device("cpu")) is True
+    monkeypatch.setitem(deferred.DEFERS, "cpu", False)          # the A/B's other arm
+    assert deferred.defers("cpu") is False and deferred.defers("cuda") is True
 
 
 def test_a_hooked_model_runs_its_own_forward():

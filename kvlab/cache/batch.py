@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.cache import attn_fn
@@ -239,10 +240,10 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below else None,
            "ema": sink.layers("ema", L) if decay is not None else None}
     seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
-    if len({x.shape[1] for x in seen}) == 1:                                          # every layer as wide
-        fast = _sink_stacked(got, torch.stack(seen), rows)
-        if fast is not None:
-            return fast
+    wide = max(x.shape[1] for x in seen)                  # layers' widths differ after per-layer evictions: pad
+    fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows)
+    if fast is not None:
+        return fast
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
     split = {}
     for name, per_layer in got.items():
@@ -256,9 +257,9 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
 
 
 def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int]) -> dict | None:
-    """:func:`_sink_rows` when every layer is ``W`` columns wide and each measured row sees ``c`` of them on every
-    layer (``seen`` ``(L, B, W)``): one boolean pick per statistic for all rows and layers, each row's statistic
-    an ``(L, c)`` matrix (its layers' rows). None (nothing done) otherwise."""
+    """:func:`_sink_rows` when each measured row sees ``c`` columns on every layer (``seen`` ``(L, B, W)``, narrower
+    layers padded with unseen columns): one boolean pick per statistic for all rows and layers, each row's
+    statistic an ``(L, c)`` matrix (its layers' rows). None (nothing done) otherwise."""
     idx = torch.tensor(rows, dtype=torch.long, device=seen.device)
     seen = seen.index_select(1, idx)                                                  # (L, R, W)
     counts = seen.sum(-1)                                                             # (L, R)
@@ -272,7 +273,8 @@ def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int]) -> dict | None
         if per_layer is not None:
             key = tuple(map(id, per_layer))                                           # ema is mass when w == 1
             if key not in done:
-                x = torch.stack([t[:, :W] for t in per_layer]).index_select(1, idx)     # (L, R, W)
+                x = torch.stack([F.pad(t[:, :W], (0, W - min(W, t.shape[1]))) for t in per_layer])
+                x = x.index_select(1, idx)                                            # (L, R, W)
                 done[key] = x.reshape(-1).index_select(0, at).view(L, R, c).transpose(0, 1)   # (R, L, c)
             split[name] = done[key]
     return {b: tuple(split[name][j] if name in split else None for name in ("mass", "low", "ema"))

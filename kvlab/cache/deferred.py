@@ -21,18 +21,19 @@ from kvlab.cache.mass import below_counts
 from kvlab.cache.stats import max_pool_next
 
 KWARG = "kvlab_queries"
-# Whether a batched step defers a policy's statistics to its asked step, per device type (else it measures every
-# step, one pass: :mod:`.mass`). Deferring moves the steps' Q·Kᵀ to the asked step and batches it; it pays where a
-# step's eager mass costs launches (CUDA, docs/measured/cuda_s13), not where the settle's N-query products are
-# compute the CPU pays in full: on the 2-core CPU (batch 8, 4,096 → ~1,030 entries, H2O asked every 16 steps)
-# evicting / plain was 1.15 deferred and 1.09 measuring each step, the asked step 2.8 plain steps against 1.1
-# (docs/measured/defer_cpu).
-DEFERS = {"cuda": True}
+# Whether a batched step defers a policy's statistics to its asked step, per device type (False: it measures every
+# step, one pass: :mod:`.mass`). Deferring moves the steps' Q·Kᵀ to the asked step and batches it (the settle's
+# N-query products are compute the CPU pays in full); measuring each step runs the attention eagerly and folds each
+# row's mass at every step. A/B on the 2-core CPU (batch 8, 4,096 -> ~1,030 entries, asked every 16 steps, two
+# alternating rounds; docs/measured/defer_cpu): evicting / plain H2O 1.130, 1.136 deferred vs 1.131, 1.088 each
+# step; Scissorhands 1.167, 1.171 vs 1.220, 1.225 (its below-uniform counts every step). Neither wins on both: the
+# CPU keeps deferring, as CUDA does (docs/measured/cuda_s13).
+DEFERS = {"cuda": True, "cpu": True}
 
 
 def defers(device) -> bool:
     """Whether a batched step on ``device`` defers the statistics of a policy asked every N steps (:data:`DEFERS`)."""
-    return DEFERS.get(torch.device(device).type, False)
+    return DEFERS.get(torch.device(device).type, True)
 
 
 class QuerySink:

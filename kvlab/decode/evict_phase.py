@@ -28,8 +28,8 @@ class EvictPhases:
     def _defer_attention(self) -> bool:
         """A policy asked only every N-th step (``every`` > 1) that measures attention: a batched decode step keeps
         its queries and the statistics are computed when the policy next reads them (:mod:`kvlab.cache.deferred`;
-        the same numbers as measuring every step) where that measures faster (:func:`kvlab.cache.deferred.defers`:
-        CUDA; the CPU measures every step)."""
+        the same numbers as measuring every step) on the devices :func:`kvlab.cache.deferred.defers` names
+        (CPU and CUDA: the A/B is in its comment)."""
         return self._needs_attention and evict_attr(self.config.evict, "every") > 1 and defers(getattr(self, "_device", None) or self.decoder.device)
 
     def _measures_at(self, step: int) -> bool:

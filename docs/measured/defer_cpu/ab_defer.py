@@ -22,7 +22,7 @@ commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=
 for rnd in range(2):
     for mode in ("defer", "each") if rnd == 0 else ("each", "defer"):
         deferred.DEFERS.clear()
-        deferred.DEFERS.update({"cuda": True, "cpu": True} if mode == "defer" else {"cuda": True})
+        deferred.DEFERS.update({"cuda": True, "cpu": mode == "defer"})
         t0 = time.time()
         rows = bench_evict_batch(lm, batches=(8,), cache_len=4096, steps=32, repeats=1,
                                  policies={"h2o": P["h2o"], "scissorhands": P["scissorhands"]}, every=(16,))
