@@ -15,7 +15,7 @@ from kvlab.cache import batch as batch_mod
 from kvlab.cache import step as S
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.core.compat import cache_kwarg
-from kvlab.core.packed import PACKS, PackedLinear, can_pack
+from kvlab.core.packed import PACK_ROWS, PACKS, PackedLinear, can_pack
 
 TOL = 1e-5
 
@@ -32,6 +32,10 @@ def test_packed_linear_equals_linear_at_any_row_count():
         assert lin.pack and list(lin.packs)[-1] == 8 and len(lin.packs) == PACKS
     else:
         assert not lin.packs
+    before = dict(lin.packs)
+    x = torch.randn(PACK_ROWS + 1, 40, generator=g)                # a prefill's rows: the plain product, no pack
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert lin.packs.keys() == before.keys()
     assert not PackedLinear(w.to(torch.bfloat16)).pack         # bf16 runs F.linear
 
 
@@ -185,3 +189,16 @@ def test_a_hooked_model_runs_its_own_forward():
     finally:
         handle.remove()
     assert S.explicit_step(model) is not None
+
+
+def test_a_dropped_model_frees_its_step():
+    """The step (packs: a copy of the weights) lives exactly as long as its model (studies load many models)."""
+    import gc
+    import weakref
+    lm = make_tiny_lm(seed=7)
+    model = lm.model.eval()
+    ref = weakref.ref(S.explicit_step(model))
+    n = len(S._STEPS)
+    del lm, model
+    gc.collect()
+    assert ref() is None and len(S._STEPS) == n - 1

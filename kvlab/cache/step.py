@@ -109,15 +109,17 @@ class LlamaStep:
         self.norm, self.eps = base.norm.weight, _rms(base.norm, self.width)
         self.head = PackedLinear(model.lm_head.weight)
         self.params = list(model.parameters())
-        self.modules = list(model.modules())
+        self.root = weakref.ref(model)   # the step never holds the model itself: _STEPS's entry dies with it
+        self.modules = [m for m in model.modules() if m is not model]
         self.key = _weights_key(self.params)
 
     def hooked(self) -> bool:
         """A forward hook sits on the model (a capture of layer inputs, kvpress's press hooks, a user's): only the
         model's own forward runs it."""
         from torch.nn.modules import module as nn_module
+        root = self.root()
         return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
-            m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+            m._forward_hooks or m._forward_pre_hooks for m in self.modules + ([root] if root is not None else []))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep=1,
                  **attn_kwargs) -> torch.Tensor:

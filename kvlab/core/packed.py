@@ -10,15 +10,17 @@ any other count runs ``F.linear`` on the original weight, so results never depen
 float rounding (a packed product sums in another order: |Δ| ~1e-6 relative).
 
 :class:`PackedLinear` holds one weight ``(N, K)`` and at most :data:`PACKS` packed copies (the row counts most
-recently asked for; a pack is a copy of the weight's bytes, made in ~0.3 ms per MB). Packing is used only where
-it can run: float32 on a CPU whose torch has MKL; elsewhere (CUDA, bf16, no MKL) it is ``F.linear``.
+recently asked for, of at most :data:`PACK_ROWS` rows; a pack is a copy of the weight's bytes, made in ~0.3 ms per
+MB). Packing is used only where it can run: float32 on a CPU whose torch has MKL; elsewhere (CUDA, bf16, no MKL)
+and for more rows (a prefill) it is ``F.linear``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-PACKS = 2          # packed copies kept per weight (row counts): the batch's step and one other
+PACKS = 1          # packed copies kept per weight (row counts): the batch's decode step
+PACK_ROWS = 32     # products of more rows (a prefill's) run F.linear: packing serves the small-M regime only
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -52,5 +54,7 @@ class PackedLinear:
         k = x.shape[-1]
         x2 = x.reshape(-1, k)                                                        # (M, K)
         m = x2.shape[0]
+        if m > PACK_ROWS:
+            return F.linear(x, self.weight)
         y = torch.ops.mkl._mkl_linear(x2.contiguous(), self._packed(m), self.weight, None, m)   # (M, N)
         return y.view(*x.shape[:-1], self.weight.shape[0])
