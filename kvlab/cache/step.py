@@ -67,7 +67,7 @@ def unsupported(model) -> str | None:
         if kids != _LAYER or {n for n, _ in attn.named_children()} != _ATTN or \
                 {n for n, _ in mlp.named_children()} != _MLP:
             return f"layer {i} is not (self_attn: q/k/v/o_proj, mlp: gate/up/down_proj + act_fn, two norms)"
-        if not all(_linear(getattr(attn, n)) for n in _ATTN - {"act_fn"}) or \
+        if not all(_linear(getattr(attn, n)) for n in _ATTN) or \
                 not all(_linear(getattr(mlp, n)) for n in _MLP - {"act_fn"}):
             return f"layer {i} has a biased or non-Linear projection"
         if not torch.allclose(mlp.act_fn(probe), F.silu(probe)):
@@ -80,7 +80,7 @@ def unsupported(model) -> str | None:
 
 
 class _Layer:
-    def __init__(self, lay, width: int):
+    def __init__(self, lay):
         a, m = lay.self_attn, lay.mlp
         self.module = a                                  # what the attention function reads: layer_idx, scaling, …
         self.qkv = PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))   # (H·D + 2·H_kv·D, C)
@@ -88,8 +88,9 @@ class _Layer:
         self.gate_up = PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))             # (2·I, C)
         self.down = PackedLinear(m.down_proj.weight)
         self.inter = m.gate_proj.weight.shape[0]
-        self.n1, self.eps1 = lay.input_layernorm.weight, _rms(lay.input_layernorm, width)
-        self.n2, self.eps2 = lay.post_attention_layernorm.weight, _rms(lay.post_attention_layernorm, width)
+        # the norms are RMS norms with these epsilons: unsupported() checked each on a probe
+        self.n1, self.eps1 = lay.input_layernorm.weight, float(lay.input_layernorm.variance_epsilon)
+        self.n2, self.eps2 = lay.post_attention_layernorm.weight, float(lay.post_attention_layernorm.variance_epsilon)
 
 
 class LlamaStep:
@@ -103,10 +104,10 @@ class LlamaStep:
         self.heads = a0.q_proj.weight.shape[0] // self.head_dim
         self.kv_heads = a0.k_proj.weight.shape[0] // self.head_dim
         with torch.no_grad():
-            self.layers = [_Layer(lay, self.width) for lay in base.layers]
+            self.layers = [_Layer(lay) for lay in base.layers]
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
-        self.norm, self.eps = base.norm.weight, _rms(base.norm, self.width)
+        self.norm, self.eps = base.norm.weight, float(base.norm.variance_epsilon)     # checked: unsupported()
         self.head = PackedLinear(model.lm_head.weight)
         self.params = list(model.parameters())
         self.root = weakref.ref(model)   # the step never holds the model itself: _STEPS's entry dies with it
@@ -118,8 +119,9 @@ class LlamaStep:
         model's own forward runs it."""
         from torch.nn.modules import module as nn_module
         root = self.root()
-        return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
-            m._forward_hooks or m._forward_pre_hooks for m in self.modules + ([root] if root is not None else []))
+        hooked = lambda m: bool(m._forward_hooks or m._forward_pre_hooks)  # noqa: E731
+        return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or \
+            (root is not None and hooked(root)) or any(map(hooked, self.modules))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep=1,
                  **attn_kwargs) -> torch.Tensor:

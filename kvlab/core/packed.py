@@ -32,11 +32,11 @@ def can_pack(weight: torch.Tensor) -> bool:
 class PackedLinear:
     """``y = x @ weightᵀ`` for ``x`` ``(..., K)``; packed per row count ``M`` (rows of ``x`` flattened)."""
 
-    def __init__(self, weight: torch.Tensor, pack: bool = True):
+    def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2:
             raise ValueError(f"weight must be (N, K), got shape {tuple(weight.shape)}")
         self.weight = weight.detach().contiguous()                                   # (N, K)
-        self.pack = pack and can_pack(self.weight)
+        self.pack = can_pack(self.weight)
         self.packs: dict[int, torch.Tensor] = {}
 
     def _packed(self, m: int) -> torch.Tensor:
