@@ -89,3 +89,34 @@ def test_live_positions_read_as_the_positions_and_stay_as_taken(lm):
     before = tuple(lp[0])
     c.evict([0])                                                                # the view does not follow the cache
     assert tuple(lp[0]) == before and lp[0] != c.live_positions()[0]
+
+
+def test_the_step_reads_from_the_first_column_a_row_uses(lm, monkeypatch):
+    """Evicting a row's oldest entries moves its start column up (the few entries before the cut move, not the
+    rest): a batched step then reads each layer from the first column any row uses, not from column 0, and computes
+    what a single cache does."""
+    import kvlab.cache.batch as cb
+
+    src, _ = KVCache.prefill(lm.model, IDS, writer="teacher")
+    bank = Bank.for_model(lm.model, 2, capacity=64)
+    rows = [bank.adopt(b, src) for b in range(2)]
+    refs = [src.copy(), src.copy()]
+    for c, ref, cut in zip(rows, refs, (4, 6)):
+        for x in (c, ref):
+            x.evict(list(range(cut)))
+        c.kv(0)                                                                 # reading compacts: the start moves
+    assert [bank.rows[b][0].s for b in range(2)] == [4, 6]
+    seen = []
+    orig = cb._StepLayer.__init__
+
+    def spy(self, bank, i, cols, width, lo=0):
+        seen.append((i, lo, width))
+        orig(self, bank, i, cols, width, lo)
+
+    monkeypatch.setattr(cb._StepLayer, "__init__", spy)
+    logits = forward_rows(bank, lm.model, rows, [9, 5], writer="teacher", steps=[1, 1])
+    assert seen[0][1] == 4                                                      # layer 0: from row 0's start
+    for b, (ref, tok) in enumerate(zip(refs, (9, 5))):
+        want = ref.forward(lm.model, [tok], writer="teacher")
+        torch.testing.assert_close(logits[b], want.reshape(-1), rtol=1e-4, atol=1e-4)
+        rows[b].check()

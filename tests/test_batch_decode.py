@@ -482,9 +482,10 @@ def test_padded_key_widths_decode_as_the_exact_ones(tiny_teacher, tiny_student, 
     widths = []
     orig = cb._StepLayer.__init__
 
-    def spy(self, bank, i, cols, width):
+    def spy(self, bank, i, cols, width, lo=0):
         widths.append((width, bank.capacity(i)))
-        orig(self, bank, i, cols, width)
+        assert 0 <= lo and lo + width <= bank.capacity(i)
+        orig(self, bank, i, cols, width, lo)
 
     monkeypatch.setattr(cb._StepLayer, "__init__", spy)
     policy = EVICT[evict] if evict else None

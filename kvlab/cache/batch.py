@@ -6,7 +6,8 @@ token(s) at its own positions (``position_ids`` ``(B, n)``). Row ``b``'s new key
 mask ``(B, 1, n, W)`` (True on the row's used columns and its new ones up to the query; padding and other rows'
 garbage masked; on CUDA ``W`` is rounded up to a multiple of :data:`WIDTH_STEP`, the extra columns masked)
 through the forward's kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at
-the end; the padding is never committed. Rows inside the width with nothing to do this step (waiting on a
+the end; the padding is never committed. Each layer reads the columns from the first one any row uses (a row's
+evictions move its start up until it moves to the front: those columns are not read). Rows inside the width with nothing to do this step (waiting on a
 refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway column past
 their used part and see only it; their cache is unchanged. After the forward each active row commits its columns
 (lengths + n), ledger rows, live maps and attention mass — or, on any error, no row commits anything. A row that
@@ -41,11 +42,11 @@ WIDTH_STEP = {"cuda": 256}
 
 class _StepLayer(DynamicLayer):
     """One layer of the throwaway cache a batched step runs on: writes row ``b``'s new key at column
-    ``cols[b]`` of the bank's buffer and returns the first ``width`` columns (views)."""
+    ``cols[b]`` of the bank's buffer and returns the ``width`` columns from ``lo`` on (views)."""
 
-    def __init__(self, bank: Bank, i: int, cols: torch.Tensor, width: int):
+    def __init__(self, bank: Bank, i: int, cols: torch.Tensor, width: int, lo: int = 0):
         super().__init__()
-        self.bank, self.i, self.cols, self.width = bank, i, cols, width
+        self.bank, self.i, self.cols, self.width, self.lo = bank, i, cols, width, lo
         self.B = bank.width
         self.rows = torch.arange(self.B, device=bank.device)
         self.is_initialized = True
@@ -61,7 +62,7 @@ class _StepLayer(DynamicLayer):
             idx = self.cols[:, None] + torch.arange(n, device=self.cols.device)                  # (B, n)
             k[self.rows[:, None], :, idx] = key_states.transpose(1, 2).to(k.dtype)               # (B, n, H_kv, D)
             v[self.rows[:, None], :, idx] = value_states.transpose(1, 2).to(v.dtype)
-        self.keys, self.values = k[:, :, :self.width], v[:, :, :self.width]
+        self.keys, self.values = k[:, :, self.lo:self.lo + self.width], v[:, :, self.lo:self.lo + self.width]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -154,16 +155,21 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device).T                # (L, B)
         step = WIDTH_STEP.get(device.type, 1)
-        used = [max(c[i] for c in cols) + n_max for i in range(L)]                       # per layer: columns read
-        widths = [min(-(-u // step) * step, bank.capacity(i)) for i, u in enumerate(used)]  # rounded up, in the bank
+        # per layer the columns [lo, lo + width) are read: from the first column any row sees (a row's used part
+        # starts at its s, which its evictions move up until it is moved to the front) to the last new one
+        used = [max(c[i] for c in cols) + n_max for i in range(L)]
+        lows = [min(s[i] for s in starts) for i in range(L)]
+        widths = [min(-(-(u - lo) // step) * step, bank.capacity(i)) for i, (u, lo) in enumerate(zip(used, lows))]
+        lows = [min(lo, bank.capacity(i) - w) for i, (lo, w) in enumerate(zip(lows, widths))]   # rounded: in the bank
         W = max(widths)
-        ar = torch.arange(W, device=device)
+        lo_t = torch.tensor(lows, dtype=torch.long, device=device)                        # (L,)
+        ar = lo_t[:, None, None, None] + torch.arange(W, device=device)                   # (L, 1, 1, W) columns
         last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
         masks = (ar >= starts_t[..., None, None]) & (ar <= last[..., None])                # (L, B, n, W)
         if hc:                                                                            # dead columns: unseen
             masks[torch.tensor(hl, device=device), torch.tensor(hb, device=device), :,
-                  torch.tensor(hc, device=device)] = False
-        step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i]) for i in range(L)])
+                  torch.tensor([c - lows[i] for i, c in zip(hl, hc)], device=device)] = False
+        step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i], lows[i]) for i in range(L)])
         per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
         ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
                            device=device)                                                 # (B, n)
