@@ -36,6 +36,9 @@ class Bank:
         self.v = [torch.zeros_like(t) for t in self.k]
         self.rows = [[RowLayer(self, b, i) for i in range(layers)] for b in range(batch)]
         self.width = batch          # slots [0, width) take part in a batched forward (see swap)
+        # deferred attention statistics per bank column (kvlab.cache.deferred.ColumnSink), made on first use:
+        # name -> per layer (B, capacity) float32; zero wherever no row has deferred steps pending
+        self.cols: dict[str, list[torch.Tensor]] = {}
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -65,8 +68,39 @@ class Bank:
             new = torch.zeros(b, h, cap, d, dtype=self.dtype, device=self.device)              # (B, H_kv, cap', D)
             new[:, :, :old] = bufs[i]
             bufs[i] = new
+        for ts in self.cols.values():
+            new = self._zeros(ts[i].shape[0], cap)                                                 # (B, cap')
+            new[:, :old] = ts[i]
+            ts[i] = new
         for row in self.rows:
             row[i].bind()
+
+    def column_stats(self, names) -> dict[str, list[torch.Tensor]]:
+        """The per-column statistics ``names`` (each per layer ``(B, capacity)`` float32, zeros when new)."""
+        for name in names:
+            if name not in self.cols:
+                self.cols[name] = [self._zeros(self.batch, self.capacity(i)) for i in range(self.num_layers)]
+        return self.cols
+
+    def _zeros(self, *shape) -> torch.Tensor:
+        """A float32 zeros tensor that edits in place in and out of inference mode (a batched step makes it)."""
+        with torch.inference_mode(False):
+            return torch.zeros(*shape, dtype=torch.float32, device=self.device)
+
+    def move_cols(self, b: int, i: int, src: torch.Tensor, dst: int) -> None:
+        """Row ``b``'s per-column statistics of layer ``i`` follow its entries: columns ``src`` (in order) move to
+        ``dst, dst + 1, …``; every other column of the row is zero afterwards (nothing is kept for dead columns)."""
+        for ts in self.cols.values():
+            row = ts[i][b]                                                                  # (capacity,)
+            vals = row.index_select(0, src.to(row.device))
+            row.zero_()
+            row[dst:dst + vals.shape[0]] = vals
+
+    def clear_cols(self, b: int, i: int | None = None) -> None:
+        """Zero row ``b``'s per-column statistics (of layer ``i``; None: every layer)."""
+        for ts in self.cols.values():
+            for t in (ts if i is None else [ts[i]]):
+                t[b].zero_()
 
     def row_cache(self, b: int):
         """A new, empty :class:`~kvlab.cache.KVCache` over row ``b`` (its layers reset to length 0)."""
@@ -77,6 +111,7 @@ class Bank:
             lay.s = lay.n = 0
             lay.holes = []
             lay.bind()
+        self.clear_cols(b)
         return KVCache(hf=KVStore(list(self.rows[b])))
 
     def adopt(self, b: int, src):
@@ -84,6 +119,7 @@ class Bank:
         and statistics copied): the overfill student's ``C_0``."""
         if src.n_int8:
             raise ValueError("adopt copies full-precision caches only (src holds INT8 entries)")
+        src._settle()                       # its deferred statistics folded in (they may live in a bank's columns)
         if src.num_layers != self.num_layers:
             raise ValueError(f"src has {src.num_layers} layers, the bank {self.num_layers}")
         new = self.row_cache(b)
@@ -110,7 +146,7 @@ class Bank:
         self._check_row(b)
         if a == b:
             return
-        for bufs in (self.k, self.v):
+        for bufs in (self.k, self.v, *self.cols.values()):
             for t in bufs:                                                                 # (B, H_kv, cap, D)
                 tmp = t[a].clone()                                                         # (H_kv, cap, D)
                 t[a].copy_(t[b])
@@ -159,6 +195,21 @@ class RowLayer(BufferLayer):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
+    def _to_front(self) -> None:
+        s, p = self.s, self.p
+        super()._to_front()
+        if s and self.bank.cols:                                    # the per-column statistics move along
+            self.bank.move_cols(self.row, self.layer, torch.arange(s, s + p), 0)
+
+    def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
+        if self.holes:
+            self.compact()                                          # (calls keep without holes)
+            plan = None
+        s = self.s
+        super().keep(idx, plan)
+        if self.bank.cols:                                          # kept entries' columns, in order, from s on
+            self.bank.move_cols(self.row, self.layer, idx + s, self.s)
+
     def _alloc(self, like: torch.Tensor, capacity: int) -> None:
         self.bank.grow(self.layer, capacity)
         self._to_front()
@@ -172,4 +223,5 @@ class RowLayer(BufferLayer):
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
         self.s, self.n, self.holes = 0, t, []
+        self.bank.clear_cols(self.row, self.layer)
         self._views()

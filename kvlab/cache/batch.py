@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.cache import attn_fn
 from kvlab.cache.deferred import KWARG as QUERIES_KWARG
-from kvlab.cache.deferred import QuerySink
+from kvlab.cache.deferred import ColumnSink, QuerySink, columns_ok
 from kvlab.cache.attention import QueryCapture
 from kvlab.cache.mass import KWARG as MASS_KWARG
 from kvlab.cache.mass import MassSink
@@ -121,10 +121,15 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                              f"{len(seqs[b])}")
     device = bank.device
     L = bank.num_layers
-    for b in active:
-        if attention[b]:
-            caches[b]._settle()                                 # its deferred queries first: the fold keeps order
     deferring = [b for b in active if defer[b]]
+    # deferring rows keep the step's probabilities in the bank's columns (one eager pass, no replay at the read)
+    # when they can; else their queries (kvlab.cache.deferred)
+    columns = bool(deferring) and n_max == 1 and not any(attention[b] for b in active) and \
+        columns_ok([caches[b] for b in deferring])
+    for b in active:
+        st = caches[b]._stats
+        if attention[b] or (defer[b] and st.pending and (st.pending[0][0] is None) != columns):
+            caches[b]._settle()                                 # its deferred steps first: the fold keeps order
     materialized = []
     try:
         for b in active:
@@ -180,9 +185,15 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         kwargs = dict(input_ids=ids, position_ids=pos, **{cache_kwarg(model): step_cache}, use_cache=True,
                       logits_to_keep=1 if n_max == 1 else torch.tensor(keep, device=device),
                       **{MASKS_KWARG: per_layer})
-        qsink = QuerySink() if deferring else None
+        qsink = QuerySink() if deferring and not columns else None
+        csink = None
         if qsink is not None:
             kwargs[QUERIES_KWARG] = qsink
+        if columns:
+            st = caches[deferring[0]]._stats
+            csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
+                               torch.tensor([defer[b] for b in range(B)], device=device))
+            kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink
         explicit = explicit_step(model) if not (want and sink is None) else None
@@ -201,6 +212,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         masses = {}
         try:
             queries = qsink.stacked(L) if qsink is not None else None                     # (L, B, H, D)
+            if csink is not None:
+                csink.apply(L)
             if sink is not None:
                 masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer)
             elif want:                                          # all measured rows at once (QueryCapture.mass_rows)
@@ -228,7 +241,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         commit_append(c, seqs[b], list(range(p0, p0 + len(seqs[b]))), writer, int(steps[b]), mass, low, before,
                       ema_mass)
         if defer[b]:
-            c._stats.defer(queries, b, c.layer_lengths(), scales)
+            c._stats.defer(queries, None if columns else b, c.layer_lengths(), scales)
     # logits: (B, k, V)
     if n_max == 1:
         return logits[:, -1, :]                                                           # (B, V)

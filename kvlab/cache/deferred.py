@@ -55,6 +55,58 @@ class QuerySink:
         return torch.stack([self.q[i][:, :, -1] for i in range(count)])                    # (L, B, H, D)
 
 
+class ColumnSink:
+    """A deferred one-token step of bank rows whose statistics add up per bank column (:data:`COLUMNS`): the
+    ``"kvlab"`` attention function computes the step's attention eagerly (it is the :class:`~kvlab.cache.mass.MassSink`
+    of :func:`kvlab.cache.mass.decode_attention`) and this sink adds each layer's head-mean probabilities ``a``
+    ``(B, W_i)`` (columns ``lows[i] …``) into the bank's column statistics of the deferring rows: ``acc += a``,
+    ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``low += [a < 1/T] & seen``.
+    ``rows``: bool ``(B,)``, the rows that defer (None: all). The fold happens at the rows' next read or edit
+    (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
+
+    window = None
+
+    def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None):
+        self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
+        self.lows, self.below = lows, below
+        self.got: dict[int, tuple] = {}
+        self.keep = None if rows is None else rows.to(torch.float32)[:, None]                 # (B, 1)
+        self.fac = decay if rows is None else torch.where(rows, float(decay), 1.0)[:, None]   # (B, 1): others stay
+
+    def take(self, layer: int, a: torch.Tensor, vis: torch.Tensor | None) -> None:
+        """Layer ``layer``'s head-mean probabilities ``a`` ``(B, 1, W_i)`` (``vis``: the columns each row sees),
+        kept until :meth:`apply` (a forward that fails adds nothing)."""
+        x = a[:, 0]                                                                  # (B, W_i) the step's query
+        low = below_counts(a, vis) if self.below else None                           # (B, W_i)
+        if self.keep is not None:
+            x, low = x * self.keep, None if low is None else low * self.keep
+        self.got[layer] = (x, low)
+
+    def apply(self, layers: int) -> None:
+        """Add every layer's step into the bank's columns (after the forward succeeded)."""
+        if len(self.got) != layers:
+            raise RuntimeError(f"attention reached {len(self.got)} of {layers} layers: the model does not run the "
+                               "'kvlab' attention function on every layer")
+        for i, (x, low) in self.got.items():
+            b, lo, w = x.shape[0], self.lows[i], x.shape[1]
+            self.cols["acc"][i][:b, lo:lo + w].add_(x)
+            self.cols["ema"][i][:b, lo:lo + w].mul_(self.fac).add_(x)
+            if low is not None:
+                self.cols["low"][i][:b, lo:lo + w].add_(low)
+
+
+COLUMNS = ("acc", "ema", "low")
+
+
+def columns_ok(caches) -> bool:
+    """Whether these deferring rows can keep their statistics in bank columns (:class:`ColumnSink`): one statistics
+    setting (decay, below), no pooling (a max-pool over live neighbours is not a per-column sum) and no INT8 entries
+    (their columns are rebuilt at every forward)."""
+    sts = [c._stats for c in caches]
+    return len({(st.ema_decay, st.below) for st in sts}) == 1 and all(
+        st.pool <= 1 for st in sts) and not any(c.n_int8 for c in caches)
+
+
 @torch.inference_mode()
 def settle(cache) -> None:
     """Fold ``cache``'s pending queries into its attention statistics (module docstring); a no-op when none wait."""
@@ -79,9 +131,47 @@ def settle_rows(caches) -> None:
     groups: dict[tuple, list] = {}
     for c in caches:
         if c is not None and c._stats is not None and c._stats.pending:
-            groups.setdefault(_group_key(c), []).append(c)
-    for group in groups.values():
-        _settle_group(group)
+            column = c._stats.pending[0][0] is None
+            groups.setdefault((column, _column_key(c) if column else _group_key(c)), []).append(c)
+    for (column, _), group in groups.items():
+        (_settle_columns if column else _settle_group)(group)
+
+
+def _column_key(cache) -> tuple:
+    """Rows whose column statistics settle together: the same pending steps, settings, bank and per-layer used span
+    (start, live entries, holes)."""
+    st, lays = cache._stats, cache._store.layers
+    return (tuple(tuple(lens) for _, _, lens in st.pending), st.ema_decay, st.below, id(lays[0].bank),
+            tuple((lay.s, lay.n, tuple(lay.holes)) for lay in lays))
+
+
+def _settle_columns(group: list) -> None:
+    """Fold the column statistics of ``group``'s rows (:class:`ColumnSink`): per layer one gather of the rows' live
+    columns per statistic; ``count`` from the lengths each pending step saw. The rows' columns are zero afterwards."""
+    st0 = group[0]._stats
+    lays0 = group[0]._store.layers
+    bank, n, L = lays0[0].bank, len(st0.pending), len(lays0)
+    seen_upto = torch.tensor([lens for _, _, lens in st0.pending], dtype=torch.long, device=bank.device)   # (N, L)
+    rows = torch.tensor([c._store.layers[0].row for c in group], dtype=torch.long, device=bank.device)    # (G,)
+    names = COLUMNS if st0.below else COLUMNS[:2]
+    adds = {"acc": [], "ema_in": [], "count": [], "low": []}
+    for i, lay in enumerate(lays0):
+        t = lay.n
+        if lay.holes:                                                    # the live columns, holes left out
+            alive = torch.ones(lay.p, dtype=torch.bool)
+            alive[torch.tensor(lay.holes, dtype=torch.long)] = False
+            at = (alive.nonzero().squeeze(1) + lay.s).to(bank.device)                          # (T,)
+        else:
+            at = None
+        for name, key in zip(names, ("acc", "ema_in", "low")):
+            x = bank.cols[name][i].index_select(0, rows)                                       # (G, capacity)
+            adds[key].append(x.narrow(1, lay.s, t) if at is None else x.index_select(1, at))   # (G, T)
+            bank.cols[name][i].index_fill_(0, rows, 0.0)
+        vis = torch.arange(t, device=bank.device)[None, :] < seen_upto[:, i, None]             # (N, T)
+        adds["count"].append(vis.sum(0).float().expand(len(group), t))
+        if not st0.below:
+            adds["low"].append(None)
+    _fold(group, n, adds)
 
 
 def _rows_view(keys: list) -> torch.Tensor | None:
@@ -136,6 +226,11 @@ def _settle_group(group: list) -> None:
         adds["ema_in"].append((wts[:, None] * m).sum(1))
         adds["count"].append(vis[0].sum(0).float().expand(G, t))
         adds["low"].append(below_counts(a, vis) if st0.below else None)
+    _fold(group, n, adds)
+
+
+def _fold(group: list, n: int, adds: dict) -> None:
+    """Each row ``g`` of ``group`` folds ``n`` pending steps: ``adds[name]`` per layer ``(G, T_l)``."""
     uniform = len({int(x.shape[1]) for x in adds["acc"]}) == 1
     for g, c in enumerate(group):                                                     # (L, T) matrices or lists
         c._stats.fold(n, {name: None if v[0] is None else torch.stack(v, 1)[g] if uniform else [x[g] for x in v]

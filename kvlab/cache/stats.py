@@ -171,9 +171,11 @@ class AttnStats:
 
     def defer(self, queries: torch.Tensor, row: int, lengths: list[int], scaling: list[float]) -> None:
         """A deferred one-token step (:mod:`kvlab.cache.deferred`), after its entry was appended unmeasured:
-        ``queries[:, row]`` ``(L, H, D)`` are its queries, ``lengths`` each layer's length after it."""
+        ``queries[:, row]`` ``(L, H, D)`` are its queries (None: its probabilities were added into its bank row's
+        columns, :class:`~kvlab.cache.deferred.ColumnSink`), ``lengths`` each layer's length after it."""
         self.pending.append((queries, row, list(lengths)))
-        self.pending_scaling = scaling      # per layer, the same at every step (one list per batched step)
+        if scaling is not None:             # (None: the step's statistics wait in bank columns, deferred.ColumnSink)
+            self.pending_scaling = scaling  # per layer, the same at every step (one list per batched step)
 
     def fold(self, n: int, adds: dict) -> None:
         """Fold ``n`` deferred queries' statistics in (:func:`kvlab.cache.deferred.settle`): per layer

@@ -1,0 +1,154 @@
+"""Deferred statistics kept in bank columns (kvlab.cache.deferred.ColumnSink): a batched step whose rows all defer
+computes its attention once, eagerly, and adds each layer's head-mean probabilities into the bank's per-column
+sums; the rows' next read folds them in. The statistics equal a row measured at every step (acc, ema, count, low),
+also when the row's columns move mid-way (the bank grows, the row moves to the front, rows swap slots), across
+evictions and INT8 storage, and a forward that fails adds nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import KVCache
+from kvlab.cache.batch import Bank, forward_rows
+
+SETTINGS = [dict(ema_decay=0.9), dict(ema_decay=0.5, window=3, pool=1, below=True, ema_prefill="query")]
+TOL = 1e-5
+
+
+def base(lm, setting, n, seed=0):
+    model = lm.model
+    c = KVCache()
+    c.track_attention(**setting)
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    c.forward(model, torch.randint(0, vocab, (n,), generator=g).tolist(), writer="teacher", attention=True)
+    return c, torch.randint(0, vocab, (40,), generator=g).tolist()
+
+
+def measured_and_deferred(lm, setting, n=12, capacity=64):
+    """Row 0 of one bank measured at every step, row 1 of another deferring (the other row a dummy in both)."""
+    src, toks = base(lm, setting, n)
+    banks = [Bank.for_model(lm.model, 2, capacity=capacity) for _ in range(2)]
+    return banks, [banks[0].adopt(0, src), banks[1].adopt(1, src)], toks
+
+
+def steps(lm, banks, caches, toks, start):
+    for j, t in enumerate(toks):
+        forward_rows(banks[0], lm.model, [caches[0], None], [t, None], writer="teacher", steps=[start + j, 0],
+                     attention=[True, False])
+        forward_rows(banks[1], lm.model, [None, caches[1]], [None, t], writer="teacher", steps=[0, start + j],
+                     defer=[False, True])
+
+
+def assert_same(a: KVCache, b: KVCache):
+    x, y = a.layer_attn(), b.layer_attn()
+    assert not b._stats.pending                                  # the read settled it
+    assert x.keys() == y.keys()
+    for name in x:
+        for l, (u, v) in enumerate(zip(x[name], y[name])):
+            assert u.shape == v.shape, (name, l)
+            assert float((u - v).abs().max()) <= TOL * max(1.0, float(u.abs().max())), (name, l)
+
+
+def columns_zero(bank: Bank):
+    return all(float(t.abs().max()) == 0.0 for ts in bank.cols.values() for t in ts)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_columns_equal_measured_every_step(tiny_teacher, setting):
+    banks, caches, toks = measured_and_deferred(tiny_teacher, setting)
+    steps(tiny_teacher, banks, caches, toks[:7], 1)
+    pend = caches[1]._stats.pending
+    assert len(pend) == 7 and all(q is None for q, _, _ in pend)     # in the bank's columns, no queries kept
+    assert set(banks[1].cols) == ({"acc", "ema", "low"} if setting.get("below") else {"acc", "ema"})
+    assert_same(*caches)
+    assert columns_zero(banks[1])                                  # folded: nothing left behind
+    steps(tiny_teacher, banks, caches, toks[7:10], 8)
+    assert_same(*caches)
+
+
+def test_pooled_statistics_keep_their_queries(tiny_teacher):
+    """A max-pool over live neighbours is not a sum per column: such rows keep their queries."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, dict(ema_decay=0.8, window=4, pool=2, below=True,
+                                                                    ema_prefill="sum"))
+    steps(tiny_teacher, banks, caches, toks[:3], 1)
+    assert all(q is not None for q, _, _ in caches[1]._stats.pending) and not banks[1].cols
+    assert_same(*caches)
+
+
+def test_columns_follow_growth_and_moves_to_the_front(tiny_teacher):
+    """The row's start moved up by an eviction, then deferred steps fill the buffer: it grows and moves to the
+    front while steps are pending; the sums move with their entries."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1], n=40, capacity=64)
+    for c in caches:
+        c.evict(list(range(4, 16)))
+        c.kv(0)                                                   # (reading compacts)
+    lay = banks[1].rows[1][0]
+    s0, cap0 = lay.s, banks[1].capacity(0)
+    steps(tiny_teacher, banks, caches, toks[:30], 1)
+    assert s0 > 0 and banks[1].capacity(0) > cap0 and lay.s == 0 and len(caches[1]._stats.pending) == 30
+    assert_same(*caches)
+
+
+def test_columns_follow_a_swap(tiny_teacher):
+    setting = SETTINGS[0]
+    model = tiny_teacher.model
+    (a, toks), (b, _) = base(tiny_teacher, setting, 12, seed=1), base(tiny_teacher, setting, 9, seed=2)
+    ref = [a.copy(), b.copy()]
+    bank = Bank.for_model(model, 2, capacity=64)
+    rows = [bank.adopt(0, a), bank.adopt(1, b)]
+    for j, t in enumerate(toks[:3]):
+        forward_rows(bank, model, rows, [t, t], writer="teacher", steps=[1 + j] * 2, defer=[True, True])
+    bank.swap(0, 1)
+    rows = rows[::-1]                                             # slot 0 now holds b's cache
+    for j, t in enumerate(toks[3:6]):
+        forward_rows(bank, model, rows, [t, t], writer="teacher", steps=[4 + j] * 2, defer=[True, True])
+    for c in ref:
+        for j, t in enumerate(toks[:6]):
+            c.forward(model, [t], writer="teacher", step=1 + j, attention=True)
+    assert_same(ref[0], rows[1])
+    assert_same(ref[1], rows[0])
+
+
+def test_edits_and_int8_settle_first(tiny_teacher):
+    """Evictions (uniform, per layer: holes), INT8 storage (its rows keep queries) and a copy between deferred steps."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1])
+    steps(tiny_teacher, banks, caches, toks[:4], 1)
+    for c in caches:
+        c.evict([1, 3, 5])
+    steps(tiny_teacher, banks, caches, toks[4:8], 5)
+    per_layer = [[0, 2 + (l % 3)] for l in range(caches[0].num_layers)]
+    for c in caches:
+        c.evict([], layers=per_layer)
+    steps(tiny_teacher, banks, caches, toks[8:12], 9)
+    assert all(q is None for q, _, _ in caches[1]._stats.pending)
+    for c in caches:
+        c.quantize_older(4, group=2)
+    steps(tiny_teacher, banks, caches, toks[12:15], 13)
+    assert all(q is not None for q, _, _ in caches[1]._stats.pending)   # INT8 rows keep their queries
+    copy = caches[1].copy()
+    assert_same(caches[0], copy)
+    assert_same(*caches)
+
+
+def test_a_failed_forward_adds_nothing(tiny_teacher):
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[0])
+    steps(tiny_teacher, banks, caches, toks[:2], 1)
+    before = {k: [t.clone() for t in ts] for k, ts in banks[1].cols.items()}
+    pend = len(caches[1]._stats.pending)
+    layers = tiny_teacher.model.model.layers
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    h = layers[-1].register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, 7], writer="teacher",
+                         steps=[0, 3], defer=[False, True])
+    finally:
+        h.remove()
+    assert len(caches[1]._stats.pending) == pend
+    assert all(torch.equal(x, y) for k in before for x, y in zip(before[k], banks[1].cols[k]))
+    steps(tiny_teacher, banks, caches, toks[2:4], 3)
+    assert_same(*caches)
