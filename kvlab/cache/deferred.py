@@ -12,6 +12,13 @@ it in as ``N`` steps would have: ``acc += Σ_j a_j``, ``ema ← β^N·ema + (1-�
 max-pooled first when ``pool > 1``), ``count += #{j : j sees the entry}``, ``low += #{j : a_j < 1/t_j}``: the same
 numbers within float tolerance (tests/test_deferred_stats.py), because between two reads the cache only grows (every
 other edit settles first: :meth:`kvlab.cache.KVCache._settle`).
+
+Rows of a :class:`~kvlab.cache.bank.Bank` whose step all defer (no row measuring beside them, one token each, no
+pooling, no INT8 entries: :func:`columns_ok`) keep no queries: the step's attention is computed once, eagerly, and
+:class:`ColumnSink` adds each layer's head-mean probabilities into sums the bank keeps per column (``acc``, the
+β-weighted ``ema`` sum, ``low``), which the bank moves with the row's entries; the read folds the row's live
+columns in (``count`` from the lengths each step saw). Nothing is replayed at the read: the ``N`` queries' ``Q·Kᵀ``
+and softmax were the steps' own.
 """
 from __future__ import annotations
 
@@ -22,12 +29,11 @@ from kvlab.cache.stats import max_pool_next
 
 KWARG = "kvlab_queries"
 # Whether a batched step defers a policy's statistics to its asked step, per device type (False: it measures every
-# step, one pass: :mod:`.mass`). Deferring moves the steps' Q·Kᵀ to the asked step and batches it (the settle's
-# N-query products are compute the CPU pays in full); measuring each step runs the attention eagerly and folds each
-# row's mass at every step. A/B on the 2-core CPU (batch 8, 4,096 -> ~1,030 entries, asked every 16 steps, two
-# alternating rounds; docs/measured/defer_cpu): evicting / plain H2O 1.130, 1.136 deferred vs 1.131, 1.088 each
-# step; Scissorhands 1.167, 1.171 vs 1.220, 1.225 (its below-uniform counts every step). Neither wins on both: the
-# CPU keeps deferring, as CUDA does (docs/measured/cuda_s13).
+# step, one pass: :mod:`.mass`, each row's mass folded into its statistics at every step). Deferring with queries
+# moves the steps' Q·Kᵀ to the asked step and batches it (compute the CPU pays in full at the read); deferring in
+# bank columns (ColumnSink) computes each step's attention once and folds only at the read. The earlier A/B of
+# queries vs each step (2-core CPU, batch 8, 4,096 -> ~1,030 entries, asked every 16 steps; docs/measured/defer_cpu):
+# evicting / plain H2O 1.130, 1.136 deferred vs 1.131, 1.088 each step; Scissorhands 1.167, 1.171 vs 1.220, 1.225.
 DEFERS = {"cuda": True, "cpu": True}
 
 
@@ -152,7 +158,9 @@ def _settle_columns(group: list) -> None:
     lays0 = group[0]._store.layers
     bank, n, L = lays0[0].bank, len(st0.pending), len(lays0)
     seen_upto = torch.tensor([lens for _, _, lens in st0.pending], dtype=torch.long, device=bank.device)   # (N, L)
-    rows = torch.tensor([c._store.layers[0].row for c in group], dtype=torch.long, device=bank.device)    # (G,)
+    rix = [c._store.layers[0].row for c in group]
+    rows = torch.tensor(rix, dtype=torch.long, device=bank.device)                                       # (G,)
+    span = rix == list(range(rix[0], rix[0] + len(rix)))                      # consecutive rows: views, no gather
     names = COLUMNS if st0.below else COLUMNS[:2]
     adds = {"acc": [], "ema_in": [], "count": [], "low": []}
     for i, lay in enumerate(lays0):
@@ -164,14 +172,17 @@ def _settle_columns(group: list) -> None:
         else:
             at = None
         for name, key in zip(names, ("acc", "ema_in", "low")):
-            x = bank.cols[name][i].index_select(0, rows)                                       # (G, capacity)
+            col = bank.cols[name][i]                                                           # (B, capacity)
+            x = col[rix[0]:rix[0] + len(rix)] if span else col.index_select(0, rows)           # (G, capacity)
             adds[key].append(x.narrow(1, lay.s, t) if at is None else x.index_select(1, at))   # (G, T)
-            bank.cols[name][i].index_fill_(0, rows, 0.0)
         vis = torch.arange(t, device=bank.device)[None, :] < seen_upto[:, i, None]             # (N, T)
         adds["count"].append(vis.sum(0).float().expand(len(group), t))
         if not st0.below:
             adds["low"].append(None)
-    _fold(group, n, adds)
+    _fold(group, n, adds)                                                     # (reads the views above first)
+    for name in names:                                                        # then the rows' columns: zeros
+        for col in bank.cols[name]:
+            col[rix[0]:rix[0] + len(rix)].zero_() if span else col.index_fill_(0, rows, 0.0)
 
 
 def _rows_view(keys: list) -> torch.Tensor | None:
@@ -232,7 +243,8 @@ def _settle_group(group: list) -> None:
 def _fold(group: list, n: int, adds: dict) -> None:
     """Each row ``g`` of ``group`` folds ``n`` pending steps: ``adds[name]`` per layer ``(G, T_l)``."""
     uniform = len({int(x.shape[1]) for x in adds["acc"]}) == 1
+    mats = {name: None if v[0] is None else torch.stack(v, 1) if uniform else v for name, v in adds.items()}
     for g, c in enumerate(group):                                                     # (L, T) matrices or lists
-        c._stats.fold(n, {name: None if v[0] is None else torch.stack(v, 1)[g] if uniform else [x[g] for x in v]
-                          for name, v in adds.items()})
+        c._stats.fold(n, {name: None if v is None else v[g] if uniform else [x[g] for x in v]
+                          for name, v in mats.items()})
         c._stats.pending = []
