@@ -70,8 +70,6 @@ class ColumnSink:
     ``rows``: bool ``(B,)``, the rows that defer (None: all). The fold happens at the rows' next read or edit
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
-    window = None
-
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None):
         self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
         self.lows, self.below = lows, below
