@@ -196,6 +196,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink
+        if n_max == 1 and (sink is not None or csink is not None):   # the eager step adds its masks (no bool fill)
+            add = torch.zeros(masks.shape, dtype=torch.float32, device=device).masked_fill_(~masks, float("-inf"))
+            kwargs[MASKS_KWARG] = [add[i, :, None, :, :widths[i]] for i in range(L)]   # (B, 1, 1, W_i) additive
         explicit = explicit_step(model) if not (want and sink is None) else None
         if explicit is not None:                                # the layers written out, packed products
             logits = explicit(ids, pos, step_cache, kwargs["logits_to_keep"],
