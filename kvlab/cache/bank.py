@@ -13,6 +13,10 @@ The batched forward (:func:`kvlab.cache.batch.forward_rows`) runs over the bank'
 slots. When rows finish, :meth:`Bank.swap` moves a live row into a finished row's slot (each row's
 content and :class:`RowLayer` objects move together, so every cache stays intact) and ``width``
 shrinks: finished rows cost the forward nothing.
+
+A deferred step's attention statistics (:class:`~kvlab.cache.deferred.ColumnSink`) wait in per-column sums the bank
+keeps beside the buffers (:attr:`Bank.cols`, ``(B, capacity)`` per layer): they grow and swap with the buffers, and
+every move of a row's entries (to the front, a compaction, an in-place keep) moves them along (:meth:`Bank.move_cols`).
 """
 from __future__ import annotations
 
@@ -95,6 +99,22 @@ class Bank:
             vals = row.index_select(0, src.to(row.device))
             row.zero_()
             row[dst:dst + vals.shape[0]] = vals
+
+    _dead = None
+
+    def dead_index(self, dead: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(layer, row, column)`` long tensors of every hole in ``dead`` (``(i, b, columns)`` per row layer with
+        holes, :meth:`~.buffer.BufferLayer.hole_columns`), rebuilt only when one of them changed: a batched step
+        between evictions masks the same holes."""
+        got = self._dead
+        if got is None or len(got[0]) != len(dead) or any(
+                x[0] != y[0] or x[1] != y[1] or x[2] is not y[2] for x, y in zip(got[0], dead)):
+            sizes = torch.tensor([int(t.shape[0]) for _, _, t in dead], device=self.device)
+            idx = (torch.tensor([i for i, _, _ in dead], device=self.device).repeat_interleave(sizes),
+                   torch.tensor([b for _, b, _ in dead], device=self.device).repeat_interleave(sizes),
+                   torch.cat([t for _, _, t in dead]))
+            self._dead = got = (dead, idx)
+        return got[1]
 
     def clear_cols(self, b: int, i: int | None = None) -> None:
         """Zero row ``b``'s per-column statistics (of layer ``i``; None: every layer)."""

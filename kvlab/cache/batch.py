@@ -7,11 +7,13 @@ mask ``(B, 1, n, W)`` (True on the row's used columns and its new ones up to the
 garbage masked; on CUDA ``W`` is rounded up to a multiple of :data:`WIDTH_STEP`, the extra columns masked)
 through the forward's kwargs. Rows of different lengths (a batched prefill, teachers catching up) are padded at
 the end; the padding is never committed. Each layer reads the columns from the first one any row uses (a row's
-evictions move its start up until it moves to the front: those columns are not read). Rows inside the width with nothing to do this step (waiting on a
-refresh's logits, or finished but not yet swapped out) ride along as dummies: they write a throwaway column past
-their used part and see only it; their cache is unchanged. After the forward each active row commits its columns
-(lengths + n), ledger rows, live maps and attention mass — or, on any error, no row commits anything. A row that
-defers its statistics (``defer``) runs the plain attention and keeps its queries (:mod:`.deferred`).
+evictions move its start up until it moves to the front: those columns are not read). Rows inside the width with
+nothing to do this step (waiting on a refresh's logits, or finished but not yet swapped out) ride along as dummies:
+they write a throwaway column past their used part and see only it; their cache is unchanged. After the forward each
+active row commits its columns (lengths + n), ledger rows, live maps and attention mass — or, on any error, no row
+commits anything. Rows that defer their statistics (``defer``) add the step's attention probabilities into the
+bank's per-column sums (all rows deferring: one eager pass) or run the plain attention and keep their queries
+(:mod:`.deferred`). A step that computes attention eagerly (a mass sink) gets additive masks, built once per step.
 No step copies a cache.
 """
 from __future__ import annotations
@@ -140,7 +142,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                     for b in want}
         sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
-        hl, hb, hc = [], [], []                                 # holes a row's evictions left: masked below
+        dead = []                                               # holes a row's evictions left: masked below
         for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer
             c_row, s_row = [], []
             for i, lay in enumerate(row):
@@ -152,9 +154,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 c_row.append(lay.s + lay.p)
                 s_row.append(lay.s)
                 if lay.holes:
-                    hl += [i] * len(lay.holes)
-                    hb += [b] * len(lay.holes)
-                    hc += [lay.s + o for o in lay.holes]
+                    dead.append((i, b, lay.hole_columns()))
             cols.append(c_row)
             starts.append(s_row if caches[b] is not None else c_row)
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
@@ -171,9 +171,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         ar = lo_t[:, None, None, None] + torch.arange(W, device=device)                   # (L, 1, 1, W) columns
         last = cols_t[..., None] + torch.arange(n_max, device=device)                     # (L, B, n) query j's column
         masks = (ar >= starts_t[..., None, None]) & (ar <= last[..., None])                # (L, B, n, W)
-        if hc:                                                                            # dead columns: unseen
-            masks[torch.tensor(hl, device=device), torch.tensor(hb, device=device), :,
-                  torch.tensor([c - lows[i] for i, c in zip(hl, hc)], device=device)] = False
+        if dead:                                                                          # dead columns: unseen
+            hl, hb, hc = bank.dead_index(dead)
+            masks[hl, hb, :, hc - lo_t[hl]] = False
         step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i], lows[i]) for i in range(L)])
         per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
         ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
