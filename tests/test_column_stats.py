@@ -11,7 +11,8 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
 
-SETTINGS = [dict(ema_decay=0.9), dict(ema_decay=0.5, window=3, pool=1, below=True, ema_prefill="query")]
+SETTINGS = [dict(ema_decay=0.9), dict(ema_decay=0.5, window=3, pool=1, below=True, ema_prefill="query"),
+            dict(ema_decay=0.8, window=4, pool=2, below=True, ema_prefill="sum")]
 TOL = 1e-5
 
 
@@ -67,12 +68,16 @@ def test_columns_equal_measured_every_step(tiny_teacher, setting):
     assert_same(*caches)
 
 
-def test_pooled_statistics_keep_their_queries(tiny_teacher):
-    """A max-pool over live neighbours is not a sum per column: such rows keep their queries."""
-    banks, caches, toks = measured_and_deferred(tiny_teacher, dict(ema_decay=0.8, window=4, pool=2, below=True,
-                                                                    ema_prefill="sum"))
+def test_pooled_rows_step_without_holes(tiny_teacher):
+    """A max-pool over live neighbours is a pool over neighbouring columns only without holes: a pooling row's holes
+    are compacted before its deferred step (a plain row keeps them)."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[2])
+    for c in caches:
+        c.evict([2, 5])
+    lay = banks[1].rows[1][0]
+    assert lay.holes
     steps(tiny_teacher, banks, caches, toks[:3], 1)
-    assert all(q is not None for q, _, _ in caches[1]._stats.pending) and not banks[1].cols
+    assert not lay.holes and all(q is None for q, _, _ in caches[1]._stats.pending)
     assert_same(*caches)
 
 
@@ -110,9 +115,10 @@ def test_columns_follow_a_swap(tiny_teacher):
     assert_same(ref[1], rows[0])
 
 
-def test_edits_and_int8_settle_first(tiny_teacher):
+@pytest.mark.parametrize("setting", SETTINGS[1:])
+def test_edits_and_int8_settle_first(tiny_teacher, setting):
     """Evictions (uniform, per layer: holes), INT8 storage (its rows keep queries) and a copy between deferred steps."""
-    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1])
+    banks, caches, toks = measured_and_deferred(tiny_teacher, setting)
     steps(tiny_teacher, banks, caches, toks[:4], 1)
     for c in caches:
         c.evict([1, 3, 5])

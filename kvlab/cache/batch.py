@@ -143,10 +143,11 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
         dead = []                                               # holes a row's evictions left: masked below
+        pooled = columns and caches[deferring[0]]._stats.pool > 1   # pooled column sums: neighbours must be entries
         for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer
             c_row, s_row = [], []
             for i, lay in enumerate(row):
-                if lay.holes and (caches[b] is None or (want and sink is None)):
+                if lay.holes and (caches[b] is None or (want and sink is None) or (pooled and defer[b])):
                     lay.compact()                               # dummies and the capture's pass read dense rows
                 if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + p]: keep rows near
                     lay._to_front()                             # the front (amortized: once per n/4 columns)
@@ -192,7 +193,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         if columns:
             st = caches[deferring[0]]._stats
             csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
-                               torch.tensor([defer[b] for b in range(B)], device=device))
+                               torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool)
             kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink

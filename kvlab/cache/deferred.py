@@ -67,12 +67,15 @@ class ColumnSink:
     of :func:`kvlab.cache.mass.decode_attention`) and this sink adds each layer's head-mean probabilities ``a``
     ``(B, W_i)`` (columns ``lows[i] …``) into the bank's column statistics of the deferring rows: ``acc += a``,
     ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``low += [a < 1/T] & seen``.
-    ``rows``: bool ``(B,)``, the rows that defer (None: all). The fold happens at the rows' next read or edit
+    ``rows``: bool ``(B,)``, the rows that defer (None: all). ``pool > 1``: each step's ``a`` is max-pooled over the
+    column and the next ``pool - 1`` (the rows' holes are compacted before such a step; masked columns give 0, so a
+    row's end cuts the window as the dense pool does). The fold happens at the rows' next read or edit
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
-    def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None):
+    def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
+                 pool: int = 1):
         self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
-        self.lows, self.below = lows, below
+        self.lows, self.below, self.pool = lows, below, pool
         self.got: dict[int, tuple] = {}
         self.keep = None if rows is None else rows.to(torch.float32)[:, None]                 # (B, 1)
         self.fac = decay if rows is None else torch.where(rows, float(decay), 1.0)[:, None]   # (B, 1): others stay
@@ -80,8 +83,8 @@ class ColumnSink:
     def take(self, layer: int, a: torch.Tensor, vis: torch.Tensor | None) -> None:
         """Layer ``layer``'s head-mean probabilities ``a`` ``(B, 1, W_i)`` (``vis``: the columns each row sees),
         kept until :meth:`apply` (a forward that fails adds nothing)."""
-        x = a[:, 0]                                                                  # (B, W_i) the step's query
-        low = below_counts(a, vis) if self.below else None                           # (B, W_i)
+        x = max_pool_next(a[:, 0], self.pool)              # (B, W_i) the step's query (pooled: no holes, see above)
+        low = below_counts(a, vis) if self.below else None                           # (B, W_i) unpooled
         if self.keep is not None:
             x, low = x * self.keep, None if low is None else low * self.keep
         self.got[layer] = (x, low)
@@ -104,11 +107,11 @@ COLUMNS = ("acc", "ema", "low")
 
 def columns_ok(caches) -> bool:
     """Whether these deferring rows can keep their statistics in bank columns (:class:`ColumnSink`): one statistics
-    setting (decay, below), no pooling (a max-pool over live neighbours is not a per-column sum) and no INT8 entries
-    (their columns are rebuilt at every forward)."""
+    setting (decay, below, pool) and no INT8 entries (their columns are rebuilt at every forward). Pooling rows
+    (``pool > 1``: a max-pool over live neighbours) step with their holes compacted (:func:`kvlab.cache.batch.forward_rows`),
+    so neighbouring columns are neighbouring entries."""
     sts = [c._stats for c in caches]
-    return len({(st.ema_decay, st.below) for st in sts}) == 1 and all(
-        st.pool <= 1 for st in sts) and not any(c.n_int8 for c in caches)
+    return len({(st.ema_decay, st.below, st.pool) for st in sts}) == 1 and not any(c.n_int8 for c in caches)
 
 
 @torch.inference_mode()
