@@ -195,6 +195,7 @@ def test_a_dropped_model_frees_its_step():
     """The step (packs: a copy of the weights) lives exactly as long as its model (studies load many models)."""
     import gc
     import weakref
+    gc.collect()                                # earlier tests' dead models first: only this one dies below
     lm = make_tiny_lm(seed=7)
     model = lm.model.eval()
     ref = weakref.ref(S.explicit_step(model))
