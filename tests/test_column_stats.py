@@ -10,10 +10,10 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
+from test_deferred_stats import assert_same
 
 SETTINGS = [dict(ema_decay=0.9), dict(ema_decay=0.5, window=3, pool=1, below=True, ema_prefill="query"),
             dict(ema_decay=0.8, window=4, pool=2, below=True, ema_prefill="sum")]
-TOL = 1e-5
 
 
 def base(lm, setting, n, seed=0):
@@ -39,16 +39,6 @@ def steps(lm, banks, caches, toks, start):
                      attention=[True, False])
         forward_rows(banks[1], lm.model, [None, caches[1]], [None, t], writer="teacher", steps=[0, start + j],
                      defer=[False, True])
-
-
-def assert_same(a: KVCache, b: KVCache):
-    x, y = a.layer_attn(), b.layer_attn()
-    assert not b._stats.pending                                  # the read settled it
-    assert x.keys() == y.keys()
-    for name in x:
-        for l, (u, v) in enumerate(zip(x[name], y[name])):
-            assert u.shape == v.shape, (name, l)
-            assert float((u - v).abs().max()) <= TOL * max(1.0, float(u.abs().max())), (name, l)
 
 
 def columns_zero(bank: Bank):

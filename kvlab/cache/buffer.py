@@ -186,15 +186,20 @@ class BufferLayer(DynamicLayer):
         against the entries a compaction moves (spread over the steps that made the holes)."""
         return max(16, int((2 * self.n) ** 0.5))
 
+    def live_offsets(self) -> torch.Tensor:
+        """The live entries' columns as offsets from ``s`` (``(n,)`` long, CPU): the used part's ``p`` columns,
+        holes left out."""
+        alive = torch.ones(self.p, dtype=torch.bool)
+        alive[torch.tensor(self.holes, dtype=torch.long)] = False
+        return alive.nonzero().squeeze(1)
+
     def compact(self) -> None:
         """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns)."""
         if not self.holes:
             return
-        p = self.p
-        alive = torch.ones(p, dtype=torch.bool)
-        alive[torch.tensor(self.holes, dtype=torch.long)] = False
-        self.n, self.holes = p, []
-        self.keep(alive.nonzero().squeeze(1))
+        live = self.live_offsets()
+        self.n, self.holes = self.p, []
+        self.keep(live)
 
     def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
         """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =

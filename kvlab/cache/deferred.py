@@ -13,8 +13,8 @@ max-pooled first when ``pool > 1``), ``count += #{j : j sees the entry}``, ``low
 numbers within float tolerance (tests/test_deferred_stats.py), because between two reads the cache only grows (every
 other edit settles first: :meth:`kvlab.cache.KVCache._settle`).
 
-Rows of a :class:`~kvlab.cache.bank.Bank` whose step all defer (no row measuring beside them, one token each, no
-pooling, no INT8 entries: :func:`columns_ok`) keep no queries: the step's attention is computed once, eagerly, and
+Rows of a :class:`~kvlab.cache.bank.Bank` whose step all defer (no row measuring beside them, one token each, one
+statistics setting, no INT8 entries: :func:`columns_ok`) keep no queries: the step's attention is computed once, eagerly, and
 :class:`ColumnSink` adds each layer's head-mean probabilities into sums the bank keeps per column (``acc``, the
 β-weighted ``ema`` sum, ``low``), which the bank moves with the row's entries; the read folds the row's live
 columns in (``count`` from the lengths each step saw). Nothing is replayed at the read: the ``N`` queries' ``Q·Kᵀ``
@@ -166,12 +166,7 @@ def _settle_columns(group: list) -> None:
     adds = {"acc": [], "ema_in": [], "count": [], "low": []}
     for i, lay in enumerate(lays0):
         t = lay.n
-        if lay.holes:                                                    # the live columns, holes left out
-            alive = torch.ones(lay.p, dtype=torch.bool)
-            alive[torch.tensor(lay.holes, dtype=torch.long)] = False
-            at = (alive.nonzero().squeeze(1) + lay.s).to(bank.device)                          # (T,)
-        else:
-            at = None
+        at = (lay.live_offsets() + lay.s).to(bank.device) if lay.holes else None         # (T,) live columns
         for name, key in zip(names, ("acc", "ema_in", "low")):
             col = bank.cols[name][i]                                                           # (B, capacity)
             x = col[rix[0]:rix[0] + len(rix)] if span else col.index_select(0, rows)           # (G, capacity)
