@@ -193,7 +193,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         if columns:
             st = caches[deferring[0]]._stats
             csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
-                               torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool)
+                               torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool,
+                               seen=masks[:, :, 0].sum(-1, keepdim=True) if st.below else None)   # (L, B, 1)
             kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink

@@ -14,11 +14,12 @@ numbers within float tolerance (tests/test_deferred_stats.py), because between t
 other edit settles first: :meth:`kvlab.cache.KVCache._settle`).
 
 Rows of a :class:`~kvlab.cache.bank.Bank` whose step all defer (no row measuring beside them, one token each, one
-statistics setting, no INT8 entries: :func:`columns_ok`) keep no queries: the step's attention is computed once, eagerly, and
-:class:`ColumnSink` adds each layer's head-mean probabilities into sums the bank keeps per column (``acc``, the
-β-weighted ``ema`` sum, ``low``), which the bank moves with the row's entries; the read folds the row's live
-columns in (``count`` from the lengths each step saw). Nothing is replayed at the read: the ``N`` queries' ``Q·Kᵀ``
-and softmax were the steps' own.
+statistics setting, no INT8 entries: :func:`columns_ok`) keep no queries: the step's attention is computed once,
+eagerly, and :class:`ColumnSink` adds each layer's head-mean probabilities into sums the bank keeps per column
+(``acc``, the β-weighted ``ema`` sum, and ``high``: the steps that gave the entry at least the uniform share),
+which the bank moves with the row's entries; the read folds the row's live columns in (``count`` from the lengths
+each step saw, ``low = count - high``). Nothing is replayed at the read: the ``N`` queries' ``Q·Kᵀ`` and softmax
+were the steps' own.
 """
 from __future__ import annotations
 
@@ -66,43 +67,52 @@ class ColumnSink:
     ``"kvlab"`` attention function computes the step's attention eagerly (it is the :class:`~kvlab.cache.mass.MassSink`
     of :func:`kvlab.cache.mass.decode_attention`) and this sink adds each layer's head-mean probabilities ``a``
     ``(B, W_i)`` (columns ``lows[i] …``) into the bank's column statistics of the deferring rows: ``acc += a``,
-    ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``low += [a < 1/T] & seen``.
+    ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``high += [a >= 1/T]`` (``T`` the row's seen columns).
     ``rows``: bool ``(B,)``, the rows that defer (None: all). ``pool > 1``: each step's ``a`` is max-pooled over the
     column and the next ``pool - 1`` (the rows' holes are compacted before such a step; masked columns give 0, so a
     row's end cuts the window as the dense pool does). The fold happens at the rows' next read or edit
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
-                 pool: int = 1):
+                 pool: int = 1, seen: torch.Tensor | None = None):
         self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
         self.lows, self.below, self.pool = lows, below, pool
+        if below and seen is None:
+            raise ValueError("ColumnSink(below=True) needs seen: each layer's and row's visible columns, (L, B, 1)")
+        self.thr = None if seen is None else 1.0 / seen.to(torch.float32)             # (L, B, 1) uniform share
+        self.wants_vis = False                     # the below counts compare with ``thr``: no visibility per layer
         self.got: dict[int, tuple] = {}
+        self.rows = rows                                                                       # (B,) bool or None
         self.keep = None if rows is None else rows.to(torch.float32)[:, None]                 # (B, 1)
         self.fac = decay if rows is None else torch.where(rows, float(decay), 1.0)[:, None]   # (B, 1): others stay
 
     def take(self, layer: int, a: torch.Tensor, vis: torch.Tensor | None) -> None:
-        """Layer ``layer``'s head-mean probabilities ``a`` ``(B, 1, W_i)`` (``vis``: the columns each row sees),
-        kept until :meth:`apply` (a forward that fails adds nothing)."""
+        """Layer ``layer``'s head-mean probabilities ``a`` ``(B, 1, W_i)``, kept until :meth:`apply` (a forward that
+        fails adds nothing). Below counts are kept as their complement, ``high += [a >= 1/T]``: a column the row
+        does not see has ``a = 0`` and never counts, so no visibility mask is read; the fold takes
+        ``low = count - high`` (``count``: the steps that saw the entry)."""
         x = max_pool_next(a[:, 0], self.pool)              # (B, W_i) the step's query (pooled: no holes, see above)
-        low = below_counts(a, vis) if self.below else None                           # (B, W_i) unpooled
+        high = torch.ge(a[:, 0], self.thr[layer]) if self.below else None           # (B, W_i) bool, unpooled
         if self.keep is not None:
-            x, low = x * self.keep, None if low is None else low * self.keep
-        self.got[layer] = (x, low)
+            x = x * self.keep
+            if high is not None:
+                high &= self.rows[:, None]
+        self.got[layer] = (x, high)
 
     def apply(self, layers: int) -> None:
         """Add every layer's step into the bank's columns (after the forward succeeded)."""
         if len(self.got) != layers:
             raise RuntimeError(f"attention reached {len(self.got)} of {layers} layers: the model does not run the "
                                "'kvlab' attention function on every layer")
-        for i, (x, low) in self.got.items():
+        for i, (x, high) in self.got.items():
             b, lo, w = x.shape[0], self.lows[i], x.shape[1]
             self.cols["acc"][i][:b, lo:lo + w].add_(x)
             self.cols["ema"][i][:b, lo:lo + w].mul_(self.fac).add_(x)
-            if low is not None:
-                self.cols["low"][i][:b, lo:lo + w].add_(low)
+            if high is not None:
+                self.cols["high"][i][:b, lo:lo + w].add_(high)
 
 
-COLUMNS = ("acc", "ema", "low")
+COLUMNS = ("acc", "ema", "high")
 
 
 def columns_ok(caches) -> bool:
@@ -163,7 +173,7 @@ def _settle_columns(group: list) -> None:
     rows = torch.tensor(rix, dtype=torch.long, device=bank.device)                                       # (G,)
     span = rix == list(range(rix[0], rix[0] + len(rix)))                      # consecutive rows: views, no gather
     names = COLUMNS if st0.below else COLUMNS[:2]
-    adds = {"acc": [], "ema_in": [], "count": [], "low": []}
+    adds = {"acc": [], "ema_in": [], "count": [], "low": []}                  # "low" gathers high, then count - high
     for i, lay in enumerate(lays0):
         t = lay.n
         at = (lay.live_offsets() + lay.s).to(bank.device) if lay.holes else None         # (T,) live columns
@@ -172,8 +182,11 @@ def _settle_columns(group: list) -> None:
             x = col[rix[0]:rix[0] + len(rix)] if span else col.index_select(0, rows)           # (G, capacity)
             adds[key].append(x.narrow(1, lay.s, t) if at is None else x.index_select(1, at))   # (G, T)
         vis = torch.arange(t, device=bank.device)[None, :] < seen_upto[:, i, None]             # (N, T)
-        adds["count"].append(vis.sum(0).float().expand(len(group), t))
-        if not st0.below:
+        count = vis.sum(0).float()                                                             # (T,)
+        adds["count"].append(count.expand(len(group), t))
+        if st0.below:                                         # below uniform: the steps that saw it, less high
+            adds["low"][-1] = count - adds["low"][-1]
+        else:
             adds["low"].append(None)
     _fold(group, n, adds)                                                     # (reads the views above first)
     for name in names:                                                        # then the rows' columns: zeros

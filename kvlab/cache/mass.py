@@ -32,6 +32,7 @@ class MassSink:
 
     def __init__(self, window: int | None = None, below: bool = False, decay: float | None = None):
         self.window, self.below, self.decay = window, below, decay
+        self.wants_vis = below                  # the attention function hands ``take`` the visibility (below counts)
         self.mass: dict[int, torch.Tensor] = {}
         self.low: dict[int, torch.Tensor] = {}
         self.ema: dict[int, torch.Tensor] = {}
@@ -107,7 +108,7 @@ def decode_attention(module, query, key, value, mask, scaling, sink: MassSink):
     b, h, n, d = query.shape
     hkv, t = key.shape[1], key.shape[2]
     probs = torch.softmax(_scores(module, query, key, mask, scaling), dim=-1)         # (B, H, 1, T) float32
-    vis = _visible(mask, 1, t, query.device) if sink.below else None                  # only the counts read it
+    vis = _visible(mask, 1, t, query.device) if sink.wants_vis else None              # only the counts read it
     sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, 1, T)
     out = torch.matmul(probs.to(value.dtype).view(b, hkv, (h // hkv) * n, t), value)  # (B, H_kv, g, D)
     return out.view(b, h, n, value.shape[-1]).transpose(1, 2).contiguous(), None
