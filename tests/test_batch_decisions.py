@@ -1,6 +1,6 @@
-"""Batched decisions of the ranked policies (issue 36, item 3): ``keep_rows(views)`` — every row of a batch ranked
-together, one ranking per (sinks, budget, length) group over all rows and layers — decides exactly what ``keep``
-decides row by row: on random statistics with many ties, ragged layers, rows of different lengths, rows within
+"""Batched decisions of the ranked policies and block eviction (issue 36, item 3): ``keep_rows(views)`` — every row
+of a batch ranked together, one ranking per (sinks, budget, length) group over all rows and layers; block eviction's
+block scores of every row and layer one sort — decides exactly what ``keep`` decides row by row: on random statistics with many ties, ragged layers, rows of different lengths, rows within
 budget or not due, statistics carried per layer or as one ``(L, T)`` matrix; and on the rows of a bank whose
 evictions left holes (lazy rows)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import make_tiny_lm  # noqa: E402
 from kvlab.decode.protocols import keep_rows  # noqa: E402
-from kvlab.eviction import H2O, ConfKV, EvictView, Knorm, PyramidKV, Scissorhands, SnapKV  # noqa: E402
+from kvlab.eviction import H2O, BlockEvict, ConfKV, EvictView, Knorm, PyramidKV, Scissorhands, SnapKV  # noqa: E402
 from kvlab.eviction.ranked import _bottom_rows, _top_rows, rank_items  # noqa: E402
 
 CONFIDENT = SimpleNamespace(entropy_bits=0.05, top1_prob=0.99, margin=0.985)
@@ -35,6 +35,11 @@ POLICIES = {
     "confkv_recency": lambda: ConfKV(gamma=0.5, tight=20, loose=30, protect=4, attn_weight=0.0),
     "confkv_mean": lambda: ConfKV(gamma=0.5, tight=20, loose=30, protect=4, per_layer=False),
     "knorm": lambda: Knorm(budget=16, sinks=2, protect=3, every_step=True),
+    "block": lambda: BlockEvict(block_size=4, start_blocks=1, evictable_blocks=3, recent_blocks=1),
+    "block_sum_rerotate": lambda: BlockEvict(block_size=4, start_blocks=1, evictable_blocks=2, recent_blocks=2,
+                                             score="sum", rerotate=True),
+    "block_kvcrush": lambda: BlockEvict(block_size=4, start_blocks=1, evictable_blocks=3, recent_blocks=1,
+                                        kvcrush=1),
 }
 
 

@@ -154,17 +154,20 @@ class BlockEvict:
 
     def areas(self, n: int) -> tuple[range, list[range], range]:
         """(start slots, complete evictable blocks, recent slots incl. the partial block) for length ``n``."""
-        bs = self.block_size
-        s, r = self.start_blocks * bs, self.recent_blocks * bs
-        nb = max(n - s - r, 0) // bs
+        bs, s, nb = self.block_size, self.start_blocks * self.block_size, self.n_blocks(n)
         blocks = [range(s + i * bs, s + (i + 1) * bs) for i in range(nb)]
         return range(0, min(s, n)), blocks, range(min(s + nb * bs, n), n)
+
+    def n_blocks(self, n: int) -> int:
+        """``nb``: the complete evictable blocks at length ``n`` (``len(areas(n)[1])``)."""
+        bs = self.block_size
+        return max(n - self.start_blocks * bs - self.recent_blocks * bs, 0) // bs
 
     def n_evict(self, n: int) -> int:
         """Blocks the score evicts at length ``n``: 0 below ``max + bs``, else ``nb - evictable_blocks``."""
         if n < self.max_cache_size + self.block_size:
             return 0
-        return len(self.areas(n)[1]) - self.evictable_blocks
+        return self.n_blocks(n) - self.evictable_blocks
 
     # ------------------------------------------------------------------ the per-layer decision
 
@@ -214,7 +217,7 @@ class BlockEvict:
         d = self.n_evict(n)
         if d <= 0:
             return []
-        nb = len(self.areas(n)[1])
+        nb = self.n_blocks(n)
         scores = self.block_scores(acc, count, nb)
         # the d lowest blocks, ties by block index: one sort and one copy to the host (no per-block read-back)
         evicted = sorted(torch.sort(scores, stable=True).indices[:d].tolist())
@@ -238,3 +241,23 @@ class BlockEvict:
                 for a, c, n in zip(accs, counts, lengths)]
         evicted = any(len(k) < n for k, n in zip(kept, lengths))
         return per_layer(kept, budget=budget, rerotate=self.rerotate and evicted)
+
+    def keep_rows(self, views) -> list[Keep]:
+        """:meth:`keep` of each of ``views`` (the rows of a batch), the same decisions: when every row and layer
+        holds ``n`` entries and blocks go, every layer's block scores of every row are one ``(R, L, nb)`` tensor
+        and one stable sort (no per-layer work); KVCrush's representatives and unequal lengths decide row by row."""
+        lengths = {len(p) for v in views for p in v.layer_positions}
+        n = next(iter(lengths)) if len(lengths) == 1 else None
+        if not views or self.kvcrush or n is None or self.n_evict(n) <= 0:
+            return [self.keep(v) for v in views]
+        d, nb = self.n_evict(n), self.n_blocks(n)
+        s, bs = self.start_blocks * self.block_size, self.block_size
+        acc = torch.stack([torch.stack(layer_rows(v, "acc")) for v in views]).float()        # (R, L, T)
+        a = acc[..., s:s + nb * bs].double()
+        if self.score == "norm_sum":
+            count = torch.stack([torch.stack(layer_rows(v, "count")) for v in views]).float()
+            a = a / count[..., s:s + nb * bs].double().clamp_min(1.0)
+        scores = a.reshape(*a.shape[:2], nb, bs).sum(-1)                                   # (R, L, nb)
+        low = torch.sort(scores, dim=-1, stable=True).indices[..., :d].sort(-1).values.tolist()   # (R, L, d)
+        return [per_layer([self.kept_slots(ev, n) for ev in rows], budget=self.max_cache_size,
+                          rerotate=self.rerotate) for rows in low]
