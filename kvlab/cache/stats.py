@@ -10,6 +10,7 @@ they always follow the live slots. The mass itself is measured by the attention 
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -36,6 +37,7 @@ class AttnStats:
         self.window, self.pool, self.below = window, pool, below
         self.device = device
         self._mats: dict[str, tuple] = {}   # name -> (matrix, its rows or None): data[name] as one (L, T) tensor
+        self._owed = 0                      # zero columns a deferring row's appends owe its matrices (_pad_stacked)
         self.data = {k: [torch.zeros(n, device=device) for n in lengths] for k in self.names}
         self.pending: list[tuple] = []      # deferred steps (kvlab.cache.deferred): (queries (L, B, H, D), row, lengths)
         self.pending_scaling: list[float] = []
@@ -43,6 +45,7 @@ class AttnStats:
     @property
     def data(self) -> dict[str, list[torch.Tensor]]:
         """``{name: [t_0, …, t_{L-1}]}``; a statistic held as one matrix gets its rows (views) built here, once."""
+        self._pay()
         for k, rows in self._data.items():
             if rows is None:
                 mat = self._mats[k][0]
@@ -54,27 +57,37 @@ class AttnStats:
     def data(self, value: dict[str, list[torch.Tensor]]) -> None:
         self._data = value
 
-    def _matrix(self, name: str) -> torch.Tensor | None:
+    def _matrix(self, name: str, pay: bool = True) -> torch.Tensor | None:
         """The ``(L, T)`` matrix ``data[name]`` is (a stacked update made it, and nothing replaced a row since),
-        else None."""
+        else None. ``pay=False``: as it stands, without the columns deferred appends owe."""
+        if pay:
+            self._pay()
         ts, got = self._data[name], self._mats.get(name)
         if got is None:
             return None
         if ts is None:
             return got[0]
-        if got[1] is not None and len(got[1]) == len(ts) and all(a is b for a, b in zip(got[1], ts)):
+        if got[1] is not None and len(got[1]) == len(ts) and all(map(operator.is_, got[1], ts)):
             return got[0]
         return None
 
     def _lengths(self) -> list[int]:
         """Entries per layer (of ``acc``), without building per-layer rows."""
-        m = self._matrix("acc")
-        return [int(m.shape[1])] * int(m.shape[0]) if m is not None else [int(t.shape[0]) for t in self._data["acc"]]
+        m = self._matrix("acc", pay=False)                                 # (owed columns: only on matrices)
+        return [int(m.shape[1]) + self._owed] * int(m.shape[0]) if m is not None else \
+            [int(t.shape[0]) for t in self._data["acc"]]
 
     def _stack(self, name: str) -> torch.Tensor:
         """``data[name]`` as one ``(L, T)`` matrix: :meth:`_matrix` when there is one, else a stacked copy."""
         m = self._matrix(name)
         return m if m is not None else torch.stack(self.data[name])
+
+    def _pay(self) -> None:
+        """Append the zero columns deferred appends owe (:meth:`_pad_stacked`): before anything reads a statistic."""
+        owed, self._owed = self._owed, 0
+        if owed:
+            for name in list(self._data):
+                self._set(name, torch.nn.functional.pad(self._stack(name), (0, owed)))
 
     def _set(self, name: str, mat: torch.Tensor) -> None:
         """``data[name]`` := the rows of ``mat`` ``(L, T)`` (built when :attr:`data` is read)."""
@@ -96,13 +109,14 @@ class AttnStats:
         storage's, which an empty cache did not know yet)."""
         if len(self._lengths()) != layers:
             self.device = torch.device(device) if device is not None else self.device
+            self._owed = 0
             self.data = {k: [torch.zeros(n, device=self.device) for _ in range(layers)] for k in self.names}
 
     def check(self, lengths: Sequence[int]) -> None:
         if lengths and min(lengths) == max(lengths) and all(
-                (m := self._matrix(k)) is not None and m.shape[0] == len(lengths) and m.shape[1] == lengths[0]
-                for k in self._data):
-            return                          # every statistic is one (L, T) matrix of the right width
+                (m := self._matrix(k, pay=False)) is not None and m.shape[0] == len(lengths)
+                and m.shape[1] + self._owed == lengths[0] for k in self._data):
+            return                          # every statistic is one (L, T) matrix of the right width (owed included)
         for name, ts in self.data.items():
             if len(ts) != len(lengths):
                 raise AssertionError(f"attention stat {name!r} has {len(ts)} layers, live maps {len(lengths)}")
@@ -124,6 +138,7 @@ class AttnStats:
         new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
         new.below, new.ema_prefill = self.below, self.ema_prefill
         new.pending, new.pending_scaling = list(self.pending), list(self.pending_scaling)
+        new._owed = 0                       # (the reads below pay this one's first)
         new._mats, new.data = {}, {}
         for k in self._data:
             m = self._matrix(k)
@@ -238,10 +253,14 @@ class AttnStats:
     def _pad_stacked(self, n: int) -> bool:
         """An unmeasured :meth:`append` when the layers hold equally many entries: each statistic one ``(L, T)``
         matrix padded with ``n`` zero columns (one op per statistic, not one per layer: a deferred step appends
-        unmeasured at every step). False (nothing done) when layers differ in length or there are none."""
+        unmeasured at every step). False (nothing done) when layers differ in length or there are none. A row
+        whose steps defer (``pending``) owes the columns instead (:meth:`_pay`, at the next read: its fold)."""
         lengths = self._lengths()
         if not lengths or any(x != lengths[0] for x in lengths):
             return False
+        if self.pending and all(self._matrix(name, pay=False) is not None for name in self._data):
+            self._owed += n
+            return True
         for name in list(self._data):
             self._set(name, torch.nn.functional.pad(self._stack(name), (0, n)))
         return True
