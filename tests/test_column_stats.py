@@ -150,3 +150,26 @@ def test_a_failed_forward_adds_nothing(tiny_teacher):
     assert all(torch.equal(x, y) for k in before for x, y in zip(before[k], banks[1].cols[k]))
     steps(tiny_teacher, banks, caches, toks[2:4], 3)
     assert_same(*caches)
+
+
+def test_pooled_sums_read_past_the_end_as_the_padded_pool(tiny_teacher):
+    """A pooled step reads ``pool - 1`` masked columns past the last used one when the bank has them (``spare``):
+    its max-pool then needs no padding and gives the padded pool's sums (masked columns are 0, probabilities >= 0)."""
+    from kvlab.cache.deferred import ColumnSink
+
+    bank = Bank.for_model(tiny_teacher.model, 2, capacity=64)
+    L = bank.num_layers
+    a = torch.rand(2, 1, 20, generator=torch.Generator().manual_seed(0))
+    a[0, 0, 12:] = 0.0                                             # row 0 ends at 12, row 1 at 14: masked after
+    a[1, 0, 14:] = 0.0
+    got = []
+    for spare, x in ((6, a), (0, a[..., :14])):
+        for b in range(2):
+            bank.clear_cols(b)
+        sink = ColumnSink(bank, [3] * L, 0.9, False, pool=7, spare=[spare] * L)
+        for i in range(L):
+            sink.take(i, x, None)
+        sink.apply(L)
+        got.append([t.clone() for t in bank.cols["acc"] + bank.cols["ema"]])
+    assert all(torch.equal(u, v) for u, v in zip(*got))
+    assert float(got[0][0][:, 3:17].abs().sum()) > 0 and float(got[0][0][:, 17:].abs().sum()) == 0

@@ -165,7 +165,9 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         # starts at its s, which its evictions move up until it is moved to the front) to the last new one
         used = [max(c[i] for c in cols) + n_max for i in range(L)]
         lows = [min(s[i] for s in starts) for i in range(L)]
-        widths = [min(-(-(u - lo) // step) * step, bank.capacity(i)) for i, (u, lo) in enumerate(zip(used, lows))]
+        extra = caches[deferring[0]]._stats.pool - 1 if pooled else 0     # pooled sums: the pool's window past the
+        widths = [min(-(-(u + extra - lo) // step) * step, bank.capacity(i))         # end read as masked columns
+                  for i, (u, lo) in enumerate(zip(used, lows))]
         lows = [min(lo, bank.capacity(i) - w) for i, (lo, w) in enumerate(zip(lows, widths))]   # rounded: in the bank
         W = max(widths)
         lo_t = torch.tensor(lows, dtype=torch.long, device=device)                        # (L,)
@@ -194,7 +196,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             st = caches[deferring[0]]._stats
             csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
                                torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool,
-                               seen=masks[:, :, 0].sum(-1, keepdim=True) if st.below else None)   # (L, B, 1)
+                               seen=masks[:, :, 0].sum(-1, keepdim=True) if st.below else None,   # (L, B, 1)
+                               spare=[lo + w - u for lo, w, u in zip(lows, widths, used)])
             kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink

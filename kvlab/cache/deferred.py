@@ -74,9 +74,10 @@ class ColumnSink:
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
-                 pool: int = 1, seen: torch.Tensor | None = None):
+                 pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None):
         self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
         self.lows, self.below, self.pool = lows, below, pool
+        self.spare = spare or [0] * len(lows)       # per layer: masked columns read past the last used one
         if below and seen is None:
             raise ValueError("ColumnSink(below=True) needs seen: each layer's and row's visible columns, (L, B, 1)")
         self.thr = None if seen is None else 1.0 / seen.to(torch.float32)             # (L, B, 1) uniform share
@@ -91,7 +92,10 @@ class ColumnSink:
         fails adds nothing). Below counts are kept as their complement, ``high += [a >= 1/T]``: a column the row
         does not see has ``a = 0`` and never counts, so no visibility mask is read; the fold takes
         ``low = count - high`` (``count``: the steps that saw the entry)."""
-        x = max_pool_next(a[:, 0], self.pool)              # (B, W_i) the step's query (pooled: no holes, see above)
+        if 1 < self.pool <= self.spare[layer] + 1:         # the pool's window past the end is read (masked: 0)
+            x = torch.nn.functional.max_pool1d(a, self.pool, stride=1)[:, 0]                 # (B, W_i - pool + 1)
+        else:
+            x = max_pool_next(a[:, 0], self.pool)          # (B, W_i) the step's query (pooled: no holes, see above)
         high = torch.ge(a[:, 0], self.thr[layer]) if self.below else None           # (B, W_i) bool, unpooled
         if self.keep is not None:
             x = x * self.keep
@@ -108,8 +112,8 @@ class ColumnSink:
             b, lo, w = x.shape[0], self.lows[i], x.shape[1]
             self.cols["acc"][i][:b, lo:lo + w].add_(x)
             self.cols["ema"][i][:b, lo:lo + w].mul_(self.fac).add_(x)
-            if high is not None:
-                self.cols["high"][i][:b, lo:lo + w].add_(high)
+            if high is not None:                                                             # (its own width)
+                self.cols["high"][i][:b, lo:lo + high.shape[1]].add_(high)
 
 
 COLUMNS = ("acc", "ema", "high")

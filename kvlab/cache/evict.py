@@ -34,10 +34,12 @@ class EvictReport:
 
 def _check_slots(slots, n: int, what: str) -> list[int]:
     slots = list(slots)
-    for s in slots:
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise ValueError(f"{what} holds {s!r}; slots must be ints")
-    slots = sorted(int(s) for s in slots)
+    if not set(map(type, slots)) <= {int}:                # (plain ints, the usual case: no per-slot checks)
+        for s in slots:
+            if isinstance(s, bool) or not hasattr(s, "__index__"):
+                raise ValueError(f"{what} holds {s!r}; slots must be ints")
+        slots = [int(s) for s in slots]
+    slots = sorted(slots)
     if len(set(slots)) != len(slots):
         raise ValueError(f"{what}: slots must be distinct")
     if slots and (slots[0] < 0 or slots[-1] >= n):
@@ -89,8 +91,8 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
         if not d:
             continue
         if not uniform_drop or i == 0:
-            for s in d:
-                mirror.events.append(tick, lives[i][s], "evicted", -1 if uniform_drop else i)
+            live = lives[i]
+            mirror.events.extend(tick, [live[s] for s in d], "evicted", -1 if uniform_drop else i)
         lives[i].drop_slots(d, keeps[i])        # d sorted: deleted from the back (C memmove); its row tensor follows
     if cache._stats is not None:
         cache._stats.keep(keeps)

@@ -87,6 +87,14 @@ class EventLog:
         self.event.append(event)
         self.layer.append(int(layer))
 
+    def extend(self, tick: int, rows: Sequence[int], event: str, layer: int = -1) -> None:
+        """:meth:`append` of each of ``rows`` (ints), the same tick, event and layer."""
+        k = len(rows)
+        self.tick.extend([int(tick)] * k)
+        self.row.extend(map(int, rows))
+        self.event.extend([event] * k)
+        self.layer.extend([int(layer)] * k)
+
     def copy(self) -> "EventLog":
         new = EventLog()
         new.tick, new.row, new.event, new.layer = list(self.tick), list(self.row), list(self.event), list(self.layer)
