@@ -90,7 +90,7 @@ def test_evict_ledger_events_and_status(lm2):
     c.check()
 
 
-@pytest.mark.parametrize("bad", [[10], [-1], [1, 1], ["a"], [True]])
+@pytest.mark.parametrize("bad", [[10], [-1], [1, 1], ["a"], [True], [2.0], [3, True]])
 def test_evict_validates_before_touching(lm2, bad):
     c, _ = KVCache.prefill(lm2.model, IDS[:10], writer="teacher")
     before = [t.clone() for t in c.kv(0)], list(c.live)
