@@ -173,3 +173,23 @@ def test_pooled_sums_read_past_the_end_as_the_padded_pool(tiny_teacher):
         got.append([t.clone() for t in bank.cols["acc"] + bank.cols["ema"]])
     assert all(torch.equal(u, v) for u, v in zip(*got))
     assert float(got[0][0][:, 3:17].abs().sum()) > 0 and float(got[0][0][:, 17:].abs().sum()) == 0
+
+
+def test_rows_whose_sums_are_zero_skip_column_moves(tiny_teacher):
+    """``Bank.summed``: set for a row by its deferred steps, cleared by its fold (every sum zero then), swapped with
+    the row; a move of a row whose sums are zero (an edit right after its read) moves nothing and leaves zeros."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1])
+    bank = banks[1]
+    assert bank.summed == [False, False]
+    steps(tiny_teacher, banks, caches, toks[:3], 1)
+    assert bank.summed == [False, True]
+    caches[1].layer_attn()                                         # the read folds: zeros again
+    assert bank.summed == [False, False] and columns_zero(bank)
+    for c in caches:
+        c.evict(list(range(2, 14)))                                # a keep moving entries: no sums to move
+    assert columns_zero(bank)
+    steps(tiny_teacher, banks, caches, toks[3:6], 4)
+    assert bank.summed == [False, True]
+    bank.swap(0, 1)
+    assert bank.summed == [True, False]
+    assert_same(caches[0], caches[1])

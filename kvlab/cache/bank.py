@@ -43,6 +43,7 @@ class Bank:
         # deferred attention statistics per bank column (kvlab.cache.deferred.ColumnSink), made on first use:
         # name -> per layer (B, capacity) float32; zero wherever no row has deferred steps pending
         self.cols: dict[str, list[torch.Tensor]] = {}
+        self.summed = [False] * batch   # row b's column sums may be nonzero (a sink added since they were zeroed)
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -93,7 +94,10 @@ class Bank:
 
     def move_cols(self, b: int, i: int, src: torch.Tensor, dst: int) -> None:
         """Row ``b``'s per-column statistics of layer ``i`` follow its entries: columns ``src`` (in order) move to
-        ``dst, dst + 1, …``; every other column of the row is zero afterwards (nothing is kept for dead columns)."""
+        ``dst, dst + 1, …``; every other column of the row is zero afterwards (nothing is kept for dead columns).
+        Nothing to move when the row's sums are all zero (:attr:`summed`: an edit right after a fold)."""
+        if not self.summed[b]:
+            return
         for ts in self.cols.values():
             row = ts[i][b]                                                                  # (capacity,)
             vals = row.index_select(0, src.to(row.device))
@@ -121,6 +125,8 @@ class Bank:
         for ts in self.cols.values():
             for t in (ts if i is None else [ts[i]]):
                 t[b].zero_()
+        if i is None:
+            self.summed[b] = False
 
     def row_cache(self, b: int):
         """A new, empty :class:`~kvlab.cache.KVCache` over row ``b`` (its layers reset to length 0)."""
@@ -172,6 +178,7 @@ class Bank:
                 t[a].copy_(t[b])
                 t[b].copy_(tmp)
         self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+        self.summed[a], self.summed[b] = self.summed[b], self.summed[a]
         for r in (a, b):
             for lay in self.rows[r]:
                 lay.row = r

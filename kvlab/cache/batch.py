@@ -222,6 +222,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             queries = qsink.stacked(L) if qsink is not None else None                     # (L, B, H, D)
             if csink is not None:
                 csink.apply(L)
+                for b in deferring:                             # their sums may be nonzero now (Bank.summed)
+                    bank.summed[b] = True
             if sink is not None:
                 masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer)
             elif want:                                          # all measured rows at once (QueryCapture.mass_rows)

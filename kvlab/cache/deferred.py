@@ -196,6 +196,9 @@ def _settle_columns(group: list) -> None:
     for name in names:                                                        # then the rows' columns: zeros
         for col in bank.cols[name]:
             col[rix[0]:rix[0] + len(rix)].zero_() if span else col.index_fill_(0, rows, 0.0)
+    if set(names) == set(bank.cols):                                          # every sum the bank keeps
+        for r in rix:
+            bank.summed[r] = False
 
 
 def _rows_view(keys: list) -> torch.Tensor | None:
