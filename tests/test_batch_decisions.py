@@ -1,8 +1,9 @@
 """Batched decisions of the ranked policies and block eviction (issue 36, item 3): ``keep_rows(views)`` — every row
-of a batch ranked together, one ranking per (sinks, budget, length) group over all rows and layers; block eviction's
-block scores of every row and layer one sort — decides exactly what ``keep`` decides row by row: on random statistics with many ties, ragged layers, rows of different lengths, rows within
-budget or not due, statistics carried per layer or as one ``(L, T)`` matrix; and on the rows of a bank whose
-evictions left holes (lazy rows)."""
+of a batch ranked together, one ranking per (sinks, budget, length) group over all rows and layers; block
+eviction's block scores of every row and layer one sort — decides exactly what ``keep`` decides row by row: on
+random statistics with many ties, ragged layers, rows of different lengths, rows within budget or not due,
+statistics carried per layer or as one ``(L, T)`` matrix; and on the rows of a bank whose evictions left holes
+(lazy rows)."""
 from __future__ import annotations
 
 import sys

@@ -67,7 +67,8 @@ class ColumnSink:
     ``"kvlab"`` attention function computes the step's attention eagerly (it is the :class:`~kvlab.cache.mass.MassSink`
     of :func:`kvlab.cache.mass.decode_attention`) and this sink adds each layer's head-mean probabilities ``a``
     ``(B, W_i)`` (columns ``lows[i] …``) into the bank's column statistics of the deferring rows: ``acc += a``,
-    ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``high += [a >= 1/T]`` (``T`` the row's seen columns).
+    ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``high += [a >= 1/T]``
+    (``T``: the columns the row sees; ``seen``, ``(L, B, 1)``).
     ``rows``: bool ``(B,)``, the rows that defer (None: all). ``pool > 1``: each step's ``a`` is max-pooled over the
     column and the next ``pool - 1`` (the rows' holes are compacted before such a step; masked columns give 0, so a
     row's end cuts the window as the dense pool does). The fold happens at the rows' next read or edit
