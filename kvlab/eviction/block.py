@@ -172,12 +172,13 @@ class BlockEvict:
     # ------------------------------------------------------------------ the per-layer decision
 
     def block_scores(self, acc: torch.Tensor, count: torch.Tensor, nb: int) -> torch.Tensor:
-        """``(nb,)`` scores of the evictable blocks from one layer's ``acc``/``count`` ``(T,)``."""
+        """``(..., nb)`` scores of the evictable blocks from ``acc``/``count`` ``(..., T)`` (one layer's, or every
+        row's and layer's stacked)."""
         s, bs = self.start_blocks * self.block_size, self.block_size
-        a = acc[s:s + nb * bs].double()
+        a = acc[..., s:s + nb * bs].double()
         if self.score == "norm_sum":
-            a = a / count[s:s + nb * bs].double().clamp_min(1.0)
-        return a.view(nb, bs).sum(1)
+            a = a / count[..., s:s + nb * bs].double().clamp_min(1.0)
+        return a.reshape(*a.shape[:-1], nb, bs).sum(-1)
 
     def anchor_bits(self, indicators: torch.Tensor, step: int) -> torch.Tensor:
         """``(bs,)`` anchor pattern from the ``(nb, bs)`` indicators of all evictable blocks."""
@@ -248,16 +249,12 @@ class BlockEvict:
         and one stable sort (no per-layer work); KVCrush's representatives and unequal lengths decide row by row."""
         lengths = {len(p) for v in views for p in v.layer_positions}
         n = next(iter(lengths)) if len(lengths) == 1 else None
-        if not views or self.kvcrush or n is None or self.n_evict(n) <= 0:
+        d = self.n_evict(n) if n is not None else 0
+        if not views or self.kvcrush or d <= 0:
             return [self.keep(v) for v in views]
-        d, nb = self.n_evict(n), self.n_blocks(n)
-        s, bs = self.start_blocks * self.block_size, self.block_size
-        acc = torch.stack([torch.stack(layer_rows(v, "acc")) for v in views]).float()        # (R, L, T)
-        a = acc[..., s:s + nb * bs].double()
-        if self.score == "norm_sum":
-            count = torch.stack([torch.stack(layer_rows(v, "count")) for v in views]).float()
-            a = a / count[..., s:s + nb * bs].double().clamp_min(1.0)
-        scores = a.reshape(*a.shape[:2], nb, bs).sum(-1)                                   # (R, L, nb)
+        stacked = lambda name: torch.stack([torch.stack(layer_rows(v, name)) for v in views]).float()  # noqa: E731
+        scores = self.block_scores(stacked("acc"), stacked("count") if self.score == "norm_sum" else None,
+                                   self.n_blocks(n))                                        # (R, L, nb)
         low = torch.sort(scores, dim=-1, stable=True).indices[..., :d].sort(-1).values.tolist()   # (R, L, d)
         return [per_layer([self.kept_slots(ev, n) for ev in rows], budget=self.max_cache_size,
                           rerotate=self.rerotate) for rows in low]
