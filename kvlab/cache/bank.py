@@ -104,6 +104,22 @@ class Bank:
             row.zero_()
             row[dst:dst + vals.shape[0]] = vals
 
+    def move_cols_to(self, b: int, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Row ``b``'s per-column statistics of layer ``i`` at columns ``src`` move to columns ``dst`` (distinct
+        from them); nothing to move when the row's sums are all zero (:attr:`summed`)."""
+        if not self.summed[b] or not self.cols:
+            return
+        s, d = src.to(self.device), dst.to(self.device)
+        for ts in self.cols.values():
+            row = ts[i][b]                                                                  # (capacity,)
+            row.index_copy_(0, d, row.index_select(0, s))
+
+    def zero_cols(self, b: int, i: int, lo: int, hi: int) -> None:
+        """Row ``b``'s per-column statistics of layer ``i`` at columns ``[lo, hi)`` to zero (past the row's end)."""
+        if self.summed[b]:
+            for ts in self.cols.values():
+                ts[i][b, lo:hi].zero_()
+
     _dead = None
 
     def dead_index(self, dead: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,7 +151,7 @@ class Bank:
         self._check_row(b)
         for lay in self.rows[b]:
             lay.s = lay.n = 0
-            lay.holes = []
+            lay.holes, lay.order = [], None
             lay.bind()
         self.clear_cols(b)
         return KVCache(hf=KVStore(list(self.rows[b])))
@@ -228,8 +244,20 @@ class RowLayer(BufferLayer):
         if s and self.bank.cols:                                    # the per-column statistics move along
             self.bank.move_cols(self.row, self.layer, torch.arange(s, s + p), 0)
 
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        super()._move(src, dst)
+        self.bank.move_cols_to(self.row, self.layer, src, dst)
+
+    def _cut(self, lo: int, hi: int) -> None:
+        self.bank.zero_cols(self.row, self.layer, lo, hi)
+
+    def _reorder(self, src: torch.Tensor) -> None:
+        super()._reorder(src)
+        if self.bank.cols:
+            self.bank.move_cols(self.row, self.layer, src, self.s)
+
     def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
-        if self.holes:
+        if self.sparse:
             self.compact()                                          # (calls keep without holes)
             plan = None
         s = self.s
@@ -249,6 +277,6 @@ class RowLayer(BufferLayer):
             self.bank.grow(self.layer, max(MIN_CAPACITY, 2 * t))
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
-        self.s, self.n, self.holes = 0, t, []
+        self.s, self.n, self.holes, self.order = 0, t, [], None
         self.bank.clear_cols(self.row, self.layer)
         self._views()

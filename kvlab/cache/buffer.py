@@ -26,7 +26,17 @@ class BufferLayer(DynamicLayer):
         self.n = 0
         self.s = 0
         self.holes: list[int] = []      # dead columns (offsets from s, sorted) inside the used part [s, s + p)
+        # None, or the live entries' columns are not in slot order: slot j's entry lies at offset order[j] from s
+        # (long, CPU; entries appended since the last eviction at their own slot: the identity, kept past n in order
+        # so that the slot -> offset map of n entries is the view order[:n]); a permuted layer holds no holes
+        self.order: torch.Tensor | None = None
         self.buf_k = self.buf_v = None
+
+    @property
+    def sparse(self) -> bool:
+        """The live entries are not the dense, ordered columns ``[s, s + n)`` (holes or a permuted order): a read
+        of ``keys`` / ``values`` or an edit in slot order compacts first."""
+        return bool(self.holes) or self.order is not None
 
     @property
     def p(self) -> int:
@@ -62,7 +72,7 @@ class BufferLayer(DynamicLayer):
         self._stale = True
 
     def _fresh(self) -> None:
-        if self.holes:
+        if self.sparse:
             self.compact()
         self._keys = self.buf_k.narrow(2, self.s, self.n)          # the used part [s, s + n)
         self._values = self.buf_v.narrow(2, self.s, self.n)
@@ -108,7 +118,7 @@ class BufferLayer(DynamicLayer):
         """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.holes:
+        if self.sparse:
             self.compact()
         m = key_states.shape[-2]
         self.reserve(m)
@@ -143,15 +153,24 @@ class BufferLayer(DynamicLayer):
             self.is_initialized = True
         self.buf_k[:, :, :t] = k
         self.buf_v[:, :, :t] = v
-        self.s, self.n, self.holes = 0, t, []
+        self.s, self.n, self.holes, self.order = 0, t, [], None
         self._views()
 
-    def drop(self, slots: Sequence[int]) -> None:
+    def drop(self, slots: Sequence[int], fill: bool = False) -> None:
         """Remove the live entries ``slots`` (sorted ints). A :attr:`lazy` layer marks their columns dead
         (``holes``: nothing moves; a batched forward masks them, :mod:`.batch`) and compacts once the holes
-        pass :meth:`compact_at`; any other layer, or a read of ``keys`` / ``values``, compacts at once."""
+        pass :meth:`compact_at`; any other layer, or a read of ``keys`` / ``values``, compacts at once.
+        ``fill`` (a lazy layer): no holes are left — the survivors among the last ``len(slots)`` columns move into
+        the dead columns before them (at most ``len(slots)`` entries move, :meth:`_fill`), so the used part stays
+        dense and the columns leave slot order (:attr:`order`); for rows whose readers do not need neighbouring
+        columns to be neighbouring entries (a batched step attends in any column order)."""
         if not slots:
             return
+        if self.lazy and fill:
+            self._fill(slots)
+            return
+        if self.order is not None:
+            self.compact()
         if not self.lazy:
             gone = set(slots)
             self.keep(torch.tensor([j for j in range(self.n) if j not in gone], dtype=torch.long))
@@ -187,24 +206,82 @@ class BufferLayer(DynamicLayer):
         return max(16, int((2 * self.n) ** 0.5))
 
     def live_offsets(self) -> torch.Tensor:
-        """The live entries' columns as offsets from ``s`` (``(n,)`` long, CPU): the used part's ``p`` columns,
-        holes left out."""
+        """The live entries' columns as offsets from ``s``, in slot order (``(n,)`` long, CPU): the used part's
+        ``p`` columns, holes left out (or the permuted :attr:`order`)."""
+        if self.order is not None:
+            o = self.order
+            if o.numel() < self.n:                          # entries appended past the identity tail kept
+                self.order = o = torch.cat([o, torch.arange(o.numel(), 2 * self.n)])
+            return o[:self.n]
+        if not self.holes:
+            return torch.arange(self.n)
         alive = torch.ones(self.p, dtype=torch.bool)
         alive[torch.tensor(self.holes, dtype=torch.long)] = False
         return alive.nonzero().squeeze(1)
 
     def compact(self) -> None:
-        """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns)."""
+        """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns); a
+        permuted layer's entries move back into slot order."""
+        if self.order is not None:
+            self._unpermute()
+            return
         if not self.holes:
             return
         live = self.live_offsets()
         self.n, self.holes = self.p, []
         self.keep(live)
 
+    def _fill(self, slots: Sequence[int]) -> None:
+        """:meth:`drop` with ``fill``: slot ``j``'s entry lies at :meth:`live_offsets` ``[j]``; the ``m`` survivors
+        stay where they are, except those in columns ``>= m``, which move into the freed columns ``< m``."""
+        if self.holes:
+            self.compact()
+        offs = self.live_offsets()                                                   # (n,) slot -> offset
+        gone = torch.zeros(self.n, dtype=torch.bool)
+        gone[torch.tensor(list(slots), dtype=torch.long)] = True
+        kept = offs[~gone]                                                           # (m,) survivors, slot order
+        m = int(kept.numel())
+        out = kept >= m                                                              # survivors past the end
+        if bool(out.any()):
+            freed = offs[gone]
+            dst = freed[freed < m].sort().values                                     # as many as ``out`` holds
+            src = kept[out]
+            self._move(src + self.s, dst + self.s)
+            kept[out] = dst
+        self._cut(self.s + m, self.s + self.n)
+        self.n = m
+        self.order = torch.cat([kept, torch.arange(m, m + _tail(m))])
+        self._views()
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Columns ``src`` (long, CPU) of the buffers to columns ``dst`` (distinct from them)."""
+        s, d = src.to(self.buf_k.device), dst.to(self.buf_k.device)
+        self.buf_k.index_copy_(2, d, self.buf_k.index_select(2, s))
+        self.buf_v.index_copy_(2, d, self.buf_v.index_select(2, s))
+
+    def _cut(self, lo: int, hi: int) -> None:
+        """Columns ``[lo, hi)`` left the used part (a bank row's column statistics there go to zero)."""
+
+    def _unpermute(self) -> None:
+        """A permuted layer's entries back into slot order in ``[s, s + n)`` (one gather)."""
+        offs = self.live_offsets()
+        self.order = None
+        if not torch.equal(offs, torch.arange(self.n)):
+            src = offs + self.s
+            self._reorder(src)
+        self._views()
+
+    def _reorder(self, src: torch.Tensor) -> None:
+        """Columns ``src`` (long, CPU; ``n`` of them) to ``[s, s + n)`` in that order."""
+        d = src.to(self.buf_k.device)
+        with torch.inference_mode(self.buf_k.is_inference()):      # (a buffer made in inference mode edits in it)
+            self.buf_k[:, :, self.s:self.s + self.n] = self.buf_k.index_select(2, d)
+            self.buf_v[:, :, self.s:self.s + self.n] = self.buf_v.index_select(2, d)
+
     def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
         """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =
         :func:`keep_plan` ``(idx, n)`` (computed if None)."""
-        if self.holes:
+        if self.sparse:
             self.compact()
             plan = None
         m = int(idx.numel())
@@ -225,7 +302,7 @@ class BufferLayer(DynamicLayer):
         self._views()
 
     def truncate(self, n: int) -> None:
-        if self.holes:
+        if self.sparse:
             self.compact()
         if n < self.n:
             self.n = n
@@ -233,7 +310,7 @@ class BufferLayer(DynamicLayer):
 
     def drop_front(self, m: int) -> None:
         """Remove the first ``m`` entries (no copy: the used part starts ``m`` columns later)."""
-        if self.holes:
+        if self.sparse:
             self.compact()
         if m:
             self.s += m
@@ -246,6 +323,7 @@ class BufferLayer(DynamicLayer):
             lay.dtype, lay.device = self.dtype, self.device
             lay.buf_k, lay.buf_v, lay.n, lay.s = self.buf_k.clone(), self.buf_v.clone(), self.n, self.s
             lay.holes = list(self.holes)
+            lay.order = None if self.order is None else self.order.clone()
             lay.is_initialized = True
             lay._views()
         return lay
@@ -260,3 +338,39 @@ def keep_plan(idx: torch.Tensor, n: int) -> tuple[int, int]:
     down = m - int((gaps == 0).sum())
     up = int((gaps < n - m).sum())
     return down, up
+
+
+def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor) -> None:
+    """:meth:`BufferLayer.drop` with ``fill`` on every layer of one cache at once: ``keep`` ``(L, m)`` the kept slots
+    of each layer (sorted), every layer a lazy one holding ``n`` entries. The bookkeeping is one ``(L, m)`` pass;
+    each layer then moves its survivors past column ``m`` into its freed columns."""
+    for lay in lays:
+        if lay.holes:
+            lay.compact()
+    L, m = keep.shape
+    n = lays[0].n
+    offs = torch.stack([lay.live_offsets() for lay in lays])                        # (L, n) slot -> offset
+    kept = offs.gather(1, keep)                                                      # (L, m) survivors' offsets
+    gone = torch.ones(L, n, dtype=torch.bool)
+    gone.scatter_(1, keep, False)
+    freed = offs[gone].view(L, n - m)                                                # (L, n - m) freed offsets
+    out = kept >= m                                                                  # (L, m) survivors to move
+    counts = out.sum(1).tolist()
+    if any(counts):
+        free = torch.where(freed < m, freed, n).sort(1).values                      # (L, n - m) those < m first
+        moved = kept.clone()
+        kept = torch.where(out, free.gather(1, (out.cumsum(1) - 1).clamp(min=0)), kept)
+        for i, (lay, c) in enumerate(zip(lays, counts)):
+            if c:
+                lay._move(moved[i][out[i]] + lay.s, free[i, :c] + lay.s)
+    kept = torch.cat([kept, torch.arange(m, m + _tail(m)).expand(L, -1)], 1)       # (L, m + tail) identity after m
+    for i, lay in enumerate(lays):
+        lay._cut(lay.s + m, lay.s + lay.n)
+        lay.n = m
+        lay.order = kept[i]
+        lay._views()
+
+
+def _tail(m: int) -> int:
+    """Identity entries kept past a permuted layer's ``m`` entries (its next appends' slots), before a regrowth."""
+    return max(64, m // 4)

@@ -164,7 +164,7 @@ def _column_key(cache) -> tuple:
     (start, live entries, holes)."""
     st, lays = cache._stats, cache._store.layers
     return (tuple(tuple(lens) for _, _, lens in st.pending), st.ema_decay, st.below, id(lays[0].bank),
-            tuple((lay.s, lay.n, tuple(lay.holes)) for lay in lays))
+            tuple((lay.s, lay.n, tuple(lay.holes), lay.order is None) for lay in lays))
 
 
 def _settle_columns(group: list) -> None:
@@ -181,11 +181,15 @@ def _settle_columns(group: list) -> None:
     adds = {"acc": [], "ema_in": [], "count": [], "low": []}                  # "low" gathers high, then count - high
     for i, lay in enumerate(lays0):
         t = lay.n
-        at = (lay.live_offsets() + lay.s).to(bank.device) if lay.holes else None         # (T,) live columns
+        at = (lay.live_offsets() + lay.s).to(bank.device) if lay.holes else None          # (T,) live columns
+        perm = None                 # permuted rows (BufferLayer.order): each its own columns, one gather per statistic
+        if lay.order is not None:
+            perm = (torch.stack([c._store.layers[i].live_offsets() for c in group]) + lay.s).to(bank.device)  # (G, T)
         for name, key in zip(names, ("acc", "ema_in", "low")):
             col = bank.cols[name][i]                                                           # (B, capacity)
             x = col[rix[0]:rix[0] + len(rix)] if span else col.index_select(0, rows)           # (G, capacity)
-            adds[key].append(x.narrow(1, lay.s, t) if at is None else x.index_select(1, at))   # (G, T)
+            adds[key].append(x.narrow(1, lay.s, t) if at is None and perm is None else
+                             x.index_select(1, at) if perm is None else x.gather(1, perm))   # (G, T)
         vis = torch.arange(t, device=bank.device)[None, :] < seen_upto[:, i, None]             # (N, T)
         count = vis.sum(0).float()                                                             # (T,)
         adds["count"].append(count.expand(len(group), t))

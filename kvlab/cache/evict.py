@@ -17,6 +17,14 @@ import torch
 
 from kvlab.cache.rope import rope_of
 
+# Whether evictions of bank rows whose statistics wait in bank columns fill their dead columns (BufferLayer.drop's
+# ``fill``: no holes read masked at every step, no compaction moving about half the row every few asks) instead of
+# leaving holes. Off: measured in one process, alternating (bench evict --batch 8, 4,096 -> ~1,040, asked every 16,
+# two runs each, docs/measured/fill_ab): evicting / plain H2O 1.075, 1.094 filled vs 1.104, 1.101 with holes;
+# Scissorhands 1.103, 1.128 vs 1.094, 1.098; Conf-KV 1.095, 1.125 vs 1.088, 1.069 — the filling edit's per-layer moves
+# (about 25 ms per asked step at batch 8) cost what the compactions saved.
+FILL = False
+
 
 @dataclass(frozen=True)
 class EvictReport:
@@ -84,7 +92,10 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
                 mask[torch.tensor(d, dtype=torch.long)] = False
                 memo[key] = mask.nonzero().squeeze(1)                            # (T_l',) kept slots
             keeps.append(memo[key])
-    store.keep(keeps, drops)
+    st = cache._stats
+    # rows whose statistics wait in bank columns (deferred, unpooled) read their entries in any column order: their
+    # evictions fill the dead columns with the last survivors instead of leaving holes (BufferLayer.drop)
+    store.keep(keeps, drops, fill=FILL and not rerotate and st is not None and st.columns_deferred and st.pool == 1)
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
     for i, d in enumerate(drops):

@@ -28,6 +28,8 @@ class AttnStats:
     folds a multi-token forward into the EMA as one update per measured query in query order,
     ``"sum"`` as one update with the summed mass (see :meth:`kvlab.cache.KVCache.track_attention`)."""
 
+    columns_deferred = False    # the last deferred step kept its statistics in bank columns (defer(None, ...))
+
     def __init__(self, ema_decay: float, lengths: Sequence[int], device, window: int | None = None, pool: int = 1,
                  below: bool = False, ema_prefill: str = "query"):
         if ema_prefill not in EMA_PREFILL:
@@ -138,6 +140,7 @@ class AttnStats:
         new.ema_decay, new.device, new.window, new.pool = self.ema_decay, self.device, self.window, self.pool
         new.below, new.ema_prefill = self.below, self.ema_prefill
         new.pending, new.pending_scaling = list(self.pending), list(self.pending_scaling)
+        new.columns_deferred = self.columns_deferred
         new._owed = 0                       # (the reads below pay this one's first)
         new._mats, new.data = {}, {}
         for k in self._data:
@@ -189,6 +192,7 @@ class AttnStats:
         ``queries[:, row]`` ``(L, H, D)`` are its queries (None: its probabilities were added into its bank row's
         columns, :class:`~kvlab.cache.deferred.ColumnSink`), ``lengths`` each layer's length after it."""
         self.pending.append((queries, row, list(lengths)))
+        self.columns_deferred = queries is None
         if scaling is not None:             # (None: the step's statistics wait in bank columns, deferred.ColumnSink)
             self.pending_scaling = scaling  # per layer, the same at every step (one list per batched step)
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from kvlab.cache.buffer import MIN_CAPACITY, BufferLayer, keep_plan  # noqa: F401 - re-exported
+from kvlab.cache.buffer import MIN_CAPACITY, BufferLayer, fill_layers, keep_plan  # noqa: F401 - re-exported
 from kvlab.cache.int8 import Int8Layer
 
 
@@ -197,10 +197,18 @@ class Storage:
         for i, n in enumerate(lengths[:self.num_layers]):
             self.hf.layers[i].truncate(n - self.int8_len(i))
 
-    def keep(self, keeps: Sequence[torch.Tensor | None], drops: Sequence[Sequence[int]] | None = None) -> None:
+    def keep(self, keeps: Sequence[torch.Tensor | None], drops: Sequence[Sequence[int]] | None = None,
+             fill: bool = False) -> None:
         """Keep only slots ``keeps[i]`` (sorted, (T_i',)) on layer ``i`` (None: layer unchanged), in place.
         ``drops[i]`` (optional): the same decision as the dropped slots; a lazy layer (a bank row) with no
-        INT8 entries then only marks them dead (:meth:`BufferLayer.drop`)."""
+        INT8 entries then only marks them dead, or with ``fill`` moves its last survivors into them
+        (:meth:`BufferLayer.drop`)."""
+        lays = self.hf.layers
+        if fill and drops is not None and not self.n_int8 and all(k is not None for k in keeps) and \
+                len({int(k.numel()) for k in keeps}) == 1 and len({lay.n for lay in lays}) == 1 and \
+                all(lay.lazy and not self.int8_len(i) for i, lay in enumerate(lays)):
+            fill_layers(lays, torch.stack(list(keeps)))                   # (L, m): one pass for all layers
+            return
         plans: dict[tuple[int, int], tuple[int, int]] = {}   # per shared keep tensor (layers evicting alike)
         for i, keep_t in enumerate(keeps):
             if keep_t is None:
@@ -208,7 +216,7 @@ class Storage:
             nq = self.int8_len(i)
             lay = self.hf.layers[i]
             if drops is not None and lay.lazy and not nq:
-                lay.drop(drops[i])
+                lay.drop(drops[i], fill=fill)
             elif nq:
                 self.int8[i] = self.int8[i].gather(keep_t[keep_t < nq].to(lay.buf_k.device))
                 lay.keep(keep_t[keep_t >= nq] - nq)

@@ -1,0 +1,125 @@
+"""Evictions that fill their dead columns (kvlab.cache.buffer.BufferLayer.drop with ``fill``; kvlab.cache.evict.FILL,
+off by default, turned on here): a bank row whose
+statistics wait in bank columns (deferred, unpooled) leaves no holes when it evicts; its last survivors move into the
+freed columns and its columns leave slot order (``order``). The row then holds the same entries, statistics and
+logits as a row that kept holes; every read in slot order (``kv``), a measured step and a pooled step put it back
+in order first."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import evict as evict_mod
+from kvlab.cache.batch import forward_rows
+from test_column_stats import SETTINGS, columns_zero, measured_and_deferred, steps
+from test_deferred_stats import assert_same
+
+
+@pytest.fixture(autouse=True)
+def filling(monkeypatch):
+    """Filling evictions on (``kvlab.cache.evict.FILL``; off by default, see there)."""
+    monkeypatch.setattr(evict_mod, "FILL", True)
+
+
+def same_entries(a, b):
+    """The two caches hold the same live entries with the same keys and values (read in slot order; entries written
+    after a fill come from an attention summed in another order: equal within float rounding)."""
+    assert a._mirror.lives == b._mirror.lives
+    for i in range(a.num_layers):
+        for x, y in zip(a.kv(i), b.kv(i)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def permuted(c) -> bool:
+    lays = c._store.layers
+    return any(lay.order is not None and not torch.equal(lay.live_offsets(), torch.arange(lay.n)) for lay in lays) \
+        and not any(lay.holes for lay in lays)
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:2])
+@pytest.mark.parametrize("per_layer", [None, "equal", "unequal"])
+def test_filled_rows_equal_rows_with_holes(tiny_teacher, setting, per_layer):
+    """Row 1 defers (its evictions fill), row 0 is measured every step (its evictions leave holes): after evictions
+    of the oldest, middle and newest entries, uniform or per layer (equal counts: one pass; unequal: per layer),
+    and more steps, both hold the same entries and statistics; the filled row's columns are out of order."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, setting, n=24)
+    steps(tiny_teacher, banks, caches, toks[:4], 1)
+    L = caches[0].num_layers
+    for r, c in enumerate(caches):
+        n = len(c)
+        if per_layer is None:
+            c.evict([1, 3, n - 6, n - 2])
+        else:
+            layers = [[1 + i % 3, n - 3 - i % 2] + ([n - 1] if per_layer == "unequal" and i % 2 else [])
+                      for i in range(L)]
+            c.evict([], layers=layers)
+    assert permuted(caches[1]) and caches[1]._stats.columns_deferred
+    assert not permuted(caches[0]) and any(lay.holes for lay in caches[0]._store.layers)
+    steps(tiny_teacher, banks, caches, toks[4:9], 5)
+    assert permuted(caches[1])                                    # steps append after the permuted entries
+    assert_same(*caches)
+    assert columns_zero(banks[1])
+    for c in caches:                                              # a second eviction of a permuted row
+        c.evict([0, 2, min(c.layer_lengths()) - 1])
+    steps(tiny_teacher, banks, caches, toks[9:12], 10)
+    assert_same(*caches)
+    same_entries(*caches)                                         # (reading in slot order puts it back in order)
+    assert not any(lay.order is not None for lay in caches[1]._store.layers)
+
+
+def test_filled_rows_decode_the_same_logits(tiny_teacher):
+    """One bank, two rows from the same prompt, both deferring: one evicts with fill (default), the other by marking
+    holes (fill off): every later step's logits agree within float tolerance (the attention reads the same entries
+    in another column order)."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[0], n=20)
+    bank = banks[1]
+    other = bank.adopt(0, caches[1])
+    rows = [other, caches[1]]
+    for j, t in enumerate(toks[:3]):
+        forward_rows(bank, tiny_teacher.model, rows, [t, t], writer="teacher", steps=[j + 1] * 2, defer=[True] * 2)
+    rows[1].evict([2, 4, 9, len(rows[1]) - 1])
+    evict_mod.FILL = False                                        # (the fixture restores it)
+    rows[0].evict([2, 4, 9, len(rows[0]) - 1])
+    assert permuted(rows[1]) and any(lay.holes for lay in rows[0]._store.layers)
+    for j, t in enumerate(toks[3:9]):
+        logits = forward_rows(bank, tiny_teacher.model, rows, [t, t], writer="teacher", steps=[j + 4] * 2,
+                              defer=[True] * 2)
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert_same(*rows)
+
+
+@pytest.mark.parametrize("then", ["measured", "pooled"])
+def test_permuted_rows_step_in_order(tiny_teacher, then):
+    """A measured step (its mass is picked in column order) or a pooled deferred step (a pool over neighbouring
+    columns) on a permuted row puts the row back in slot order first; the statistics stay those of the row with
+    holes."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[0], n=20)
+    steps(tiny_teacher, banks, caches, toks[:3], 1)
+    for c in caches:
+        c.evict([1, 5, len(c) - 2])
+    assert permuted(caches[1])
+    if then == "measured":
+        forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, toks[3]], writer="teacher",
+                     steps=[0, 4], attention=[False, True])
+        forward_rows(banks[0], tiny_teacher.model, [caches[0], None], [toks[3], None], writer="teacher",
+                     steps=[4, 0], attention=[True, False])
+        assert not any(lay.order is not None for lay in caches[1]._store.layers)
+        assert_same(*caches)
+    else:
+        caches[1]._stats.pool = 2                                 # as a pooling row would hold it
+        forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, toks[3]], writer="teacher",
+                     steps=[0, 4], defer=[False, True])
+        assert not any(lay.order is not None for lay in caches[1]._store.layers)
+
+
+def test_swap_and_copy_keep_a_permuted_row(tiny_teacher):
+    """A permuted row swapped to another slot, and a copy of it, hold the same entries as the row with holes."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[0], n=20)
+    steps(tiny_teacher, banks, caches, toks[:3], 1)
+    for c in caches:
+        c.evict([0, 6, len(c) - 3])
+    assert permuted(caches[1])
+    banks[1].swap(0, 1)
+    assert permuted(caches[1])
+    same_entries(caches[0], caches[1].copy())
+    same_entries(*caches)
