@@ -123,3 +123,34 @@ def test_swap_and_copy_keep_a_permuted_row(tiny_teacher):
     assert permuted(caches[1])
     same_entries(caches[0], caches[1].copy())
     same_entries(*caches)
+
+
+def test_queued_moves_of_several_rows(tiny_teacher):
+    """Filling evictions queue their column moves in the bank; the next forward does every row's at once. Three rows
+    of one bank from one prompt: rows 0 and 1 fill (row 0 twice before the forward: the queued moves are done before
+    its second eviction), row 2 evicts row 0's slots leaving holes; rows 0 and 2 then decode the same logits and hold
+    the same statistics and entries."""
+    from kvlab.cache.batch import Bank
+
+    _, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1], n=24)
+    big = Bank.for_model(tiny_teacher.model, 3, capacity=64)
+    rows = [big.adopt(b, caches[1]) for b in range(3)]
+    for j, t in enumerate(toks[:3]):
+        forward_rows(big, tiny_teacher.model, rows, [t] * 3, writer="teacher", steps=[j + 1] * 3, defer=[True] * 3)
+    first, second = [1, 4, 20, 25], [0, 3, 21]
+    rows[0].evict(first)
+    rows[1].evict([2, 7, 8, 26])
+    assert len(big.moves) == 2
+    rows[0].evict(second)
+    assert [r for r, _, _, _ in big.moves] == [0]                # the queue was done before row 0's second eviction
+    evict_mod.FILL = False
+    rows[2].evict(first)
+    rows[2].evict(second)
+    assert permuted(rows[0]) and permuted(rows[1]) and any(lay.holes for lay in rows[2]._store.layers)
+    for j, t in enumerate(toks[3:8]):
+        logits = forward_rows(big, tiny_teacher.model, rows, [t] * 3, writer="teacher", steps=[j + 4] * 3,
+                              defer=[True] * 3)
+        assert not big.moves
+        torch.testing.assert_close(logits[0], logits[2], rtol=1e-5, atol=1e-5)
+    assert_same(rows[2], rows[0])
+    same_entries(rows[2], rows[0])

@@ -44,6 +44,9 @@ class Bank:
         # name -> per layer (B, capacity) float32; zero wherever no row has deferred steps pending
         self.cols: dict[str, list[torch.Tensor]] = {}
         self.summed = [False] * batch   # row b's column sums may be nonzero (a sink added since they were zeroed)
+        # column moves of filling evictions (buffer.fill_layers) not yet done: (row, per-layer counts, src, dst); done
+        # together, one op per layer and K/V, by flush_moves() before anything reads or edits the buffers
+        self.moves: list[tuple[int, list[int], torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -64,6 +67,7 @@ class Bank:
 
     def grow(self, i: int, capacity: int) -> None:
         """Layer ``i``'s buffers to at least ``capacity`` columns (all rows keep their columns)."""
+        self.flush_moves()
         old = self.capacity(i)
         if capacity <= old:
             return
@@ -119,6 +123,34 @@ class Bank:
         if self.summed[b]:
             for ts in self.cols.values():
                 ts[i][b, lo:hi].zero_()
+
+    def flush_moves(self) -> None:
+        """Do the queued column moves (:attr:`moves`): per layer, every row's moves as one gather and one scatter
+        of K and of V over the layer's ``(B·H_kv·capacity, D)`` rows."""
+        if not self.moves:
+            return
+        q, self.moves = self.moves, []
+        L = self.num_layers
+        lid = torch.cat([torch.repeat_interleave(torch.arange(L), torch.tensor(c)) for _, c, _, _ in q])   # (N,)
+        row = torch.cat([torch.full((int(x.numel()),), r, dtype=torch.long) for r, _, x, _ in q])
+        src, dst = torch.cat([x for _, _, x, _ in q]), torch.cat([y for _, _, _, y in q])
+        order = torch.sort(lid, stable=True).indices                                  # layer by layer, queue order
+        lid, row, src, dst = lid[order], row[order], src[order], dst[order]
+        per = torch.bincount(lid, minlength=L).tolist()
+        h = int(self.k[0].shape[1])
+        caps = torch.tensor([self.capacity(i) for i in range(L)])[lid][:, None]      # (N, 1)
+        heads = (row * h)[:, None] + torch.arange(h)                                 # (N, H_kv) rows of (B·H_kv)
+        fs = (heads * caps + src[:, None]).reshape(-1).to(self.device)               # (N·H_kv,) flat source rows
+        fd = (heads * caps + dst[:, None]).reshape(-1).to(self.device)
+        at = 0
+        for i, c in enumerate(per):
+            if c:
+                a, b = fs[at * h:(at + c) * h], fd[at * h:(at + c) * h]
+                for t in (self.k[i], self.v[i]):                                     # (B, H_kv, cap, D)
+                    with torch.inference_mode(t.is_inference()):
+                        flat = t.view(-1, t.shape[-1])                               # (B·H_kv·cap, D)
+                        flat.index_copy_(0, b, flat.index_select(0, a))
+            at += c
 
     _dead = None
 
@@ -188,6 +220,7 @@ class Bank:
         self._check_row(b)
         if a == b:
             return
+        self.flush_moves()
         for bufs in (self.k, self.v, *self.cols.values()):
             for t in bufs:                                                                 # (B, H_kv, cap, D)
                 tmp = t[a].clone()                                                         # (H_kv, cap, D)
@@ -247,6 +280,24 @@ class RowLayer(BufferLayer):
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         super()._move(src, dst)
         self.bank.move_cols_to(self.row, self.layer, src, dst)
+
+    def _touch(self) -> None:
+        if self.bank.moves:
+            self.bank.flush_moves()
+
+    def _queued(self) -> bool:
+        return any(r == self.row for r, _, _, _ in self.bank.moves)
+
+    @staticmethod
+    def _move_layers(lays, counts: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queued in the bank (:meth:`Bank.flush_moves`: every row's moves of an asked step in one op per layer);
+        the column statistics, when the row has any, move now."""
+        bank, row = lays[0].bank, lays[0].row
+        if bank.summed[row] and bank.cols:
+            for lay, a, b in zip(lays, src.split(counts), dst.split(counts)):
+                if a.numel():
+                    bank.move_cols_to(row, lay.layer, a, b)
+        bank.moves.append((row, list(counts), src, dst))
 
     def _cut(self, lo: int, hi: int) -> None:
         self.bank.zero_cols(self.row, self.layer, lo, hi)

@@ -123,6 +123,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                              f"{len(seqs[b])}")
     device = bank.device
     L = bank.num_layers
+    bank.flush_moves()                                          # filling evictions' column moves, all rows at once
     deferring = [b for b in active if defer[b]]
     # deferring rows keep the step's probabilities in the bank's columns (one eager pass, no replay at the read)
     # when they can; else their queries (kvlab.cache.deferred)

@@ -72,6 +72,7 @@ class BufferLayer(DynamicLayer):
         self._stale = True
 
     def _fresh(self) -> None:
+        self._touch()
         if self.sparse:
             self.compact()
         self._keys = self.buf_k.narrow(2, self.s, self.n)          # the used part [s, s + n)
@@ -104,6 +105,7 @@ class BufferLayer(DynamicLayer):
 
     def _to_front(self) -> None:
         """Move the used part to buffer column 0 (in place)."""
+        self._touch()
         if self.s:
             n, s = self.p, self.s
             src_k, src_v = self.buf_k[:, :, s:s + n], self.buf_v[:, :, s:s + n]
@@ -116,6 +118,7 @@ class BufferLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states`` / ``value_states`` (1, H_kv, m, D); returns the used views."""
+        self._touch()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.sparse:
@@ -144,6 +147,7 @@ class BufferLayer(DynamicLayer):
 
     def assign(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace the whole content with ``k, v`` (1, H_kv, T, D) (copied into the buffer)."""
+        self._touch()
         t = k.shape[-2]
         if not self.is_initialized or t > self.capacity or self.buf_k.dtype != k.dtype:
             self.buf_k = self.buf_v = None
@@ -222,6 +226,7 @@ class BufferLayer(DynamicLayer):
     def compact(self) -> None:
         """Close the holes: the live entries move together, in order (:meth:`keep` over the used columns); a
         permuted layer's entries move back into slot order."""
+        self._touch()
         if self.order is not None:
             self._unpermute()
             return
@@ -234,6 +239,7 @@ class BufferLayer(DynamicLayer):
     def _fill(self, slots: Sequence[int]) -> None:
         """:meth:`drop` with ``fill``: slot ``j``'s entry lies at :meth:`live_offsets` ``[j]``; the ``m`` survivors
         stay where they are, except those in columns ``>= m``, which move into the freed columns ``< m``."""
+        self._touch()
         if self.holes:
             self.compact()
         offs = self.live_offsets()                                                   # (n,) slot -> offset
@@ -255,12 +261,28 @@ class BufferLayer(DynamicLayer):
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Columns ``src`` (long, CPU) of the buffers to columns ``dst`` (distinct from them)."""
+        self._touch()
         s, d = src.to(self.buf_k.device), dst.to(self.buf_k.device)
         self.buf_k.index_copy_(2, d, self.buf_k.index_select(2, s))
         self.buf_v.index_copy_(2, d, self.buf_v.index_select(2, s))
 
     def _cut(self, lo: int, hi: int) -> None:
         """Columns ``[lo, hi)`` left the used part (a bank row's column statistics there go to zero)."""
+
+    def _touch(self) -> None:
+        """Before the buffers are read or edited (a bank row: its bank's queued moves are done first)."""
+
+    def _queued(self) -> bool:
+        """Moves of this layer's columns wait (a bank row: in its bank's queue, :meth:`fill_layers`)."""
+        return False
+
+    @staticmethod
+    def _move_layers(lays, counts: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """:meth:`_move` on each layer of one cache: layer ``i`` moves the next ``counts[i]`` columns of the flat
+        ``src`` to those of ``dst`` (a bank row queues them in its bank: every row's moves in one op per layer)."""
+        for lay, a, b in zip(lays, src.split(counts), dst.split(counts)):
+            if a.numel():
+                lay._move(a, b)
 
     def _unpermute(self) -> None:
         """A permuted layer's entries back into slot order in ``[s, s + n)`` (one gather)."""
@@ -273,6 +295,7 @@ class BufferLayer(DynamicLayer):
 
     def _reorder(self, src: torch.Tensor) -> None:
         """Columns ``src`` (long, CPU; ``n`` of them) to ``[s, s + n)`` in that order."""
+        self._touch()
         d = src.to(self.buf_k.device)
         with torch.inference_mode(self.buf_k.is_inference()):      # (a buffer made in inference mode edits in it)
             self.buf_k[:, :, self.s:self.s + self.n] = self.buf_k.index_select(2, d)
@@ -281,6 +304,7 @@ class BufferLayer(DynamicLayer):
     def keep(self, idx: torch.Tensor, plan: tuple[int, int] | None = None) -> None:
         """Keep the entries ``idx`` (sorted slots, (m,), CPU) in place, in order. ``plan`` =
         :func:`keep_plan` ``(idx, n)`` (computed if None)."""
+        self._touch()
         if self.sparse:
             self.compact()
             plan = None
@@ -318,6 +342,7 @@ class BufferLayer(DynamicLayer):
             self._views()
 
     def clone_layer(self) -> "BufferLayer":
+        self._touch()
         lay = BufferLayer()
         if self.is_initialized:
             lay.dtype, lay.device = self.dtype, self.device
@@ -344,6 +369,8 @@ def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor) -> None:
     """:meth:`BufferLayer.drop` with ``fill`` on every layer of one cache at once: ``keep`` ``(L, m)`` the kept slots
     of each layer (sorted), every layer a lazy one holding ``n`` entries. The bookkeeping is one ``(L, m)`` pass;
     each layer then moves its survivors past column ``m`` into its freed columns."""
+    if lays[0]._queued():                   # this row's earlier moves first (a bank queues each row's once)
+        lays[0]._touch()
     for lay in lays:
         if lay.holes:
             lay.compact()
@@ -358,11 +385,11 @@ def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor) -> None:
     counts = out.sum(1).tolist()
     if any(counts):
         free = torch.where(freed < m, freed, n).sort(1).values                      # (L, n - m) those < m first
-        moved = kept.clone()
+        s0 = torch.tensor([lay.s for lay in lays])[:, None]                          # (L, 1) each layer's start
+        firsts = torch.arange(n - m)[None, :] < torch.tensor(counts)[:, None]        # (L, n - m) the first c_l
+        src, dst = (kept + s0)[out], (free + s0)[firsts]                             # layer by layer, flat
         kept = torch.where(out, free.gather(1, (out.cumsum(1) - 1).clamp(min=0)), kept)
-        for i, (lay, c) in enumerate(zip(lays, counts)):
-            if c:
-                lay._move(moved[i][out[i]] + lay.s, free[i, :c] + lay.s)
+        lays[0]._move_layers(lays, counts, src, dst)
     kept = torch.cat([kept, torch.arange(m, m + _tail(m)).expand(L, -1)], 1)       # (L, m + tail) identity after m
     for i, lay in enumerate(lays):
         lay._cut(lay.s + m, lay.s + lay.n)
