@@ -44,9 +44,9 @@ class Bank:
         # name -> per layer (B, capacity) float32; zero wherever no row has deferred steps pending
         self.cols: dict[str, list[torch.Tensor]] = {}
         self.summed = [False] * batch   # row b's column sums may be nonzero (a sink added since they were zeroed)
-        # column moves of filling evictions (buffer.fill_layers) not yet done: (row, per-layer counts, src, dst); done
+        # column moves of filling evictions (buffer.fill_layers) not yet done: (row, layer, src, dst) per move; done
         # together, one op per layer and K/V, by flush_moves() before anything reads or edits the buffers
-        self.moves: list[tuple[int, list[int], torch.Tensor, torch.Tensor]] = []
+        self.moves: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -131,7 +131,7 @@ class Bank:
             return
         q, self.moves = self.moves, []
         L = self.num_layers
-        lid = torch.cat([torch.repeat_interleave(torch.arange(L), torch.tensor(c)) for _, c, _, _ in q])   # (N,)
+        lid = torch.cat([x for _, x, _, _ in q])                                      # (N,) each move's layer
         row = torch.cat([torch.full((int(x.numel()),), r, dtype=torch.long) for r, _, x, _ in q])
         src, dst = torch.cat([x for _, _, x, _ in q]), torch.cat([y for _, _, _, y in q])
         order = torch.sort(lid, stable=True).indices                                  # layer by layer, queue order
@@ -277,10 +277,6 @@ class RowLayer(BufferLayer):
         if s and self.bank.cols:                                    # the per-column statistics move along
             self.bank.move_cols(self.row, self.layer, torch.arange(s, s + p), 0)
 
-    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        super()._move(src, dst)
-        self.bank.move_cols_to(self.row, self.layer, src, dst)
-
     def _touch(self) -> None:
         if self.bank.moves:
             self.bank.flush_moves()
@@ -297,7 +293,8 @@ class RowLayer(BufferLayer):
             for lay, a, b in zip(lays, src.split(counts), dst.split(counts)):
                 if a.numel():
                     bank.move_cols_to(row, lay.layer, a, b)
-        bank.moves.append((row, list(counts), src, dst))
+        layer = torch.repeat_interleave(torch.tensor([lay.layer for lay in lays]), torch.tensor(counts))   # (N,)
+        bank.moves.append((row, layer, src, dst))
 
     def _cut(self, lo: int, hi: int) -> None:
         self.bank.zero_cols(self.row, self.layer, lo, hi)

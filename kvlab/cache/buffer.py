@@ -237,34 +237,10 @@ class BufferLayer(DynamicLayer):
         self.keep(live)
 
     def _fill(self, slots: Sequence[int]) -> None:
-        """:meth:`drop` with ``fill``: slot ``j``'s entry lies at :meth:`live_offsets` ``[j]``; the ``m`` survivors
-        stay where they are, except those in columns ``>= m``, which move into the freed columns ``< m``."""
-        self._touch()
-        if self.holes:
-            self.compact()
-        offs = self.live_offsets()                                                   # (n,) slot -> offset
-        gone = torch.zeros(self.n, dtype=torch.bool)
-        gone[torch.tensor(list(slots), dtype=torch.long)] = True
-        kept = offs[~gone]                                                           # (m,) survivors, slot order
-        m = int(kept.numel())
-        out = kept >= m                                                              # survivors past the end
-        if bool(out.any()):
-            freed = offs[gone]
-            dst = freed[freed < m].sort().values                                     # as many as ``out`` holds
-            src = kept[out]
-            self._move(src + self.s, dst + self.s)
-            kept[out] = dst
-        self._cut(self.s + m, self.s + self.n)
-        self.n = m
-        self.order = torch.cat([kept, torch.arange(m, m + _tail(m))])
-        self._views()
-
-    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Columns ``src`` (long, CPU) of the buffers to columns ``dst`` (distinct from them)."""
-        self._touch()
-        s, d = src.to(self.buf_k.device), dst.to(self.buf_k.device)
-        self.buf_k.index_copy_(2, d, self.buf_k.index_select(2, s))
-        self.buf_v.index_copy_(2, d, self.buf_v.index_select(2, s))
+        """:meth:`drop` with ``fill`` on this layer alone (:func:`fill_layers` of one layer)."""
+        keep = torch.ones(self.n, dtype=torch.bool)
+        keep[torch.tensor(list(slots), dtype=torch.long)] = False
+        fill_layers([self], keep.nonzero().view(1, -1))                              # (1, m) kept slots
 
     def _cut(self, lo: int, hi: int) -> None:
         """Columns ``[lo, hi)`` left the used part (a bank row's column statistics there go to zero)."""
@@ -278,11 +254,15 @@ class BufferLayer(DynamicLayer):
 
     @staticmethod
     def _move_layers(lays, counts: list[int], src: torch.Tensor, dst: torch.Tensor) -> None:
-        """:meth:`_move` on each layer of one cache: layer ``i`` moves the next ``counts[i]`` columns of the flat
-        ``src`` to those of ``dst`` (a bank row queues them in its bank: every row's moves in one op per layer)."""
+        """Column moves on each layer of one cache: layer ``i`` moves the next ``counts[i]`` columns of the flat
+        ``src`` (long, CPU) to those of ``dst`` (distinct from them; a bank row queues them in its bank: every row's
+        moves in one op per layer)."""
         for lay, a, b in zip(lays, src.split(counts), dst.split(counts)):
             if a.numel():
-                lay._move(a, b)
+                lay._touch()
+                a, b = a.to(lay.buf_k.device), b.to(lay.buf_k.device)
+                lay.buf_k.index_copy_(2, b, lay.buf_k.index_select(2, a))
+                lay.buf_v.index_copy_(2, b, lay.buf_v.index_select(2, a))
 
     def _unpermute(self) -> None:
         """A permuted layer's entries back into slot order in ``[s, s + n)`` (one gather)."""

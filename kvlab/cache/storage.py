@@ -204,7 +204,7 @@ class Storage:
         INT8 entries then only marks them dead, or with ``fill`` moves its last survivors into them
         (:meth:`BufferLayer.drop`)."""
         lays = self.hf.layers
-        if fill and drops is not None and not self.n_int8 and all(k is not None for k in keeps) and \
+        if fill and drops is not None and all(k is not None for k in keeps) and \
                 len({int(k.numel()) for k in keeps}) == 1 and len({lay.n for lay in lays}) == 1 and \
                 all(lay.lazy and not self.int8_len(i) for i, lay in enumerate(lays)):
             fill_layers(lays, torch.stack(list(keeps)))                   # (L, m): one pass for all layers
