@@ -120,3 +120,48 @@ def test_bench_attention_prefill_in_chunks_measures_what_one_forward_does(tiny_t
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     if window:                                                      # a window: one forward, whatever the chunk
         assert all(torch.equal(x, y) for s in a for x, y in zip(a[s], b[s]))
+
+
+def test_bench_evict_batch_interval_and_names(tiny_teacher):
+    """``names`` picks policies of the default set; every row carries its paired periods and, from 3 periods on, a
+    bootstrap interval of evicting / plain that holds the point estimate."""
+    from kvlab.studies.bench.bench import bench_evict_batch
+
+    rows = bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=4, repeats=2, names=["full", "h2o"], every=[1, 2])
+    assert [(r["policy"], r["every"]) for r in rows] == [("full", 1), ("h2o", 1), ("h2o", 2)]
+    for r in rows:
+        assert r["periods"] == (6 if r["every"] == 1 else 2)          # steps 2..4 per repeat; whole periods of 2
+        if r["periods"] >= 3:
+            assert r["evict_vs_plain_lo"] <= r["evict_vs_plain"] <= r["evict_vs_plain_hi"]
+        else:
+            assert r["evict_vs_plain_lo"] is None and r["evict_vs_plain_hi"] is None
+    for bad in (["h2o", "nope"], []):
+        with pytest.raises(ValueError, match="--policies"):
+            bench_evict_batch(tiny_teacher, [1], cache_len=64, steps=2, names=bad)
+
+
+def test_ratio_interval_pairs_and_bounds():
+    from kvlab.studies.bench.timing import ratio_interval
+
+    num, den = [1.1, 1.3, 1.2, 1.25, 1.15], [1.0, 1.2, 1.1, 1.1, 1.05]
+    lo, hi = ratio_interval(num, den)
+    point = sorted(num)[2] / sorted(den)[2]
+    assert lo <= point <= hi and hi - lo < 0.2
+    assert ratio_interval(num, den) == (lo, hi)                     # seeded: the same interval every time
+    assert ratio_interval([1.0, 2.0], [1.0, 1.0]) is None           # under 3 pairs: no interval
+    const = ratio_interval([2.0] * 4, [1.0] * 4)
+    assert const == pytest.approx((2.0, 2.0))
+    with pytest.raises(ValueError, match="paired"):
+        ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_cli_policies_checked_before_any_model_work(capsys):
+    """``--policies`` names of the default set only, and only for bench evict --batch: an error naming the flag and
+    the choices, before a model loads."""
+    from kvlab.cli import main
+
+    assert main(["bench", "evict", "--batch", "8", "--policies", "h2o,nope"]) != 0
+    err = capsys.readouterr().err
+    assert "--policies" in err and "nope" in err and "confkv" in err
+    assert main(["bench", "decode", "--policies", "h2o"]) != 0
+    assert "--policies is for bench evict --batch" in capsys.readouterr().err

@@ -32,6 +32,8 @@ def register(sub, bench_sweep) -> None:
     p.add_argument("--every", type=_every_list, default=[1],
                    help="evict --batch: also ask each policy only every N-th step (kvpress's compression interval), "
                         "e.g. 1,16 (1 = every step)")
+    p.add_argument("--policies", type=_name_list, default=None,
+                   help="evict --batch: only these policies, e.g. full,h2o,confkv (default: all seven)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
@@ -63,6 +65,13 @@ def _every_list(s: str) -> list[int]:
     return _positive_ints(s, "--every must be positive ints separated by commas (e.g. 1,16; 1 = every step)")
 
 
+def _name_list(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"--policies must be names separated by commas (e.g. full,h2o), got {s!r}")
+    return out
+
+
 def _cache_lens(s: str) -> int | list[int]:
     """``--cache-len``: one positive int, or (bench evict --batch) several separated by commas (a list)."""
     out = _positive_ints(s, "--cache-len must be a positive int, or (bench evict --batch) several separated by "
@@ -78,6 +87,16 @@ def cmd_bench(args, *, bench_sweep) -> None:
 
     if isinstance(args.cache_len, list) and not (args.what == "evict" and args.batch is not None):
         raise ValueError(f"--cache-len takes one value for bench {args.what} (a list only for bench evict --batch)")
+    if getattr(args, "policies", None) is not None:
+        if not (args.what == "evict" and args.batch is not None):
+            raise ValueError(f"--policies is for bench evict --batch (got bench {args.what}"
+                             f"{'' if args.batch is not None else ' without --batch'})")
+        from kvlab.studies.bench.evict_batch import batch_evict_policies
+
+        known = list(batch_evict_policies(64))
+        bad = [x for x in args.policies if x not in known]
+        if bad:
+            raise ValueError(f"--policies: unknown {', '.join(bad)}; choose from {', '.join(known)} (e.g. full,h2o)")
     if args.what == "decode" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_decode_batch
 
@@ -108,6 +127,8 @@ def cmd_bench(args, *, bench_sweep) -> None:
                f"--tokens {args.tokens or 16} --repeats {args.repeats} --out {args.out}")
         if args.every != [1]:
             cmd = cmd.replace(" --out", f" --every {','.join(map(str, args.every))} --out")
+        if args.policies is not None:
+            cmd = cmd.replace(" --out", f" --policies {','.join(args.policies)} --out")
 
         def emit(r):
             print(json.dumps(r), flush=True)
@@ -115,7 +136,7 @@ def cmd_bench(args, *, bench_sweep) -> None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
 
         bench_evict_batch(lm, args.batch, cache_len=lens, steps=args.tokens or 16, repeats=args.repeats,
-                          on_row=emit, every=args.every)
+                          on_row=emit, every=args.every, names=args.policies)
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]

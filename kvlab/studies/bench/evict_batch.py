@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
-from kvlab.studies.bench.timing import _sync, check_batches, check_whole_period, peak_rss_mb, period_times
+from kvlab.studies.bench.timing import _sync, check_batches, check_whole_period, peak_rss_mb, period_times, ratio_interval
 
 
 def batch_evict_policies(cache_len: int) -> dict:
@@ -106,10 +106,12 @@ def with_every(policies: dict, every) -> dict:
 
 
 def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, repeats: int = 2,
-                      policies: dict | None = None, seed: int = 0, on_row=None, every=(1,)) -> list[dict]:
+                      policies: dict | None = None, seed: int = 0, on_row=None, every=(1,),
+                      names=None) -> list[dict]:
     """Batched decode steps with eviction vs the full cache, one row per (context, batch, policy).
 
-    ``cache_len``: an int or a list of contexts. Per context one prompt of ``cache_len`` random tokens is
+    ``cache_len``: an int or a list of contexts. ``names``: only these of :func:`batch_evict_policies` (``--policies``;
+    the full cache's speed-up columns need ``"full"`` among them); ``policies``: a dict of one's own instead. Per context one prompt of ``cache_len`` random tokens is
     prefilled once per attention-statistics setting the policies need (untimed) and copied into every
     row of a :class:`~kvlab.cache.batch.Bank`; each policy then runs ``steps`` steps of one batched
     forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
@@ -122,7 +124,9 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     median time of the asked steps alone. Beside every policy, in the same repeat, a plain batched step (forward only: no
     attention mass, no policy) on rows holding the policy's mean live length (``plain_ms``;
     ``evict_vs_plain`` = ``step_ms / plain_ms``, over the same periods), stepped alternately with the policy's (a plain step after the
-    policy's, then before it, ...), so both see the machine alike. Policies interleave per repeat after one warm-up.
+    policy's, then before it, ...), so both see the machine alike; ``evict_vs_plain_lo`` / ``_hi``: its 95 %
+    percentile-bootstrap interval over the ``periods`` paired periods (:func:`~kvlab.studies.bench.timing.ratio_interval`;
+    None under 3 periods: more ``steps`` or ``repeats`` give more). Policies interleave per repeat after one warm-up.
 
     Per row: ``tok_s``, ``speedup_vs_full`` (``full_ms`` / ``step_ms``: the full cache's own policy row stepped
     beside this policy in the same block, the order rotating per step, so slow drift of the machine between blocks
@@ -148,6 +152,13 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     for cl in lens:
         _check_evict_bench(cl, steps)
     with_every({}, every)                                                 # the list checked before any model work
+    known = list(batch_evict_policies(64))
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(names)
+        bad = [x for x in names if x not in known]
+        if not names or bad or policies is not None:
+            raise ValueError(f"--policies={','.join(map(str, names))!r} must name some of {', '.join(known)} "
+                             f"(e.g. --policies full,h2o){' and not come with policies=' if policies is not None else ''}")
     for e in [1] if every is None else every:
         check_whole_period(steps, e, "a policy")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -156,7 +167,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     vocab = int(model.get_input_embeddings().weight.shape[0])
     out = []
     for cl in lens:
-        labelled = with_every(policies if policies is not None else batch_evict_policies(cl), every)
+        pick = policies if policies is not None else batch_evict_policies(cl)
+        if names is not None:
+            pick = {x: pick[x] for x in known if x in names}
+        labelled = with_every(pick, every)
         pols = {k: v[2] for k, v in labelled.items()}
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (cl,), generator=g).tolist()
@@ -266,7 +280,11 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                        "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
                        "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
-                       "asked_ms": round(1000 * statistics.median(asked[n]), 2), "peak_rss_mb": peak_rss_mb()}
+                       "asked_ms": round(1000 * statistics.median(asked[n]), 2), "periods": len(runs[n]),
+                       "peak_rss_mb": peak_rss_mb()}
+                ci = ratio_interval(runs[n], plains[n])                 # paired periods resampled together
+                row["evict_vs_plain_lo"], row["evict_vs_plain_hi"] = (None, None) if ci is None else \
+                    (round(ci[0], 3), round(ci[1], 3))
                 if "full" in med:
                     full_s = statistics.median(fulls[n])                # the full cache stepped beside this policy
                     row["full_ms"] = round(1000 * full_s, 2)

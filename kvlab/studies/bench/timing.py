@@ -58,3 +58,20 @@ def period_times(times, every: int, first_step: int = 1, start: int = 2) -> list
         if (step - first_step) % every == 0 and j + every <= len(times):
             out.append(sum(times[j:j + every]) / every)
     return out
+
+
+def ratio_interval(num, den, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval of ``median(num) / median(den)`` over paired samples (``num[k]``, ``den[k]``:
+    the same period timed two ways, e.g. a policy's period and its plain twin's): the pairs are resampled together,
+    so what the two sides share (the machine's drift over the run) stays paired. None with fewer than 3 pairs."""
+    import numpy as np
+
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"num and den must be paired 1-d samples, got {a.shape} and {b.shape}")
+    if len(a) < 3:
+        return None
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(n_boot, len(a)))                # (n_boot, n)
+    stats = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
