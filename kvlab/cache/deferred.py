@@ -97,11 +97,13 @@ class ColumnSink:
             x = torch.nn.functional.max_pool1d(a, self.pool, stride=1)[:, 0]                 # (B, W_i - pool + 1)
         else:
             x = max_pool_next(a[:, 0], self.pool)          # (B, W_i) the step's query (pooled: no holes, see above)
-        high = torch.ge(a[:, 0], self.thr[layer]) if self.below else None           # (B, W_i) bool, unpooled
+        high = None
+        if self.below:              # (B, W_i) float 0/1, unpooled: a float out (a bool added to the float sums casts
+            high = torch.ge(a[:, 0], self.thr[layer], out=torch.empty_like(a[:, 0]))     # element by element, slower)
         if self.keep is not None:
             x = x * self.keep
             if high is not None:
-                high &= self.rows[:, None]
+                high.mul_(self.keep)
         self.got[layer] = (x, high)
 
     def apply(self, layers: int) -> None:

@@ -200,12 +200,15 @@ def cmd_bench(args, *, bench_sweep) -> None:
 
 
 def _append_bench(path: Path, res: dict, cmd: str) -> None:
-    """Append one benchmark result (with its command and UTC time) as a JSON line: repeated runs
-    accumulate, so every run of a noisy benchmark can be compared."""
+    """Append one benchmark result (with its command, the checkout's commit and UTC time) as a JSON line: repeated
+    runs accumulate, so every run of a noisy benchmark can be compared."""
     import datetime
 
+    from kvlab.store.provenance import source_label
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    row = {"command": cmd, "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
+    row = {"command": cmd, "commit": source_label(),
+           "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
 

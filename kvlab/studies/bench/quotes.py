@@ -72,9 +72,34 @@ def plain_fraction(r: dict, rows: list[dict]) -> float | None:
     return full[0]["step_ms"] / r["plain_ms"] / r["bound"]
 
 
+MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
+LINE = 1.05                 # issue 36's line for evicting / plain at batch 8
+
+
+def evict_ci_table(figures: Path) -> str:
+    """The kept longer run of ``bench evict --batch`` (more repeats, fewer policies): each policy's evicting / plain
+    with its bootstrap interval over paired periods, and where the interval sits against the 1.05 line."""
+    rows = [r for r in jsonl(MEASURED_EVICT_CI) if r["policy"] != "full"]
+    lines = ["| policy | asked every | batch | context → mean live entries | periods | evicting / plain [95 % interval] "
+             "| asked step / plain | against 1.05 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r.get("evict_vs_plain_lo"), r.get("evict_vs_plain_hi")
+        side = "–" if lo is None else ("above" if lo > LINE else "below" if hi <= LINE else "the interval holds it")
+        every = r.get("every", 1)
+        lines.append(f"| {r['policy']} | {'step' if every == 1 else f'{every} steps'} | {r['batch']} | "
+                     f"{r['cache_len']} → {fmt(r.get('mean_len'), 0)} | {r.get('periods', '–')} | "
+                     f"{fmt(r.get('evict_vs_plain'))} [{fmt(lo)}, {fmt(hi)}] | "
+                     f"{fmt(r['asked_ms'] / r['plain_ms']) if r.get('asked_ms') and r.get('plain_ms') else '–'} | {side} |")
+    return ("\n".join(lines) + "\n\n*Evicting / plain: the policy's whole periods (asked step included) against the "
+            "plain step at its mean live length stepped beside it, median over periods; the interval: 95 % percentile "
+            "bootstrap over the paired periods (`kvlab.studies.bench.timing.ratio_interval`). Above: the whole interval "
+            "is over 1.05.* " + measured_note(rows, MEASURED_EVICT_CI))
+
+
 VIEWS = {
     "bench_decode": decode_table,
     "bench_evict": evict_table,
+    "bench_evict_ci": evict_ci_table,
 }
 
 
@@ -100,4 +125,5 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
     return out
 
 
-__all__ = ["VIEWS", "key_results", "MEASURED_BENCH", "MEASURED_EVICT", "decode_table", "evict_table"]
+__all__ = ["VIEWS", "key_results", "MEASURED_BENCH", "MEASURED_EVICT", "MEASURED_EVICT_CI", "decode_table", "evict_table",
+           "evict_ci_table"]
