@@ -25,3 +25,24 @@ def test_the_speed_row_names_each_policys_kept_entries_when_they_differ(tmp_path
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))          # one kept length: said once
     (what, text, _), = quotes.key_results(tmp_path)
     assert "cut to ~1025 (cpu)" in what and text == "sliding 1.49× (0.67)"
+
+
+def test_the_interval_table_places_each_interval_against_the_line(tmp_path, monkeypatch):
+    """bench_evict_ci: above when the whole interval is over 1.05, below when it is all at or under it, else the
+    interval holds it; no interval (under 3 periods) says so with a dash."""
+    def row(policy, point, lo, hi):
+        return {"policy": policy, "every": 16, "batch": 8, "cache_len": 4096, "mean_len": 1032.4, "periods": 18,
+                "evict_vs_plain": point, "evict_vs_plain_lo": lo, "evict_vs_plain_hi": hi, "asked_ms": 150.0,
+                "plain_ms": 100.0, "device": "cpu", "dtype": "torch.float32", "command": "c", "commit": "abc"}
+
+    path = tmp_path / "ci.jsonl"
+    rows = [row("h2o", 1.1, 1.07, 1.12), row("sliding", 1.03, 1.0, 1.04), row("snapkv", 1.04, 1.0, 1.06),
+            row("block", 1.1, None, None), row("full", 1.0, 0.99, 1.01)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(quotes, "MEASURED_EVICT_CI", str(path))
+    table = quotes.evict_ci_table(tmp_path)
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in table.splitlines() if ln.startswith("| ")}
+    assert lines["h2o"].endswith("| above |") and "1.100 [1.070, 1.120]" in lines["h2o"]
+    assert lines["sliding"].endswith("| below |") and lines["snapkv"].endswith("| the interval holds it |")
+    assert lines["block"].endswith("| – |") and "full" not in lines
+    assert "16 steps | 8 | 4096 → 1032 | 18 |" in lines["h2o"] and "| 1.500 |" in lines["h2o"]

@@ -138,6 +138,8 @@ def test_bench_evict_batch_interval_and_names(tiny_teacher):
     for bad in (["h2o", "nope"], []):
         with pytest.raises(ValueError, match="--policies"):
             bench_evict_batch(tiny_teacher, [1], cache_len=64, steps=2, names=bad)
+    with pytest.raises(ValueError, match="not both"):
+        bench_evict_batch(tiny_teacher, [1], cache_len=64, steps=2, names=["h2o"], policies={})
 
 
 def test_ratio_interval_pairs_and_bounds():

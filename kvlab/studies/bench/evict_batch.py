@@ -155,10 +155,12 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     known = list(batch_evict_policies(64))
     if names is not None:
         names = [names] if isinstance(names, str) else list(names)
+        if policies is not None:
+            raise ValueError("give names (--policies) or policies, not both")
         bad = [x for x in names if x not in known]
-        if not names or bad or policies is not None:
+        if not names or bad:
             raise ValueError(f"--policies={','.join(map(str, names))!r} must name some of {', '.join(known)} "
-                             f"(e.g. --policies full,h2o){' and not come with policies=' if policies is not None else ''}")
+                             "(e.g. --policies full,h2o)")
     for e in [1] if every is None else every:
         check_whole_period(steps, e, "a policy")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
