@@ -44,7 +44,7 @@ def evict_table(figures: Path) -> str:
         every = r.get("every", 1)
         lines.append(f"| {r['policy']} | {'step' if every == 1 else f'{every} steps'} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
                      f"{fmt(r['speedup_vs_full'])}× | {fmt(r.get('bound'))}× | {fmt(r.get('frac_of_bound'))} | "
-                     f"{fmt(plain_fraction(r, rows))} | {fmt(r.get('evict_vs_plain'))} | "
+                     f"{fmt(plain_fraction(r, rows))} | {fmt(r.get('evict_vs_plain'))}{_interval(r)} | "
                      f"{fmt(r['asked_ms'] / r['plain_ms']) if r.get('asked_ms') and r.get('plain_ms') else '–'} |")
     full = [r for r in rows if r["policy"] == "full"]
     ctrl = ", ".join(f"batch {r['batch']}: {fmt(r.get('evict_vs_plain'))}" for r in full)
@@ -60,6 +60,12 @@ def evict_table(figures: Path) -> str:
             + (" (runs before commit 637b176 took the median step, which left the asked step out)" if not any(
                 "asked_ms" in r for r in rows) else "") + ".* "
             + measured_note(rows, MEASURED_EVICT))
+
+
+def _interval(r: dict) -> str:
+    """`` [lo, hi]``: a row's bootstrap interval of evicting / plain (runs from ``1229528`` on), else nothing."""
+    lo, hi = r.get("evict_vs_plain_lo"), r.get("evict_vs_plain_hi")
+    return "" if lo is None or hi is None else f" [{fmt(lo)}, {fmt(hi)}]"
 
 
 def plain_fraction(r: dict, rows: list[dict]) -> float | None:
