@@ -24,6 +24,18 @@ def batch_evict_policies(cache_len: int) -> dict:
             "block": base["block"], "confkv": base["confkv"]}
 
 
+def check_names(names) -> list[str]:
+    """``names`` (``--policies``) as a list, each one of :func:`batch_evict_policies`' (ValueError naming the flag
+    and the choices otherwise: empty, or an unknown name)."""
+    names = [names] if isinstance(names, str) else list(names)
+    known = list(batch_evict_policies(64))
+    bad = [x for x in names if x not in known]
+    if not names or bad:
+        raise ValueError(f"--policies={','.join(map(str, names))!r} must name some of {', '.join(known)} "
+                         "(e.g. --policies full,h2o)")
+    return names
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's parameters, each tensor once (tied embeddings count once)."""
     seen, total = set(), 0
@@ -152,15 +164,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     for cl in lens:
         _check_evict_bench(cl, steps)
     with_every({}, every)                                                 # the list checked before any model work
-    known = list(batch_evict_policies(64))
     if names is not None:
-        names = [names] if isinstance(names, str) else list(names)
         if policies is not None:
             raise ValueError("give names (--policies) or policies, not both")
-        bad = [x for x in names if x not in known]
-        if not names or bad:
-            raise ValueError(f"--policies={','.join(map(str, names))!r} must name some of {', '.join(known)} "
-                             "(e.g. --policies full,h2o)")
+        names = check_names(names)
     for e in [1] if every is None else every:
         check_whole_period(steps, e, "a policy")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -171,7 +178,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     for cl in lens:
         pick = policies if policies is not None else batch_evict_policies(cl)
         if names is not None:
-            pick = {x: pick[x] for x in known if x in names}
+            pick = {x: p for x, p in pick.items() if x in names}
         labelled = with_every(pick, every)
         pols = {k: v[2] for k, v in labelled.items()}
         g = torch.Generator().manual_seed(seed)

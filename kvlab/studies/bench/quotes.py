@@ -41,11 +41,9 @@ def evict_table(figures: Path) -> str:
     for r in rows:
         if r["policy"] == "full":
             continue
-        every = r.get("every", 1)
-        lines.append(f"| {r['policy']} | {'step' if every == 1 else f'{every} steps'} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
+        lines.append(f"| {r['policy']} | {_every(r)} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
                      f"{fmt(r['speedup_vs_full'])}× | {fmt(r.get('bound'))}× | {fmt(r.get('frac_of_bound'))} | "
-                     f"{fmt(plain_fraction(r, rows))} | {fmt(r.get('evict_vs_plain'))}{_interval(r)} | "
-                     f"{fmt(r['asked_ms'] / r['plain_ms']) if r.get('asked_ms') and r.get('plain_ms') else '–'} |")
+                     f"{fmt(plain_fraction(r, rows))} | {fmt(r.get('evict_vs_plain'))}{_interval(r)} | {_asked(r)} |")
     full = [r for r in rows if r["policy"] == "full"]
     ctrl = ", ".join(f"batch {r['batch']}: {fmt(r.get('evict_vs_plain'))}" for r in full)
     beside = all("full_ms" in r for r in rows)             # the full cache stepped beside each policy (3d000eb on)
@@ -60,6 +58,17 @@ def evict_table(figures: Path) -> str:
             + (" (runs before commit 637b176 took the median step, which left the asked step out)" if not any(
                 "asked_ms" in r for r in rows) else "") + ".* "
             + measured_note(rows, MEASURED_EVICT))
+
+
+def _every(r: dict) -> str:
+    """How often a row's policy was asked: ``step`` or ``N steps``."""
+    every = r.get("every", 1)
+    return "step" if every == 1 else f"{every} steps"
+
+
+def _asked(r: dict) -> str:
+    """A row's asked step over its plain step (– when the run timed no asked step apart)."""
+    return fmt(r["asked_ms"] / r["plain_ms"]) if r.get("asked_ms") and r.get("plain_ms") else "–"
 
 
 def _interval(r: dict) -> str:
@@ -91,11 +100,9 @@ def evict_ci_table(figures: Path) -> str:
     for r in rows:
         lo, hi = r.get("evict_vs_plain_lo"), r.get("evict_vs_plain_hi")
         side = "–" if lo is None else ("above" if lo > LINE else "below" if hi <= LINE else "the interval holds it")
-        every = r.get("every", 1)
-        lines.append(f"| {r['policy']} | {'step' if every == 1 else f'{every} steps'} | {r['batch']} | "
-                     f"{r['cache_len']} → {fmt(r.get('mean_len'), 0)} | {r.get('periods', '–')} | "
-                     f"{fmt(r.get('evict_vs_plain'))} [{fmt(lo)}, {fmt(hi)}] | "
-                     f"{fmt(r['asked_ms'] / r['plain_ms']) if r.get('asked_ms') and r.get('plain_ms') else '–'} | {side} |")
+        lines.append(f"| {r['policy']} | {_every(r)} | {r['batch']} | {r['cache_len']} → {fmt(r.get('mean_len'), 0)} | "
+                     f"{r.get('periods', '–')} | {fmt(r.get('evict_vs_plain'))} [{fmt(lo)}, {fmt(hi)}] | {_asked(r)} | "
+                     f"{side} |")
     return ("\n".join(lines) + "\n\n*Evicting / plain: the policy's whole periods (asked step included) against the "
             "plain step at its mean live length stepped beside it, median over periods; the interval: 95 % percentile "
             "bootstrap over the paired periods (`kvlab.studies.bench.timing.ratio_interval`). Above: the whole interval "
