@@ -40,9 +40,30 @@ def test_the_interval_table_places_each_interval_against_the_line(tmp_path, monk
             row("block", 1.1, None, None), row("full", 1.0, 0.99, 1.01)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(quotes, "MEASURED_EVICT_CI", str(path))
+    monkeypatch.setattr(quotes, "EARLIER_EVICT_CI", {})
     table = quotes.evict_ci_table(tmp_path)
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in table.splitlines() if ln.startswith("| ")}
     assert lines["h2o"].endswith("| above |") and "1.100 [1.070, 1.120]" in lines["h2o"]
     assert lines["sliding"].endswith("| below |") and lines["snapkv"].endswith("| the interval holds it |")
     assert lines["block"].endswith("| – |") and "full" not in lines
-    assert "16 steps | 8 | 4096 → 1032 | 18 |" in lines["h2o"] and "| 1.500 |" in lines["h2o"]
+    assert "| ? | 16 steps | 8 | 4096 → 1032 | 18 |" in lines["h2o"] and "| 1.500 |" in lines["h2o"]
+
+
+def test_the_interval_table_shows_each_machines_run(tmp_path, monkeypatch):
+    """Runs on two CPUs: one row per (run, policy), each naming its machine (the row's own field, or the label kept
+    for a run made before rows recorded it), and a note under the table for each run."""
+    def row(policy, machine=None):
+        r = {"policy": policy, "every": 16, "batch": 8, "cache_len": 4096, "mean_len": 1032.4, "periods": 18,
+             "evict_vs_plain": 1.03, "evict_vs_plain_lo": 1.01, "evict_vs_plain_hi": 1.04, "device": "cpu",
+             "dtype": "torch.float32", "command": "c", "commit": "abc"}
+        return {**r, "machine": machine} if machine else r
+
+    new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    new.write_text(json.dumps(row("h2o", "cpu AMD EPYC ×2, torch 2.13.0, transformers 5.23.0")) + "\n")
+    old.write_text(json.dumps(row("h2o")) + "\n")
+    monkeypatch.setattr(quotes, "MEASURED_EVICT_CI", str(new))
+    monkeypatch.setattr(quotes, "EARLIER_EVICT_CI", {str(old): "cpu Intel Xeon ×2 (a VM)"})
+    table = quotes.evict_ci_table(tmp_path)
+    rows = [ln for ln in table.splitlines() if ln.startswith("| h2o |")]
+    assert [ln.split(" | ")[1] for ln in rows] == ["AMD EPYC ×2", "Intel Xeon ×2"]
+    assert "(cpu AMD EPYC ×2, torch 2.13.0" in table and "*Machine: cpu Intel Xeon ×2 (a VM).*" in table

@@ -175,10 +175,12 @@ def jsonl(rel: str) -> list[dict]:
 
 
 def measured_note(rows: list[dict], rel: str) -> str:
-    """The note under a table of a kept measured run: its command, commit, device and start."""
+    """The note under a table of a kept measured run: its command, commit, device (and machine, where the run
+    recorded it) and start."""
     r = rows[0]
+    where = f" ({r['machine']})" if r.get("machine") else ""
     return (f"*One run of `{r.get('command', '?')}` at commit `{r.get('commit', '?')}`, {r.get('device', '?')} "
-            f"{str(r.get('dtype', '')).replace('torch.', '')}, started {r.get('utc', '?')}; from "
+            f"{str(r.get('dtype', '')).replace('torch.', '')}{where}, started {r.get('utc', '?')}; from "
             f"[`{rel}`]({rel}).*")
 
 

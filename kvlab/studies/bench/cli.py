@@ -197,14 +197,15 @@ def cmd_bench(args, *, bench_sweep) -> None:
 
 
 def _append_bench(path: Path, res: dict, cmd: str) -> None:
-    """Append one benchmark result (with its command, the checkout's commit and UTC time) as a JSON line: repeated
-    runs accumulate, so every run of a noisy benchmark can be compared."""
+    """Append one benchmark result (with its command, the checkout's commit, the machine and UTC time) as a JSON line:
+    repeated runs accumulate, so every run of a noisy benchmark can be compared (and runs on different CPUs told
+    apart: the same bench's ratios differ between CPU models)."""
     import datetime
 
-    from kvlab.store.provenance import source_label
+    from kvlab.store.provenance import describe_machine, source_label
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    row = {"command": cmd, "commit": source_label(),
+    row = {"command": cmd, "commit": source_label(), "machine": describe_machine(),
            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
