@@ -26,6 +26,11 @@ def test_the_speed_row_names_each_policys_kept_entries_when_they_differ(tmp_path
     (what, text, _), = quotes.key_results(tmp_path)
     assert "cut to ~1025 (cpu)" in what and text == "sliding 1.49× (0.67)"
 
+    rows = [{**r, "machine": "cpu AMD EPYC ×2, torch 2.13.0, transformers 5.23.0"} for r in rows[:2]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))              # the run named its machine
+    (what, _, _), = quotes.key_results(tmp_path)
+    assert "cut to ~1025 (cpu, AMD EPYC ×2)" in what
+
 
 def test_the_interval_table_places_each_interval_against_the_line(tmp_path, monkeypatch):
     """bench_evict_ci: above when the whole interval is over 1.05, below when it is all at or under it, else the

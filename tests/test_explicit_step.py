@@ -15,6 +15,7 @@ from kvlab.cache import batch as batch_mod
 from kvlab.cache import step as S
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.core.compat import cache_kwarg
+from kvlab.core import packed as P
 from kvlab.core.packed import PACK_ROWS, PACKS, PackedLinear, can_pack
 
 TOL = 1e-5
@@ -37,6 +38,32 @@ def test_packed_linear_equals_linear_at_any_row_count():
     torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert lin.packs.keys() == before.keys()
     assert not PackedLinear(w.to(torch.bfloat16)).pack         # bf16 runs F.linear
+
+
+def test_each_packing_library_equals_linear(monkeypatch):
+    """MKL's and oneDNN's packed products (each where this torch has it) equal F.linear; a pack made by one library is
+    not used by the other; the timed choice is one of them."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(72, 48, generator=g)
+    lin = PackedLinear(w)
+    for lib in P.BACKENDS:
+        if not P._available(lib):
+            continue
+        monkeypatch.setattr(P, "BACKEND", lib)
+        for m in (8, 2):
+            x = torch.randn(m, 48, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert {k: v[0] for k, v in lin.packs.items()} == {2: lib}
+    monkeypatch.setattr(P, "BACKEND", None)
+    assert P.backend() in (*P.BACKENDS, None)
+
+
+def test_a_bad_packing_library_is_named():
+    P_bad = "blas"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "BACKEND", P_bad)
+        with pytest.raises(ValueError, match=r"kvlab.core.packed.BACKEND='blas' must be one of \('mkl', 'onednn'\)"):
+            PackedLinear(torch.randn(8, 4))(torch.randn(2, 4))
 
 
 def test_packed_linear_names_a_bad_weight():

@@ -1,17 +1,26 @@
 """Linear layers for a batched decode step: one weight matrix, prepacked for the step's row count.
 Pure linear algebra: reads weights it is given, edits nothing, touches no cache.
 
-A batched decode step multiplies ``M`` rows (the batch) by every weight matrix of the model. On a CPU with MKL,
-``F.linear`` runs those small-``M`` products well below the memory bandwidth: on the 2-core Xeon here, at
-``M = 8``, the teacher's matrices stream at 7-17 GB/s through ``F.linear`` and at 15-35 GB/s through MKL's packed
-GEMM (``cblas_sgemm_pack``, reached through ``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, the pair
-inductor's CPU freezing pass uses; ``docs/measured/packed_step``). The packed copy serves one row count ``M``;
-any other count runs ``F.linear`` on the original weight, so results never depend on whether a pack exists beyond
-float rounding (a packed product sums in another order: |Δ| ~1e-6 relative).
+A batched decode step multiplies ``M`` rows (the batch) by every weight matrix of the model. On a CPU,
+``F.linear`` runs those small-``M`` products well below the memory bandwidth. Two libraries in torch's CPU build
+pack a weight for a known row count and stream it faster:
+
+* MKL's packed GEMM (``cblas_sgemm_pack``, reached through ``torch.ops.mkl._mkl_reorder_linear_weight`` /
+  ``_mkl_linear``, the pair inductor's CPU freezing pass uses). On the 2-core Intel Xeon here, at ``M = 8``, the
+  teacher's matrices stream at 7-17 GB/s through ``F.linear`` and at 15-35 GB/s packed (``docs/measured/packed_step``).
+* oneDNN's packed linear (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``). On a 2-core AMD
+  EPYC, where MKL takes a slower path, the teacher's 30 layers at ``M = 8`` took 66 ms through MKL packed (as
+  through ``F.linear``) and 18 ms through oneDNN (``docs/measured/packed_step/epyc.md``).
+
+Which one runs is :data:`BACKEND`; None (the default) times both once per process on one 32 MB weight, interleaved,
+and keeps the faster (:func:`backend`; as ``torch.backends.cudnn.benchmark`` picks a kernel). A packed copy serves
+one row count ``M``; any other count runs ``F.linear`` on the original weight, so results never depend on whether a
+pack exists, or which library made it, beyond float rounding (a packed product sums in another order: |Δ| ~1e-6
+relative).
 
 :class:`PackedLinear` holds one weight ``(N, K)`` and at most :data:`PACKS` packed copies (the row counts most
 recently asked for, of at most :data:`PACK_ROWS` rows; a pack is a copy of the weight's bytes, made in ~0.3 ms per
-MB). Packing is used only where it can run: float32 on a CPU whose torch has MKL; elsewhere (CUDA, bf16, no MKL)
+MB). Packing is used only where it can run: float32 on a CPU whose torch has MKL or oneDNN; elsewhere (CUDA, bf16)
 and for more rows (a prefill) it is ``F.linear``.
 """
 from __future__ import annotations
@@ -23,10 +32,69 @@ PACKS = 1          # packed copies kept per weight (row counts): the batch's dec
 PACK_ROWS = 32     # products of more rows (a prefill's) run F.linear: packing serves the small-M regime only
 
 
+BACKENDS = ("mkl", "onednn")
+BACKEND: str | None = None      # "mkl", "onednn", or None: the faster of the two here, timed once (backend())
+_CHOSEN: list[str] = []         # the timed choice of this process
+
+
+def _available(name: str) -> bool:
+    if name == "mkl":
+        return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _pack(name: str, weight: torch.Tensor, m: int) -> torch.Tensor:
+    if name == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, m)
+
+
+def _product(name: str, x2: torch.Tensor, pack: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x2 @ weightᵀ`` ``(M, N)`` through ``name``'s pack of ``weight``."""
+    if name == "mkl":
+        return torch.ops.mkl._mkl_linear(x2, pack, weight, None, x2.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x2, pack, None, "none", [], "")
+
+
+def backend() -> str | None:
+    """The packing library products use: :data:`BACKEND` when set (checked: one of :data:`BACKENDS`, available
+    here), else the faster available one, timed once per process (8 rows by a 32 MB weight, five interleaved
+    rounds, the median), or None when neither is available."""
+    if BACKEND is not None:
+        if BACKEND not in BACKENDS:
+            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r} must be one of {BACKENDS} or None (timed)")
+        if not _available(BACKEND):
+            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r}: this torch build lacks it; set None")
+        return BACKEND
+    if not _CHOSEN:
+        have = [b for b in BACKENDS if _available(b)]
+        _CHOSEN.append(have[0] if len(have) == 1 else _timed(have) if have else "")
+    return _CHOSEN[0] or None
+
+
+def _timed(names: list[str]) -> str:
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8192, 1024, generator=g)                                         # (N, K) 32 MB: past the caches
+    x = torch.randn(8, 1024, generator=g)
+    packs = {b: _pack(b, w, 8) for b in names}
+    times: dict[str, list[float]] = {b: [] for b in names}
+    with torch.inference_mode():
+        for b in names:                                                              # warm-up
+            _product(b, x, packs[b], w)
+        for _ in range(5):
+            for b in names:
+                t0 = time.perf_counter()
+                _product(b, x, packs[b], w)
+                times[b].append(time.perf_counter() - t0)
+    return min(names, key=lambda b: sorted(times[b])[len(times[b]) // 2])
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """MKL's packed GEMM serves this weight: float32, on the CPU, torch built with MKL."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and bool(torch._C.has_mkl)
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    """A packing library serves this weight: float32, on the CPU, torch built with MKL or oneDNN."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
+        _available("mkl") or _available("onednn"))
 
 
 class PackedLinear:
@@ -37,16 +105,16 @@ class PackedLinear:
             raise ValueError(f"weight must be (N, K), got shape {tuple(weight.shape)}")
         self.weight = weight.detach().contiguous()                                   # (N, K)
         self.pack = can_pack(self.weight)
-        self.packs: dict[int, torch.Tensor] = {}
+        self.packs: dict[int, tuple[str, torch.Tensor]] = {}           # row count -> (library, pack)
 
-    def _packed(self, m: int) -> torch.Tensor:
+    def _packed(self, m: int, lib: str) -> torch.Tensor:
         got = self.packs.pop(m, None)
-        if got is None:
-            got = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, m)
+        if got is None or got[0] != lib:
+            got = (lib, _pack(lib, self.weight, m))
         self.packs[m] = got                                                          # newest last
         while len(self.packs) > PACKS:
             self.packs.pop(next(iter(self.packs)))
-        return got
+        return got[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.pack or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -56,5 +124,8 @@ class PackedLinear:
         m = x2.shape[0]
         if m > PACK_ROWS:
             return F.linear(x, self.weight)
-        y = torch.ops.mkl._mkl_linear(x2.contiguous(), self._packed(m), self.weight, None, m)   # (M, N)
+        lib = backend()
+        if lib is None:
+            return F.linear(x, self.weight)
+        y = _product(lib, x2.contiguous(), self._packed(m, lib), self.weight)                  # (M, N)
         return y.view(*x.shape[:-1], self.weight.shape[0])

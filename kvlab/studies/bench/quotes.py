@@ -102,6 +102,12 @@ def _machine(r: dict, fallback: str | None = None) -> str:
     return m.split(",")[0].split(" (")[0].removeprefix("cpu ").removeprefix("gpu ")
 
 
+def _where(r: dict) -> str:
+    """A kept row's device, with its CPU in short where the run recorded it (``cpu, AMD EPYC ×2``)."""
+    dev = r.get("device", "?")
+    return f"{dev}, {_machine(r)}" if r.get("machine") and dev == "cpu" else dev
+
+
 def evict_ci_table(figures: Path) -> str:
     """The kept longer runs of ``bench evict --batch`` (more repeats, fewer policies), one per machine: each policy's
     evicting / plain with its bootstrap interval over paired periods, and where the interval sits against the 1.05
@@ -149,7 +155,7 @@ def key_results(figures: Path) -> list[tuple[str, str, str]]:
         kept = (f"cut to ~{lens[0]}" if len(lens) == 1 else "cut to the mean live entries in brackets")
         asked = "" if every == 1 else f", each policy asked every {every} steps"
         out.append((f"Eviction speed, batch {batch}, {ctx:,} entries {kept}{asked} "
-                    f"({part[0].get('device', '?')}): speed-up over the full cache (fraction of the byte bound)",
+                    f"({_where(part[0])}): speed-up over the full cache (fraction of the byte bound)",
                     ", ".join(f"{r['policy']}{_kept(r, len(lens))} {fmt(r['speedup_vs_full'], 2)}× "
                               f"({fmt(r.get('frac_of_bound'), 2)})" for r in part), "docs/benchmarks.md"))
     return out
