@@ -199,13 +199,15 @@ def cmd_bench(args, *, bench_sweep) -> None:
 def _append_bench(path: Path, res: dict, cmd: str) -> None:
     """Append one benchmark result (with its command, the checkout's commit, the machine and UTC time) as a JSON line:
     repeated runs accumulate, so every run of a noisy benchmark can be compared (and runs on different CPUs told
-    apart: the same bench's ratios differ between CPU models)."""
+    apart: the same bench's ratios differ between CPU models; ``packed``: the library the batched step's weight products
+    ran through, :func:`kvlab.core.packed.backend`)."""
     import datetime
 
+    from kvlab.core.packed import backend
     from kvlab.store.provenance import describe_machine, source_label
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    row = {"command": cmd, "commit": source_label(), "machine": describe_machine(),
+    row = {"command": cmd, "commit": source_label(), "machine": describe_machine(), "packed": backend(),
            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
