@@ -12,8 +12,10 @@ pack a weight for a known row count and stream it faster:
   EPYC, where MKL takes a slower path, the teacher's 30 layers at ``M = 8`` took 66 ms through MKL packed (as
   through ``F.linear``) and 18 ms through oneDNN (``docs/measured/packed_step/epyc.md``).
 
-Which one runs is :data:`BACKEND`; None (the default) times both once per process on one 32 MB weight, interleaved,
-and keeps the faster (:func:`backend`; as ``torch.backends.cudnn.benchmark`` picks a kernel). A packed copy serves
+On the Xeon, session 15's A/B had MKL ahead (a step 72.5 vs 77.5 ms; oneDNN slower on the q/k/v shape). Which one
+runs is :data:`BACKEND`; None (the default) times both once per process on four decoder layers' products at the
+embedded teacher's shapes, interleaved, and keeps the faster (:func:`backend`; as ``torch.backends.cudnn.benchmark``
+picks a kernel). A packed copy serves
 one row count ``M``; any other count runs ``F.linear`` on the original weight, so results never depend on whether a
 pack exists, or which library made it, beyond float rounding (a packed product sums in another order: |Δ| ~1e-6
 relative).
@@ -58,8 +60,8 @@ def _product(name: str, x2: torch.Tensor, pack: torch.Tensor, weight: torch.Tens
 
 def backend() -> str | None:
     """The packing library products use: :data:`BACKEND` when set (checked: one of :data:`BACKENDS`, available
-    here), else the faster available one, timed once per process (8 rows by a 32 MB weight, five interleaved
-    rounds, the median), or None when neither is available."""
+    here), else the faster available one, timed once per process (8 rows through four decoder layers' products,
+    :data:`_TIMED_SHAPES`; five interleaved rounds, the median), or None when neither is available."""
     if BACKEND is not None:
         if BACKEND not in BACKENDS:
             raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r} must be one of {BACKENDS} or None (timed)")
@@ -72,21 +74,31 @@ def backend() -> str | None:
     return _CHOSEN[0] or None
 
 
+# the products timed to choose a library: four decoder layers' q/k/v, o, gate/up and down at the embedded teacher's
+# shapes (hidden 576, intermediate 1,536, 9 + 2·3 heads of 64): 57 MB, past the last-level cache as a step's are
+_TIMED_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 4
+
+
 def _timed(names: list[str]) -> str:
     import time
 
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(8192, 1024, generator=g)                                         # (N, K) 32 MB: past the caches
-    x = torch.randn(8, 1024, generator=g)
-    packs = {b: _pack(b, w, 8) for b in names}
+    ws = [torch.randn(n, k, generator=g) for n, k in _TIMED_SHAPES]                  # (N, K) each
+    xs = {k: torch.randn(8, k, generator=g) for k in {k for _, k in _TIMED_SHAPES}}
+    packs = {b: [_pack(b, w, 8) for w in ws] for b in names}
     times: dict[str, list[float]] = {b: [] for b in names}
+
+    def run(b):
+        for w, p in zip(ws, packs[b]):
+            _product(b, xs[w.shape[1]], p, w)
+
     with torch.inference_mode():
         for b in names:                                                              # warm-up
-            _product(b, x, packs[b], w)
+            run(b)
         for _ in range(5):
             for b in names:
                 t0 = time.perf_counter()
-                _product(b, x, packs[b], w)
+                run(b)
                 times[b].append(time.perf_counter() - t0)
     return min(names, key=lambda b: sorted(times[b])[len(times[b]) // 2])
 
