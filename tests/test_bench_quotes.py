@@ -64,11 +64,12 @@ def test_the_interval_table_shows_each_machines_run(tmp_path, monkeypatch):
         return {**r, "machine": machine} if machine else r
 
     new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
-    new.write_text(json.dumps(row("h2o", "cpu AMD EPYC ×2, torch 2.13.0, transformers 5.23.0")) + "\n")
+    new.write_text(json.dumps({**row("h2o", "cpu AMD EPYC ×2, torch 2.13.0, transformers 5.23.0"), "packed": "onednn"})
+                   + "\n")
     old.write_text(json.dumps(row("h2o")) + "\n")
     monkeypatch.setattr(quotes, "MEASURED_EVICT_CI", str(new))
     monkeypatch.setattr(quotes, "EARLIER_EVICT_CI", {str(old): "cpu Intel Xeon ×2 (a VM)"})
     table = quotes.evict_ci_table(tmp_path)
     rows = [ln for ln in table.splitlines() if ln.startswith("| h2o |")]
-    assert [ln.split(" | ")[1] for ln in rows] == ["AMD EPYC ×2", "Intel Xeon ×2"]
+    assert [ln.split(" | ")[1] for ln in rows] == ["AMD EPYC ×2 · onednn", "Intel Xeon ×2"]
     assert "(cpu AMD EPYC ×2, torch 2.13.0" in table and "*Machine: cpu Intel Xeon ×2 (a VM).*" in table

@@ -88,18 +88,24 @@ def plain_fraction(r: dict, rows: list[dict]) -> float | None:
 
 
 MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
-# the kept interval runs of other machines, shown under it: path -> the machine, for a run made before bench rows
-# recorded theirs (the bench's ratios differ between CPU models: the per-step eager attention costs more than SDPA on
-# one and less on the other)
-EARLIER_EVICT_CI = {"docs/measured/evict_vs_plain_ci_xeon.jsonl":
-                    "cpu Intel Xeon ×2 (a 2-core VM, named in session 19's note: the run predates the machine field)"}
+# the kept interval runs before it, shown under it: path -> the machine and packing library, for runs made before
+# bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
+# costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
+EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_epyc_180c259.jsonl":
+        "cpu AMD EPYC ×2 · mkl (session 20's run before the packing library was timed and rows named their machine)",
+    "docs/measured/evict_vs_plain_ci_xeon.jsonl":
+        "cpu Intel Xeon ×2 · mkl (a 2-core VM, named in session 19's note: the run predates the machine field)"}
 LINE = 1.05                 # issue 36's line for evicting / plain at batch 8
 
 
 def _machine(r: dict, fallback: str | None = None) -> str:
-    """A kept row's CPU in short (``AMD EPYC ×2``): its ``machine`` field up to the first comma, or ``fallback``."""
-    m = r.get("machine") or fallback or "?"
-    return m.split(",")[0].split(" (")[0].removeprefix("cpu ").removeprefix("gpu ")
+    """A kept row's CPU in short (``AMD EPYC ×2``): its ``machine`` field up to the first comma, and its packing
+    library (``· onednn``) where the row names one; else ``fallback`` up to its parenthesis."""
+    if not r.get("machine"):
+        return (fallback or "?").split(" (")[0].removeprefix("cpu ").removeprefix("gpu ")
+    m = r["machine"].split(",")[0].removeprefix("cpu ").removeprefix("gpu ")
+    return f"{m} · {r['packed']}" if r.get("packed") else m
 
 
 def _where(r: dict) -> str:
