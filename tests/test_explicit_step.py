@@ -54,7 +54,9 @@ def test_each_packing_library_equals_linear(monkeypatch):
             x = torch.randn(m, 48, generator=g)
             torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
         assert {k: v[0] for k, v in lin.packs.items()} == {2: lib}
-    monkeypatch.setattr(P, "BACKEND", None)
+    monkeypatch.setattr(P, "BACKEND", None)                    # the default: MKL wherever torch has it
+    assert P.backend() == next((b for b in P.BACKENDS if P._available(b)), None)
+    monkeypatch.setattr(P, "BACKEND", "auto")                  # timed once per process
     assert P.backend() in (*P.BACKENDS, None)
 
 
@@ -62,7 +64,7 @@ def test_a_bad_packing_library_is_named():
     P_bad = "blas"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(P, "BACKEND", P_bad)
-        with pytest.raises(ValueError, match=r"kvlab.core.packed.BACKEND='blas' must be one of \('mkl', 'onednn'\)"):
+        with pytest.raises(ValueError, match=r"kvlab.core.packed.BACKEND='blas' must be one of \('mkl', 'onednn'\), 'auto'"):
             PackedLinear(torch.randn(8, 4))(torch.randn(2, 4))
 
 

@@ -13,9 +13,11 @@ pack a weight for a known row count and stream it faster:
   through ``F.linear``) and 18 ms through oneDNN (``docs/measured/packed_step/epyc.md``).
 
 On the Xeon, session 15's A/B had MKL ahead (a step 72.5 vs 77.5 ms; oneDNN slower on the q/k/v shape). Which one
-runs is :data:`BACKEND`; None (the default) times both once per process on four decoder layers' products at the
-embedded teacher's shapes, interleaved, and keeps the faster (:func:`backend`; as ``torch.backends.cudnn.benchmark``
-picks a kernel). A packed copy serves
+runs is :data:`BACKEND`: None (the default) is MKL wherever torch has it (else oneDNN), so one machine's tables do
+not depend on a timing that can go either way where the two libraries are close (they round differently, and a
+greedy near-tie can flip); ``"auto"`` times both once per process on four decoder layers'
+products at the embedded teacher's shapes, interleaved, and keeps the faster (:func:`backend`; as
+``torch.backends.cudnn.benchmark`` picks a kernel): what ``python -m kvlab bench`` runs by default (its ``--packed``). A packed copy serves
 one row count ``M``; any other count runs ``F.linear`` on the original weight, so results never depend on whether a
 pack exists, or which library made it, beyond float rounding (a packed product sums in another order: |Δ| ~1e-6
 relative).
@@ -35,7 +37,7 @@ PACK_ROWS = 32     # products of more rows (a prefill's) run F.linear: packing s
 
 
 BACKENDS = ("mkl", "onednn")
-BACKEND: str | None = None      # "mkl", "onednn", or None: the faster of the two here, timed once (backend())
+BACKEND: str | None = None      # "mkl", "onednn", "auto" (the faster here, timed once: backend()), or None: MKL first
 _CHOSEN: list[str] = []         # the timed choice of this process
 
 
@@ -59,14 +61,18 @@ def _product(name: str, x2: torch.Tensor, pack: torch.Tensor, weight: torch.Tens
 
 
 def backend() -> str | None:
-    """The packing library products use: :data:`BACKEND` when set (checked: one of :data:`BACKENDS`, available
-    here), else the faster available one, timed once per process (8 rows through four decoder layers' products,
-    :data:`_TIMED_SHAPES`; five interleaved rounds, the median), or None when neither is available."""
-    if BACKEND is not None:
+    """The packing library products use: :data:`BACKEND` when it names one (checked: one of :data:`BACKENDS`,
+    available here); None: the first of :data:`BACKENDS` available; ``"auto"``: the faster available one, timed once
+    per process (8 rows through four decoder layers' products, :data:`_TIMED_SHAPES`; five interleaved rounds, the
+    median). None when neither library is available."""
+    if BACKEND is None:
+        return next((b for b in BACKENDS if _available(b)), None)
+    if BACKEND != "auto":
         if BACKEND not in BACKENDS:
-            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r} must be one of {BACKENDS} or None (timed)")
+            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r} must be one of {BACKENDS}, 'auto' (timed) or "
+                             "None (MKL first)")
         if not _available(BACKEND):
-            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r}: this torch build lacks it; set None")
+            raise ValueError(f"kvlab.core.packed.BACKEND={BACKEND!r}: this torch build lacks it; set None or 'auto'")
         return BACKEND
     if not _CHOSEN:
         have = [b for b in BACKENDS if _available(b)]

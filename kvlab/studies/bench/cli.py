@@ -39,6 +39,9 @@ def register(sub, bench_sweep) -> None:
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
     p.add_argument("--passes", type=int, default=8, help="mc: N noisy passes per step (>= 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="mc: dropout probability p in [0, 1)")
+    p.add_argument("--packed", choices=("auto", "mkl", "onednn"), default="auto",
+                   help="the batched CPU step's packed weight products: auto (default: the faster library here, timed "
+                        "once; kvlab.core.packed), mkl or onednn. Studies and figures run MKL where torch has it")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder; decode: append one JSON line to "
@@ -80,6 +83,20 @@ def _cache_lens(s: str) -> int | list[int]:
 
 
 def cmd_bench(args, *, bench_sweep) -> None:
+    """``python -m kvlab bench``: the bench's products through ``--packed``'s library (``kvlab.core.packed.BACKEND``,
+    put back afterwards: a bench run inside another program leaves its choice as it found it)."""
+    from kvlab.core import packed
+
+    before = packed.BACKEND
+    packed.BACKEND = getattr(args, "packed", "auto")     # the bench's products: the faster library here by default
+    try:
+        packed.backend()                                # checked (a library this torch lacks) before a model loads
+        _cmd_bench(args, bench_sweep=bench_sweep)
+    finally:
+        packed.BACKEND = before
+
+
+def _cmd_bench(args, *, bench_sweep) -> None:
     from kvlab.studies.bench.bench import bench_decode, bench_mc
     from kvlab.core.data import load_prompts
     from kvlab.core.models import load_model, load_teacher
