@@ -67,7 +67,8 @@ def assert_rows_equal(bd, recs, singles):
         for i in range(sc.num_layers):
             (kb, vb), (ks, vs) = bc.kv(i), sc.kv(i)
             assert kb.shape == ks.shape
-            assert float((kb - ks).abs().max()) <= TOL and float((vb - vs).abs().max()) <= TOL
+            for xb, xs in ((kb, ks), (vb, vs)):     # rounding scales with the entries (the real teacher's keys reach
+                assert float((xb - xs).abs().max()) <= TOL * max(1.0, float(xs.abs().max()))   # tens: 1.1e-4 seen)
 
 
 @pytest.mark.parametrize("mode", ["teacher", "student", "overfill"])
