@@ -29,6 +29,8 @@ and for more rows (a prefill) it is ``F.linear``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,9 @@ BACKEND: str | None = None      # "mkl", "onednn", "auto" (the faster here, time
 _CHOSEN: list[str] = []         # the timed choice of this process
 
 
+@functools.lru_cache(maxsize=None)
 def _available(name: str) -> bool:
+    """Whether this torch build has library ``name`` (fixed for the process: asked once, not per product)."""
     if name == "mkl":
         return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
