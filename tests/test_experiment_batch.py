@@ -131,6 +131,7 @@ def test_bench_evict_batch_interval_and_names(tiny_teacher):
     assert [(r["policy"], r["every"]) for r in rows] == [("full", 1), ("h2o", 1), ("h2o", 2)]
     for r in rows:
         assert r["periods"] == (6 if r["every"] == 1 else 2)          # steps 2..4 per repeat; whole periods of 2
+        assert r["evict_vs_plain_sum"] > 0                           # the periods' total times divided
         if r["periods"] >= 3:
             assert r["evict_vs_plain_lo"] <= r["evict_vs_plain"] <= r["evict_vs_plain_hi"]
         else:

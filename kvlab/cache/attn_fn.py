@@ -21,7 +21,8 @@ are the same length. A forward that measures attention mass passes a :class:`~kv
 to the sink beside the output (:mod:`.mass`; no second Q·Kᵀ pass, no hooks); a deferred step passes a
 :class:`~kvlab.cache.deferred.QuerySink` as ``kvlab_queries``, which keeps each layer's query (:mod:`.deferred`). A batched step (:func:`kvlab.cache.batch.forward_rows`) passes every layer's
 per-row mask ``(B, 1, 1, T)`` (padding and causal: True on the row's own columns) as the forward's
-``kvlab_masks`` kwarg; it is used as given. Building its own mask assumes one unpadded sequence per batch row, which is
+``kvlab_masks`` kwarg; it is used as given, and its one-token steps attend through SDPA or two plain products
+(:mod:`kvlab.core.decode_attn`, :data:`~kvlab.core.decode_attn.DECODE`: SDPA unless asked). Building its own mask assumes one unpadded sequence per batch row, which is
 what a :class:`~kvlab.cache.KVCache` holds (batch 1, or the probe's identical copies).
 
 :func:`use` registers the function (first call only; nothing happens at import) and switches a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache import deferred, mass
+from kvlab.core import decode_attn
 
 NAME = "kvlab"
 
@@ -67,6 +69,8 @@ def kvlab_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if n == 1 and not dropout:
             return mass.decode_attention(module, query, key, value, attention_mask, kwargs.get("scaling"), sink)
         mass.window_mass(module, query, key, attention_mask, kwargs.get("scaling"), sink)
+    elif masks is not None and n == 1 and not dropout and decode_attn.choice(query, key) == "eager":
+        return decode_attn.eager(query, key, value, attention_mask, kwargs.get("scaling"))[0], None   # (B, 1, H, D)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.core import decode_attn
+
 KWARG = "kvlab_mass"
 
 
@@ -105,13 +107,10 @@ def softmax_(s: torch.Tensor) -> torch.Tensor:
 def decode_attention(module, query, key, value, mask, scaling, sink: MassSink):
     """One query per row, computed once: ``(B, 1, H, D)`` output (transformers' layout) and the head mean
     of the probabilities handed to ``sink``."""
-    b, h, n, d = query.shape
-    hkv, t = key.shape[1], key.shape[2]
-    probs = torch.softmax(_scores(module, query, key, mask, scaling), dim=-1)         # (B, H, 1, T) float32
-    vis = _visible(mask, 1, t, query.device) if sink.wants_vis else None              # only the counts read it
+    out, probs = decode_attn.eager(query, key, value, mask, scaling)                   # (B, 1, H, D), (B, H, 1, T)
+    vis = _visible(mask, 1, key.shape[2], query.device) if sink.wants_vis else None   # only the counts read it
     sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, 1, T)
-    out = torch.matmul(probs.to(value.dtype).view(b, hkv, (h // hkv) * n, t), value)  # (B, H_kv, g, D)
-    return out.view(b, h, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out, None
 
 
 def window_mass(module, query, key, mask, scaling, sink: MassSink) -> None:

@@ -42,6 +42,9 @@ def register(sub, bench_sweep) -> None:
     p.add_argument("--packed", choices=("auto", "mkl", "onednn"), default="auto",
                    help="the batched CPU step's packed weight products: auto (default: the faster library here, timed "
                         "once; kvlab.core.packed), mkl or onednn. Studies and figures run MKL where torch has it")
+    p.add_argument("--decode-attention", choices=("auto", "sdpa", "eager"), default="auto",
+                   help="the batched step's one-token attention: auto (default: the faster here, timed once; "
+                        "kvlab.core.decode_attn), sdpa or eager. Studies and figures run SDPA")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder; decode: append one JSON line to "
@@ -83,17 +86,19 @@ def _cache_lens(s: str) -> int | list[int]:
 
 
 def cmd_bench(args, *, bench_sweep) -> None:
-    """``python -m kvlab bench``: the bench's products through ``--packed``'s library (``kvlab.core.packed.BACKEND``,
-    put back afterwards: a bench run inside another program leaves its choice as it found it)."""
-    from kvlab.core import packed
+    """``python -m kvlab bench``: the bench's products through ``--packed``'s library (``kvlab.core.packed.BACKEND``)
+    and its batched one-token attention through ``--decode-attention``'s (``kvlab.core.decode_attn.DECODE``), both
+    put back afterwards: a bench run inside another program leaves its choices as it found them."""
+    from kvlab.core import decode_attn, packed
 
-    before = packed.BACKEND
+    before = packed.BACKEND, decode_attn.DECODE
     packed.BACKEND = getattr(args, "packed", "auto")     # the bench's products: the faster library here by default
+    decode_attn.DECODE = getattr(args, "decode_attention", "auto")     # ... and the faster one-token attention
     try:
         packed.backend()                                # checked (a library this torch lacks) before a model loads
         _cmd_bench(args, bench_sweep=bench_sweep)
     finally:
-        packed.BACKEND = before
+        packed.BACKEND, decode_attn.DECODE = before
 
 
 def _cmd_bench(args, *, bench_sweep) -> None:
@@ -143,6 +148,10 @@ def _cmd_bench(args, *, bench_sweep) -> None:
             cmd = cmd.replace(" --out", f" --every {','.join(map(str, args.every))} --out")
         if args.policies is not None:
             cmd = cmd.replace(" --out", f" --policies {','.join(args.policies)} --out")
+        for flag, v in (("--packed", getattr(args, "packed", "auto")),
+                        ("--decode-attention", getattr(args, "decode_attention", "auto"))):
+            if v != "auto":                             # a forced choice reproduces only with its flag
+                cmd = cmd.replace(" --out", f" {flag} {v} --out")
 
         def emit(r):
             print(json.dumps(r), flush=True)
@@ -217,14 +226,17 @@ def _append_bench(path: Path, res: dict, cmd: str) -> None:
     """Append one benchmark result (with its command, the checkout's commit, the machine and UTC time) as a JSON line:
     repeated runs accumulate, so every run of a noisy benchmark can be compared (and runs on different CPUs told
     apart: the same bench's ratios differ between CPU models; ``packed``: the library the batched step's weight products
-    ran through, :func:`kvlab.core.packed.backend`)."""
+    ran through, :func:`kvlab.core.packed.backend`; ``decode_attention``: the batched one-token attention,
+    :func:`kvlab.core.decode_attn.described`)."""
     import datetime
 
+    from kvlab.core.decode_attn import described
     from kvlab.core.packed import backend
     from kvlab.store.provenance import describe_machine, source_label
 
     path.parent.mkdir(parents=True, exist_ok=True)
     row = {"command": cmd, "commit": source_label(), "machine": describe_machine(), "packed": backend(),
+           "decode_attention": described(),
            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")

@@ -138,7 +138,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     ``evict_vs_plain`` = ``step_ms / plain_ms``, over the same periods), stepped alternately with the policy's (a plain step after the
     policy's, then before it, ...), so both see the machine alike; ``evict_vs_plain_lo`` / ``_hi``: its 95 %
     percentile-bootstrap interval over the ``periods`` paired periods (:func:`~kvlab.studies.bench.timing.ratio_interval`;
-    None under 3 periods: more ``steps`` or ``repeats`` give more). Policies interleave per repeat after one warm-up.
+    None under 3 periods: more ``steps`` or ``repeats`` give more); ``evict_vs_plain_sum``: the same periods' total
+    times divided (a throughput ratio: the median over periods passes over a cost paid in one period of several, such
+    as the compaction a lazy eviction's holes get every few asks; the sum counts it). Policies interleave per repeat
+    after one warm-up.
 
     Per row: ``tok_s``, ``speedup_vs_full`` (``full_ms`` / ``step_ms``: the full cache's own policy row stepped
     beside this policy in the same block, the order rotating per step, so slow drift of the machine between blocks
@@ -289,6 +292,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                        "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
                        "tok_s": round(B / med[n], 2), "final_len": final, "mean_len": round(mean_len, 1),
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
+                       "evict_vs_plain_sum": round(sum(runs[n]) / sum(plains[n]), 3) if plains[n] else None,
                        "asked_ms": round(1000 * statistics.median(asked[n]), 2), "periods": len(runs[n]),
                        "peak_rss_mb": peak_rss_mb()}
                 ci = ratio_interval(runs[n], plains[n])                 # paired periods resampled together
