@@ -17,7 +17,7 @@ from test_deferred_stats import assert_same
 
 @pytest.fixture(autouse=True)
 def filling(monkeypatch):
-    """Filling evictions on (``kvlab.cache.evict.FILL``; off by default, see there)."""
+    """Filling evictions on (``kvlab.cache.evict.FILL``; on by default since session 21, see there; set here so the tests hold whatever the default)."""
     monkeypatch.setattr(evict_mod, "FILL", True)
 
 

@@ -15,6 +15,15 @@ from kvlab.eviction.ranked import _bottom_rows, _top_rows
 IDS = [3, 17, 5, 9, 22, 41, 8, 13, 2, 30, 11, 6, 27, 19, 4, 35, 12, 7, 44, 1]
 
 
+@pytest.fixture(autouse=True)
+def holes(monkeypatch):
+    """The holes path (``kvlab.cache.evict.FILL`` off; on by default since session 21, see there): rows whose
+    statistics wait in bank columns would otherwise fill instead of leaving holes."""
+    import kvlab.cache.evict as evict_mod
+
+    monkeypatch.setattr(evict_mod, "FILL", False)
+
+
 @pytest.fixture(scope="module")
 def lm():
     return make_tiny_lm(seed=3)

@@ -80,7 +80,9 @@ def test_bench_evict_batch_rows(tiny_teacher):
     assert all(r["bound"] == 1.0 for r in full)
     assert all(r["speedup_vs_full"] == 1.0 and r["full_ms"] == r["step_ms"] for r in full)
     for r in rows:                  # the full cache is timed beside each policy, in the policy's own block
-        assert r["speedup_vs_full"] == pytest.approx(r["full_ms"] / r["step_ms"], rel=0.01)
+        # (full_ms and step_ms are kept to 0.01 ms: on a fast CPU the tiny model's steps take about half a ms)
+        slack = 0.005 / r["full_ms"] + 0.005 / r["step_ms"]
+        assert r["speedup_vs_full"] == pytest.approx(r["full_ms"] / r["step_ms"], rel=0.01 + slack)
     two = bench_evict_batch(tiny_teacher, [1], cache_len=[64, 80], steps=2, repeats=1,
                             policies={"full": __import__("kvlab").eviction.FullCache()})
     assert [r["cache_len"] for r in two] == [64, 80]

@@ -20,6 +20,25 @@ def test_stamp_fields():
     assert s["machine_key"] == provenance.machine_key() and len(s["machine_key"]) == 10
 
 
+def test_cpu_family_tells_generations_apart(monkeypatch, tmp_path):
+    """A VM's short model name (``AMD EPYC``) is followed by CPUID's family and model in ``describe_machine``; the
+    pair enters the machine key (timings of two generations are not equivalent)."""
+    import re
+
+    fam = provenance.machine()["cpu_family"]
+    assert fam is None or re.fullmatch(r"family \d+ model \d+", fam)
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\n")
+    real = provenance.Path
+    monkeypatch.setattr(provenance, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
+    assert provenance._cpu_family() == "family 26 model 2"
+    monkeypatch.setattr(provenance, "machine", lambda: {"gpu": None, "cpu": "AMD EPYC", "cpu_family": "family 26 model 2",
+                                                        "cpu_count": 2, "torch": "2.13.0", "transformers": "5.24.0"})
+    assert provenance.describe_machine() == "cpu AMD EPYC (family 26 model 2) ×2, torch 2.13.0, transformers 5.24.0"
+    assert "cpu_family" in provenance.TIMING_FIELDS
+
+
 def test_git_commit_in_checkout():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         return  # not a checkout here: covered by the copy test below

@@ -19,11 +19,13 @@ from kvlab.cache.rope import rope_of
 
 # Whether evictions of bank rows whose statistics wait in bank columns fill their dead columns (BufferLayer.drop's
 # ``fill``: no holes read masked at every step, no compaction moving about half the row every few asks) instead of
-# leaving holes. Off: in one process, alternating (bench evict --batch 8, 4,096 -> ~1,040, asked every 16, two runs
-# each; docs/measured/fill_ab), with the moves queued in the bank: evicting / plain H2O 1.111, 1.110 filled vs 1.116,
-# 1.119 with holes; Scissorhands 1.093, 1.129 vs 1.133, 1.095; Conf-KV 1.101, 1.095 vs 1.105, 1.084 — no difference
-# beyond the noise, so the default keeps the path every other test runs.
-FILL = False
+# leaving holes. On since session 21: earlier A/Bs (docs/measured/fill_ab, session 18 on an Intel Xeon) compared the
+# bench's median over periods, which passes over the compaction paid in one period of three; the periods' totals
+# (bench evict --batch 8, 4,096 -> ~1,040, asked every 16, FILL on/off/on/off in one process on a 2-core AMD EPYC,
+# ab_fill4_zen5.out) give H2O 1.057, 1.056 filled vs 1.109, 1.064 with holes, Scissorhands 1.078, 1.069 vs 1.106,
+# 1.074, Conf-KV 1.055, 1.053 vs 1.070, 1.059; an in-process accounting of 13 periods (period_accounting) H2O 0.963
+# vs 0.994. Only bank rows of a policy asked every N > 1 steps take this path; the studies' runs do not.
+FILL = True
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _cpu_family() -> str | None:
+    """``"family 26 model 2"`` from ``/proc/cpuinfo`` (a VM's model name can be as short as ``AMD EPYC``: two CPU
+    generations then read alike, and their timings differ about twofold); None where it is not read."""
+    try:
+        got = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip().lower()
+            if k in ("cpu family", "model") and k not in got:
+                got[k] = v.strip()
+            if not line.strip() and got:
+                break
+        return f"family {got['cpu family']} model {got['model']}" if len(got) == 2 else None
+    except OSError:
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def _machine() -> tuple:
     import torch
@@ -121,6 +138,7 @@ def _machine() -> tuple:
         "python": platform.python_version(),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        "cpu_family": _cpu_family(),
         "gpu": torch.cuda.get_device_name(torch.cuda.current_device()) if cuda else None,
         "device": "cuda" if cuda else "cpu",
         "torch": torch.__version__,
@@ -130,12 +148,13 @@ def _machine() -> tuple:
 
 
 def machine() -> dict:
-    """Where code runs: host, platform, python, cpu (model name), cpu_count, gpu (name or None),
+    """Where code runs: host, platform, python, cpu (model name), cpu_count, cpu_family (``family F model M``, the
+    x86 CPUID numbers, or None), gpu (name or None),
     device (the default, ``cuda`` or ``cpu``), torch and transformers versions. Cached."""
     return dict(_machine())
 
 
-TIMING_FIELDS = ("cpu", "cpu_count", "gpu", "device", "torch", "transformers")
+TIMING_FIELDS = ("cpu", "cpu_family", "cpu_count", "gpu", "device", "torch", "transformers")
 
 
 def machine_key() -> str:
@@ -146,9 +165,10 @@ def machine_key() -> str:
 
 
 def describe_machine() -> str:
-    """One line for table notes, e.g. ``"cpu Intel Xeon … ×2, torch 2.13.0"``."""
+    """One line for table notes, e.g. ``"cpu AMD EPYC (family 26 model 2) ×2, torch 2.13.0"``."""
     m = machine()
-    hw = f"gpu {m['gpu']}" if m["gpu"] else f"cpu {m['cpu']} ×{m['cpu_count']}"
+    fam = f" ({m['cpu_family']})" if m.get("cpu_family") else ""
+    hw = f"gpu {m['gpu']}" if m["gpu"] else f"cpu {m['cpu']}{fam} ×{m['cpu_count']}"
     return f"{hw}, torch {m['torch']}, transformers {m['transformers']}"
 
 
