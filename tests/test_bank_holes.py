@@ -152,3 +152,48 @@ def test_hole_index_is_kept_until_the_holes_change(lm):
         logits = forward_rows(bank, lm.model, rows, [tok, tok], writer="teacher", steps=[1, 1])
         want = ref.forward(lm.model, [tok], writer="teacher")
         torch.testing.assert_close(logits[0], want.reshape(-1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("where", ["front", "back", "spread"])
+def test_rows_compacted_together_equal_one_by_one(where):
+    """:meth:`Bank.compact_rows` (every row layer's holes in a few ops per layer) leaves each row layer as its own
+    :meth:`~kvlab.cache.buffer.BufferLayer.compact` does: the same used columns, the same ``s``, K/V and per-column
+    statistics (the columns left behind zero); holes near the front move the head up, near the back the tail down."""
+    B, L, H, D, n = 3, 4, 2, 4, 40
+    g = torch.Generator().manual_seed(0)
+
+    def bank():
+        bk = Bank(B, L, H, D, dtype=torch.float32, device="cpu", capacity=64)
+        for t in bk.k + bk.v:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel() + len(bk.k))))
+        cols = bk.column_stats(["acc", "ema"])
+        gg = torch.Generator().manual_seed(1)
+        for b in range(B):
+            bk.summed[b] = b != 1                               # row 1's sums are all zero (nothing to move)
+            for i in range(L):
+                lay = bk.rows[b][i]
+                s = 3 * b + i
+                pick = {"front": torch.arange(2 + b, 6 + b), "back": torch.arange(n - 8 + i, n - 3 + i),
+                        "spread": torch.randperm(n, generator=gg)[:5 + b]}[where]
+                lay.s, lay.n, lay.holes, lay.order = s, n - len(pick), sorted(pick.tolist()), None
+                lay._views()
+                for ts in cols.values():
+                    ts[i][b].zero_()
+                    if bk.summed[b]:
+                        ts[i][b, s:s + n] = torch.rand(n, generator=gg)
+                        ts[i][b, torch.tensor(lay.holes) + s] = 0.0     # hole columns hold nothing
+        return bk
+
+    one, many = bank(), bank()
+    for b in range(B):
+        for lay in one.rows[b]:
+            lay.compact()
+    many.compact_rows([lay for row in many.rows for lay in row])
+    for b in range(B):
+        for i in range(L):
+            x, y = one.rows[b][i], many.rows[b][i]
+            assert (x.s, x.n, x.holes) == (y.s, y.n, y.holes) == (x.s, x.n, [])
+            torch.testing.assert_close(y.keys, x.keys, rtol=0, atol=0)
+            torch.testing.assert_close(y.values, x.values, rtol=0, atol=0)
+            for name in one.cols:
+                torch.testing.assert_close(many.cols[name][i][b], one.cols[name][i][b], rtol=0, atol=0)

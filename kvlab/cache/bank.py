@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.cache.buffer import keep_plan
 from kvlab.cache.storage import MIN_CAPACITY, BufferLayer, KVStore
 
 
@@ -151,6 +152,53 @@ class Bank:
                         flat = t.view(-1, t.shape[-1])                               # (B·H_kv·cap, D)
                         flat.index_copy_(0, b, flat.index_select(0, a))
             at += c
+
+    def compact_rows(self, lays) -> None:
+        """Close the holes of several row layers of this bank at once (each a :class:`RowLayer` with holes, in slot
+        order): per row layer the cheaper side of the holes moves (:func:`~.buffer.keep_plan`, as
+        :meth:`~.buffer.BufferLayer.keep` would), then per layer one gather and one scatter of K and of V over every
+        row's moves, and of each per-column statistic (the columns left behind go to zero). The same columns, the
+        same ``s`` and the same statistics as one :meth:`~.buffer.BufferLayer.compact` per row layer, in a few ops
+        per layer instead of a dozen per row layer."""
+        self.flush_moves()
+        per: dict[int, list] = {}
+        plans: dict[tuple, tuple] = {}          # per hole pattern (rows and layers evicting alike share one)
+        for lay in lays:
+            s, p, n = lay.s, lay.p, lay.n
+            key = (p, tuple(lay.holes))
+            if key not in plans:
+                live = lay.live_offsets()                                                   # (n,) offsets in [0, p)
+                down, up = keep_plan(live, p)
+                if up < down:   # the entries before the last hole move up next to the unmoved tail
+                    plans[key] = (live[:up], torch.arange(p - n, p - n + up), p - n, torch.arange(0, p - n))
+                else:           # the entries after the first hole move down
+                    first = n - down
+                    plans[key] = (live[first:], torch.arange(first, n), 0, torch.arange(n, p))
+            src, dst, shift, gone = plans[key]                                              # offsets from s
+            per.setdefault(lay.layer, []).append((lay.row, src + s, dst + s, gone + s))
+            lay.s, lay.holes = s + shift, []
+            lay._views()
+        h = int(self.k[0].shape[1])
+        for i, moves in per.items():
+            cap = self.capacity(i)
+            rows = torch.cat([torch.full((int(a.numel()),), r, dtype=torch.long) for r, a, _, _ in moves])   # (N,)
+            src, dst = torch.cat([a for _, a, _, _ in moves]), torch.cat([b for _, _, b, _ in moves])       # (N,)
+            heads = (rows * h)[:, None] + torch.arange(h)                                   # (N, H_kv) rows of B·H_kv
+            fs = (heads * cap + src[:, None]).reshape(-1).to(self.device)                  # (N·H_kv,) flat rows
+            fd = (heads * cap + dst[:, None]).reshape(-1).to(self.device)
+            for t in (self.k[i], self.v[i]):                                               # (B, H_kv, cap, D)
+                with torch.inference_mode(t.is_inference()):
+                    flat = t.view(-1, t.shape[-1])                                         # (B·H_kv·cap, D)
+                    flat.index_copy_(0, fd, flat.index_select(0, fs))
+            summed = [(r, a, b, g) for r, a, b, g in moves if self.summed[r]]
+            if summed and self.cols:                   # the statistics follow; the columns left behind: zero
+                cs = torch.cat([r * cap + a for r, a, _, _ in summed]).to(self.device)
+                cd = torch.cat([r * cap + b for r, _, b, _ in summed]).to(self.device)
+                cz = torch.cat([r * cap + g for r, _, _, g in summed]).to(self.device)
+                for ts in self.cols.values():
+                    flat = ts[i].view(-1)                                                  # (B·cap,)
+                    flat.index_copy_(0, cd, flat.index_select(0, cs))
+                    flat.index_fill_(0, cz, 0.0)
 
     _dead = None
 

@@ -145,12 +145,17 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
         dead = []                                               # holes a row's evictions left: masked below
         pooled = columns and caches[deferring[0]]._stats.pool > 1   # pooled column sums: neighbours must be entries
+        holed = []                      # dummies, the capture's pass and pooling read dense rows, the mass in order
+        for b, row in enumerate(bank.rows[:B]):
+            for lay in row:
+                if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b])
+                                   or (lay.order is not None and attention[b])):
+                    holed.append(lay) if lay.order is None else lay.compact()
+        if holed:
+            bank.compact_rows(holed)                            # every row layer's holes at once
         for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer
             c_row, s_row = [], []
             for i, lay in enumerate(row):
-                if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b])
-                                   or (lay.order is not None and attention[b])):
-                    lay.compact()       # dummies, the capture's pass and pooling read dense rows, the mass in order
                 if lay.s > max(16, lay.n // 4):                 # attention reads columns [0, s + p]: keep rows near
                     lay._to_front()                             # the front (amortized: once per n/4 columns)
                 lay.reserve(n_max)                              # (growth keeps every other row's s and n)
