@@ -73,3 +73,8 @@ def test_the_interval_table_shows_each_machines_run(tmp_path, monkeypatch):
     rows = [ln for ln in table.splitlines() if ln.startswith("| h2o |")]
     assert [ln.split(" | ")[1] for ln in rows] == ["AMD EPYC ×2 · onednn", "Intel Xeon ×2"]
     assert "(cpu AMD EPYC ×2, torch 2.13.0" in table and "*Machine: cpu Intel Xeon ×2 (a VM).*" in table
+    assert [ln.split(" | ")[7] for ln in rows] == ["–", "–"]                    # no totals before the field
+    new.write_text(json.dumps({**row("h2o", "cpu AMD EPYC (family 26 model 2) ×2, torch 2.13.0"), "packed": "onednn",
+                               "decode_attention": "auto: eager", "evict_vs_plain_sum": 1.046}) + "\n")
+    got = [ln for ln in quotes.evict_ci_table(tmp_path).splitlines() if ln.startswith("| h2o |")][0].split(" | ")
+    assert got[1] == "AMD EPYC (family 26 model 2) ×2 · onednn · eager attention" and got[7] == "1.046"

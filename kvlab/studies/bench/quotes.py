@@ -92,6 +92,9 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_epyc_1484f8a.jsonl":
+        "cpu AMD EPYC ×2 · onednn (session 20's VM; its CPU family was not recorded, its plain step about 1.8 times "
+        "session 21's)",
     "docs/measured/evict_vs_plain_ci_epyc_180c259.jsonl":
         "cpu AMD EPYC ×2 · mkl (session 20's run before the packing library was timed and rows named their machine)",
     "docs/measured/evict_vs_plain_ci_xeon.jsonl":
@@ -105,7 +108,8 @@ def _machine(r: dict, fallback: str | None = None) -> str:
     if not r.get("machine"):
         return (fallback or "?").split(" (")[0].removeprefix("cpu ").removeprefix("gpu ")
     m = r["machine"].split(",")[0].removeprefix("cpu ").removeprefix("gpu ")
-    return f"{m} · {r['packed']}" if r.get("packed") else m
+    attn = (r.get("decode_attention") or "").removeprefix("auto: ")
+    return m + "".join(f" · {x}" for x in (r.get("packed"), attn and f"{attn} attention") if x)
 
 
 def _where(r: dict) -> str:
@@ -120,7 +124,7 @@ def evict_ci_table(figures: Path) -> str:
     line."""
     runs = [(MEASURED_EVICT_CI, None), *EARLIER_EVICT_CI.items()]
     lines = ["| policy | machine | asked every | batch | context → mean live entries | periods | evicting / plain "
-             "[95 % interval] | asked step / plain | against 1.05 |", "|---|---|---|---|---|---|---|---|---|"]
+             "[95 % interval] | totals | asked step / plain | against 1.05 |", "|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for path, fallback in runs:
         rows = [r for r in jsonl(path) if r["policy"] != "full"]
@@ -129,13 +133,15 @@ def evict_ci_table(figures: Path) -> str:
             side = "–" if lo is None else ("above" if lo > LINE else "below" if hi <= LINE else "the interval holds it")
             lines.append(f"| {r['policy']} | {_machine(r, fallback)} | {_every(r)} | {r['batch']} | {r['cache_len']} → "
                          f"{fmt(r.get('mean_len'), 0)} | {r.get('periods', '–')} | {fmt(r.get('evict_vs_plain'))} "
-                         f"[{fmt(lo)}, {fmt(hi)}] | {_asked(r)} | {side} |")
+                         f"[{fmt(lo)}, {fmt(hi)}] | {fmt(r.get('evict_vs_plain_sum'))} | {_asked(r)} | {side} |")
         notes.append(measured_note(rows, path) + ("" if fallback is None or rows[0].get("machine") else
                                                    f" *Machine: {fallback}.*"))
     return ("\n".join(lines) + "\n\n*Evicting / plain: the policy's whole periods (asked step included) against the "
             "plain step at its mean live length stepped beside it, median over periods; the interval: 95 % percentile "
-            "bootstrap over the paired periods (`kvlab.studies.bench.timing.ratio_interval`). Above: the whole interval "
-            "is over 1.05.* " + " ".join(notes))
+            "bootstrap over the paired periods (`kvlab.studies.bench.timing.ratio_interval`); totals: the same periods' "
+            "summed times divided (a cost paid in one period of several, such as a compaction, counts in full; – where "
+            "the run predates the field). Above: the whole interval is over 1.05. Between two runs on one machine "
+            "the point moves by about 0.05 (docs/measured/decode_attn), more than one run's interval says.* " + " ".join(notes))
 
 
 VIEWS = {
