@@ -156,13 +156,15 @@ class Bank:
     def compact_rows(self, lays) -> None:
         """Close the holes of several row layers of this bank at once (each a :class:`RowLayer` with holes, in slot
         order): per row layer the cheaper side of the holes moves (:func:`~.buffer.keep_plan`, as
-        :meth:`~.buffer.BufferLayer.keep` would), then per layer one gather and one scatter of K and of V over every
-        row's moves, and of each per-column statistic (the columns left behind go to zero). The same columns, the
-        same ``s`` and the same statistics as one :meth:`~.buffer.BufferLayer.compact` per row layer, in a few ops
-        per layer instead of a dozen per row layer."""
-        self.flush_moves()
-        per: dict[int, list] = {}
+        :meth:`~.buffer.BufferLayer.keep` would), queued as column moves and done by :meth:`flush_moves` (per layer
+        one gather and one scatter of K and of V over every row), then per layer one gather and scatter of each
+        per-column statistic (the columns left behind go to zero). The same columns, the same ``s`` and the same
+        statistics as one :meth:`~.buffer.BufferLayer.compact` per row layer, in a few ops per layer instead of a
+        dozen per row layer."""
+        self.flush_moves()                      # earlier moves first: one layer's queued moves are one gather
+        stats: dict[int, list] = {}             # per layer: the statistics' moves of rows whose sums may be nonzero
         plans: dict[tuple, tuple] = {}          # per hole pattern (rows and layers evicting alike share one)
+        kv: dict[int, list] = {}                # per row: its layers' K/V moves, queued as one entry
         for lay in lays:
             s, p, n = lay.s, lay.p, lay.n
             key = (p, tuple(lay.holes))
@@ -175,30 +177,26 @@ class Bank:
                     first = n - down
                     plans[key] = (live[first:], torch.arange(first, n), 0, torch.arange(n, p))
             src, dst, shift, gone = plans[key]                                              # offsets from s
-            per.setdefault(lay.layer, []).append((lay.row, src + s, dst + s, gone + s))
+            src, dst = src + s, dst + s                                                     # bank columns
+            kv.setdefault(lay.row, []).append((lay.layer, src, dst))
+            if self.summed[lay.row] and self.cols:
+                stats.setdefault(lay.layer, []).append((lay.row, src, dst, gone + s))
             lay.s, lay.holes = s + shift, []
             lay._views()
-        h = int(self.k[0].shape[1])
-        for i, moves in per.items():
+        for r, moves in kv.items():
+            sizes = torch.tensor([int(a.numel()) for _, a, _ in moves])
+            self.moves.append((r, torch.tensor([i for i, _, _ in moves]).repeat_interleave(sizes),
+                               torch.cat([a for _, a, _ in moves]), torch.cat([b for _, _, b in moves])))
+        self.flush_moves()
+        for i, moves in stats.items():          # the statistics follow; the columns left behind: zero
             cap = self.capacity(i)
-            rows = torch.cat([torch.full((int(a.numel()),), r, dtype=torch.long) for r, a, _, _ in moves])   # (N,)
-            src, dst = torch.cat([a for _, a, _, _ in moves]), torch.cat([b for _, _, b, _ in moves])       # (N,)
-            heads = (rows * h)[:, None] + torch.arange(h)                                   # (N, H_kv) rows of B·H_kv
-            fs = (heads * cap + src[:, None]).reshape(-1).to(self.device)                  # (N·H_kv,) flat rows
-            fd = (heads * cap + dst[:, None]).reshape(-1).to(self.device)
-            for t in (self.k[i], self.v[i]):                                               # (B, H_kv, cap, D)
-                with torch.inference_mode(t.is_inference()):
-                    flat = t.view(-1, t.shape[-1])                                         # (B·H_kv·cap, D)
-                    flat.index_copy_(0, fd, flat.index_select(0, fs))
-            summed = [(r, a, b, g) for r, a, b, g in moves if self.summed[r]]
-            if summed and self.cols:                   # the statistics follow; the columns left behind: zero
-                cs = torch.cat([r * cap + a for r, a, _, _ in summed]).to(self.device)
-                cd = torch.cat([r * cap + b for r, _, b, _ in summed]).to(self.device)
-                cz = torch.cat([r * cap + g for r, _, _, g in summed]).to(self.device)
-                for ts in self.cols.values():
-                    flat = ts[i].view(-1)                                                  # (B·cap,)
-                    flat.index_copy_(0, cd, flat.index_select(0, cs))
-                    flat.index_fill_(0, cz, 0.0)
+            cs = torch.cat([r * cap + a for r, a, _, _ in moves]).to(self.device)         # flat (B·cap) columns
+            cd = torch.cat([r * cap + b for r, _, b, _ in moves]).to(self.device)
+            cz = torch.cat([r * cap + g for r, _, _, g in moves]).to(self.device)
+            for ts in self.cols.values():
+                flat = ts[i].view(-1)                                                      # (B·cap,)
+                flat.index_copy_(0, cd, flat.index_select(0, cs))
+                flat.index_fill_(0, cz, 0.0)
 
     _dead = None
 

@@ -150,7 +150,10 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             for lay in row:
                 if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b])
                                    or (lay.order is not None and attention[b])):
-                    holed.append(lay) if lay.order is None else lay.compact()
+                    if lay.order is None:
+                        holed.append(lay)
+                    else:
+                        lay.compact()
         if holed:
             bank.compact_rows(holed)                            # every row layer's holes at once
         for b, row in enumerate(bank.rows[:B]):                 # one pass: n_max free columns per row and layer

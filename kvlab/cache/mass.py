@@ -83,21 +83,6 @@ def _visible(mask: torch.Tensor | None, w: int, t: int, device) -> torch.Tensor:
     return m[:, 0, -w:].expand(m.shape[0], w, t)
 
 
-def _scores(module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor:
-    """``(B, H, w, T)`` float32 masked scores of ``query`` (B, H, w, D) over ``key`` (B, H_kv, T, D), GQA grouped
-    (no K copy); ``mask`` bool (True = attend) or additive, broadcastable to ``(B, 1|H, w, T)``, or None."""
-    b, h, w, d = query.shape
-    hkv, t = key.shape[1], key.shape[2]
-    g = h // hkv
-    scale = float(scaling if scaling is not None else d ** -0.5)
-    qg = query.reshape(b, hkv, g * w, d) * scale                                      # (B, H_kv, g·w, D) scaled
-    s = torch.matmul(qg, key.transpose(-1, -2))                                       # a new tensor: edited in place
-    s = (s if s.dtype == torch.float32 else s.float()).view(b, h, w, t)               # (B, H, w, T)
-    if mask is not None:                    # in place: no second (B, H, w, T) tensor (a prefill's is ~0.3 GB)
-        s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask.float())
-    return s
-
-
 def softmax_(s: torch.Tensor) -> torch.Tensor:
     """``softmax(s, -1)`` computed in ``s``'s own storage (a prefill's scores are ~0.3 GB: no second tensor)."""
     s.sub_(s.amax(-1, keepdim=True)).exp_()
@@ -121,5 +106,5 @@ def window_mass(module, query, key, mask, scaling, sink: MassSink) -> None:
     if mask is not None:
         mask = mask[..., n - w:, :]
     vis = _visible(mask, w, t, query.device)                                          # (B | 1, w, T)
-    probs = softmax_(_scores(module, query[:, :, n - w:, :], key, vis[:, None], scaling))   # (B, H, w, T)
+    probs = softmax_(decode_attn.scores(query[:, :, n - w:, :], key, vis[:, None], scaling))   # (B, H, w, T)
     sink.take(module.layer_idx, probs.mean(1), vis)                                   # (B, w, T)

@@ -53,21 +53,29 @@ def described() -> str:
     return "auto" if not got else "auto: " + "/".join(got)
 
 
+def scores(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """``(B, H, w, T)`` float32 masked scores of ``query`` (B, H, w, D) over ``key`` (B, H_kv, T, D), GQA grouped
+    (no K copy); ``mask`` bool (True = attend) or additive, broadcastable to ``(B, 1|H, w, T)``, or None. A new
+    tensor, masked in place (a prefill's is ~0.3 GB: no second one)."""
+    b, h, w, d = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    scale = float(scaling if scaling is not None else d ** -0.5)
+    s = torch.matmul(query.reshape(b, hkv, (h // hkv) * w, d) * scale, key.transpose(-1, -2))   # (B, H_kv, g·w, T)
+    s = (s if s.dtype == torch.float32 else s.float()).view(b, h, w, t)                # (B, H, w, T)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask.float())
+    return s
+
+
 def eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
           scaling: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row: ``query`` (B, H, 1, D) over ``key`` / ``value`` (B, H_kv, T, D), GQA grouped (no K/V
-    copy); ``mask`` bool (True = attend) or additive, broadcastable to ``(B, 1, 1, T)``, or None. Returns the output
+    copy); ``mask`` as :func:`scores` takes it, broadcastable to ``(B, 1, 1, T)``. Returns the output
     ``(B, 1, H, D)`` (transformers' layout) and the probabilities ``(B, H, 1, T)`` float32."""
-    b, h, n, d = query.shape
-    hkv, t = key.shape[1], key.shape[2]
-    g = h // hkv
-    scale = float(scaling if scaling is not None else d ** -0.5)
-    s = torch.matmul(query.reshape(b, hkv, g * n, d) * scale, key.transpose(-1, -2))   # (B, H_kv, g, T) new
-    s = (s if s.dtype == torch.float32 else s.float()).view(b, h, n, t)                # (B, H, 1, T)
-    if mask is not None:
-        s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask.float())
-    probs = torch.softmax(s, dim=-1)                                                    # (B, H, 1, T) float32
-    out = torch.matmul(probs.to(value.dtype).view(b, hkv, g * n, t), value)             # (B, H_kv, g, D)
+    b, h, n, t = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    hkv = key.shape[1]
+    probs = torch.softmax(scores(query, key, mask, scaling), dim=-1)                    # (B, H, 1, T) float32
+    out = torch.matmul(probs.to(value.dtype).view(b, hkv, (h // hkv) * n, t), value)    # (B, H_kv, g, D)
     return out.view(b, h, n, value.shape[-1]).transpose(1, 2).contiguous(), probs
 
 
@@ -107,4 +115,4 @@ def _timed(h: int, hkv: int, d: int, dtype) -> str:
     return min(CHOICES, key=lambda c: sorted(times[c])[len(times[c]) // 2])
 
 
-__all__ = ["CHOICES", "DECODE", "choice", "described", "eager", "sdpa"]
+__all__ = ["CHOICES", "DECODE", "choice", "described", "eager", "scores", "sdpa"]
