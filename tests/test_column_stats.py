@@ -193,3 +193,55 @@ def test_rows_whose_sums_are_zero_skip_column_moves(tiny_teacher):
     bank.swap(0, 1)
     assert bank.summed == [True, False]
     assert_same(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("below, pool, spare, rows, lows", [
+    (False, 1, 0, None, "same"), (True, 1, 0, [True, False, True], "same"), (True, 2, 0, None, "alternate"),
+    (False, 3, 4, [False, True, True], "alternate"), (True, 1, 0, None, "runs")])
+def test_all_layers_at_once_equal_per_layer(below, pool, spare, rows, lows):
+    """A step whose layers are one width adds into the bank's ``(L, B, capacity)`` blocks in one op per statistic
+    and group of layers reading from the same column (``Bank.col_block``; a run of layers through views, others
+    gathered and put back); the sums are bitwise those of one add per layer (the same elementwise ops)."""
+    from kvlab.cache.deferred import ColumnSink
+
+    L = 5
+    lows = {"same": [5] * L, "alternate": [5, 9] * (L // 2) + [5] * (L % 2), "runs": [5, 5, 9, 9, 9]}[lows]
+    g = torch.Generator().manual_seed(1)
+    steps_a = [torch.rand(3, 1, 20, generator=g) for _ in range(3 * L)]
+    seen = torch.tensor([14, 20, 17], dtype=torch.float32).view(1, 3, 1).expand(L, 3, 1)
+    got = []
+    for blocked in (True, False):
+        bank = Bank(3, L, 1, 4, dtype=torch.float32, device="cpu", capacity=64)
+        if not blocked:
+            bank.col_block = lambda name: None                     # the per-layer path
+        for k in range(3):
+            sink = ColumnSink(bank, lows, 0.8, below, None if rows is None else torch.tensor(rows), pool=pool,
+                              seen=seen if below else None, spare=[spare] * L)
+            for i in range(L):
+                sink.take(i, steps_a[k * L + i], None)
+            sink.apply(L)
+        assert bool(bank._blocks) == blocked
+        got.append({k: [t.clone() for t in ts] for k, ts in bank.cols.items()})
+    assert got[0].keys() == got[1].keys()
+    assert all(torch.equal(x, y) for k in got[0] for x, y in zip(got[0][k], got[1][k]))
+    assert float(got[0]["acc"][0].abs().sum()) > 0
+
+
+def test_col_block_views_the_layers_and_follows_growth(tiny_teacher):
+    """``Bank.col_block``'s layers are the statistics' tensors (an edit of one is an edit of the other); a layer's
+    growth leaves it (None while capacities differ) and it is made again, contents kept, once they agree."""
+    bank = Bank.for_model(tiny_teacher.model, 2, capacity=64)
+    L = bank.num_layers
+    bank.column_stats(["acc"])
+    block = bank.col_block("acc")
+    assert block.shape == (L, 2, 64)
+    block[L - 1, 0, 3] = 2.5
+    assert float(bank.cols["acc"][L - 1][0, 3]) == 2.5
+    bank.grow(0, 100)
+    assert bank.col_block("acc") is None
+    for i in range(1, L):
+        bank.grow(i, 100)
+    block = bank.col_block("acc")
+    assert block.shape == (L, 2, 128) and float(block[L - 1, 0, 3]) == 2.5
+    bank.cols["acc"][L - 1][1, 7] = 1.0
+    assert float(block[L - 1, 1, 7]) == 1.0

@@ -44,6 +44,7 @@ class Bank:
         # deferred attention statistics per bank column (kvlab.cache.deferred.ColumnSink), made on first use:
         # name -> per layer (B, capacity) float32; zero wherever no row has deferred steps pending
         self.cols: dict[str, list[torch.Tensor]] = {}
+        self._blocks: dict[str, torch.Tensor] = {}   # name -> (L, B, capacity) whose layers ARE cols[name] (col_block)
         self.summed = [False] * batch   # row b's column sums may be nonzero (a sink added since they were zeroed)
         # column moves of filling evictions (buffer.fill_layers) not yet done: (row, layer, src, dst) per move; done
         # together, one op per layer and K/V, by flush_moves() before anything reads or edits the buffers
@@ -82,6 +83,7 @@ class Bank:
             new = self._zeros(ts[i].shape[0], cap)                                                 # (B, cap')
             new[:, :old] = ts[i]
             ts[i] = new
+        self._blocks.clear()            # layer i left the blocks (col_block makes them again once capacities agree)
         for row in self.rows:
             row[i].bind()
 
@@ -91,6 +93,21 @@ class Bank:
             if name not in self.cols:
                 self.cols[name] = [self._zeros(self.batch, self.capacity(i)) for i in range(self.num_layers)]
         return self.cols
+
+    def col_block(self, name: str) -> torch.Tensor | None:
+        """Every layer's column statistic ``name`` as one ``(L, B, capacity)`` tensor whose layers are
+        ``cols[name]``'s tensors (views: an edit of either is an edit of both), so a step adds all layers at once;
+        None when the layers' capacities differ. Made on first use and after a layer grew (one copy)."""
+        block = self._blocks.get(name)
+        if block is None:
+            ts = self.cols[name]
+            if len({int(t.shape[1]) for t in ts}) != 1:
+                return None
+            with torch.inference_mode(False):
+                block = torch.stack(ts)                                                    # (L, B, capacity)
+            ts[:] = list(block.unbind(0))
+            self._blocks[name] = block
+        return block
 
     def _zeros(self, *shape) -> torch.Tensor:
         """A float32 zeros tensor that edits in place in and out of inference mode (a batched step makes it)."""

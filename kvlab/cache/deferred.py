@@ -76,14 +76,14 @@ class ColumnSink:
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
                  pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None):
-        self.cols = bank.column_stats(COLUMNS if below else COLUMNS[:2])
+        self.bank, self.cols = bank, bank.column_stats(COLUMNS if below else COLUMNS[:2])
         self.lows, self.below, self.pool = lows, below, pool
         self.spare = spare or [0] * len(lows)       # per layer: masked columns read past the last used one
         if below and seen is None:
             raise ValueError("ColumnSink(below=True) needs seen: each layer's and row's visible columns, (L, B, 1)")
         self.thr = None if seen is None else 1.0 / seen.to(torch.float32)             # (L, B, 1) uniform share
         self.wants_vis = False                     # the below counts compare with ``thr``: no visibility per layer
-        self.got: dict[int, tuple] = {}
+        self.got: dict[int, torch.Tensor] = {}      # layer -> (B, W_i) the step's head-mean probabilities
         self.rows = rows                                                                       # (B,) bool or None
         self.keep = None if rows is None else rows.to(torch.float32)[:, None]                 # (B, 1)
         self.fac = decay if rows is None else torch.where(rows, float(decay), 1.0)[:, None]   # (B, 1): others stay
@@ -93,30 +93,78 @@ class ColumnSink:
         fails adds nothing). Below counts are kept as their complement, ``high += [a >= 1/T]``: a column the row
         does not see has ``a = 0`` and never counts, so no visibility mask is read; the fold takes
         ``low = count - high`` (``count``: the steps that saw the entry)."""
-        if 1 < self.pool <= self.spare[layer] + 1:         # the pool's window past the end is read (masked: 0)
-            x = torch.nn.functional.max_pool1d(a, self.pool, stride=1)[:, 0]                 # (B, W_i - pool + 1)
+        self.got[layer] = a[:, 0]                                                             # (B, W_i)
+
+    def _pooled(self, a: torch.Tensor, spare: int) -> torch.Tensor:
+        """The step's ``a`` ``(..., W)`` max-pooled over each column and the next ``pool - 1`` (no holes: see the
+        class docstring); when the pool's window past the last used column is read (``spare`` masked columns,
+        ``a = 0``) the last ``pool - 1`` columns are left out, else the window is cut at the end."""
+        if self.pool <= 1:
+            return a
+        flat = a.reshape(-1, a.shape[-1])                                                     # (rows, W)
+        if self.pool <= spare + 1:
+            x = torch.nn.functional.max_pool1d(flat[:, None], self.pool, stride=1)[:, 0]      # (rows, W - pool + 1)
         else:
-            x = max_pool_next(a[:, 0], self.pool)          # (B, W_i) the step's query (pooled: no holes, see above)
+            x = max_pool_next(flat, self.pool)                                                # (rows, W)
+        return x.view(*a.shape[:-1], x.shape[-1])
+
+    def _add(self, cols: dict, a: torch.Tensor, thr: torch.Tensor | None, spare: int) -> None:
+        """Add one step's ``a`` ``(..., B, W)`` (a layer's, or every layer's stacked) into ``cols`` (the matching
+        views of the statistics) and, when ``below``, ``[a >= thr]`` (unpooled) into ``high``."""
+        b = a.shape[-2]
+        x = self._pooled(a, spare)
         high = None
-        if self.below:              # (B, W_i) float 0/1, unpooled: a float out (a bool added to the float sums casts
-            high = torch.ge(a[:, 0], self.thr[layer], out=torch.empty_like(a[:, 0]))     # element by element, slower)
+        if self.below:              # (…, B, W) float 0/1, unpooled: a float out (a bool added to the float sums casts
+            high = torch.ge(a, thr, out=torch.empty_like(a))                          # element by element, slower)
         if self.keep is not None:
             x = x * self.keep
             if high is not None:
                 high.mul_(self.keep)
-        self.got[layer] = (x, high)
+        w = x.shape[-1]
+        cols["acc"][..., :b, :w].add_(x)
+        cols["ema"][..., :b, :w].mul_(self.fac).add_(x)
+        if high is not None:                                                                  # (its own width)
+            cols["high"][..., :b, :high.shape[-1]].add_(high)
 
     def apply(self, layers: int) -> None:
-        """Add every layer's step into the bank's columns (after the forward succeeded)."""
+        """Add every layer's step into the bank's columns (after the forward succeeded). Layers of one width add
+        together through the bank's ``(L, B, capacity)`` blocks (:meth:`~kvlab.cache.bank.Bank.col_block`), one
+        group per first column read (a run of layers through a view, others gathered and put back); else one layer
+        at a time. The same numbers either way (the same elementwise operations)."""
         if len(self.got) != layers:
             raise RuntimeError(f"attention reached {len(self.got)} of {layers} layers: the model does not run the "
                                "'kvlab' attention function on every layer")
-        for i, (x, high) in self.got.items():
-            b, lo, w = x.shape[0], self.lows[i], x.shape[1]
-            self.cols["acc"][i][:b, lo:lo + w].add_(x)
-            self.cols["ema"][i][:b, lo:lo + w].mul_(self.fac).add_(x)
-            if high is not None:                                                             # (its own width)
-                self.cols["high"][i][:b, lo:lo + high.shape[1]].add_(high)
+        got = [self.got[i] for i in range(layers)]
+        names = COLUMNS if self.below else COLUMNS[:2]
+        w = int(got[0].shape[-1])
+        blocks = {name: self.bank.col_block(name) for name in names} \
+            if all(int(a.shape[-1]) == w for a in got) and len({1 < self.pool <= sp + 1 for sp in self.spare}) == 1 \
+            else {}
+        if blocks and all(v is not None for v in blocks.values()):
+            groups: dict[int, list[int]] = {}
+            for i, lo in enumerate(self.lows):
+                groups.setdefault(lo, []).append(i)
+            for lo, group in groups.items():
+                self._add_layers({k: v[:, :, lo:lo + w] for k, v in blocks.items()}, group, got)
+            return
+        for i, a in enumerate(got):
+            lo = self.lows[i]
+            self._add({name: self.cols[name][i][:, lo:lo + int(a.shape[-1])] for name in names}, a,
+                      None if self.thr is None else self.thr[i], self.spare[i])
+
+    def _add_layers(self, cols: dict, group: list[int], got: list) -> None:
+        """:meth:`_add` for the layers ``group`` at once (``cols``: ``(L, B, W)`` views at their columns)."""
+        x = torch.stack([got[i] for i in group])                                              # (G, B, W)
+        i0, i1 = group[0], group[-1] + 1
+        if group == list(range(i0, i1)):                                                      # a run: views
+            self._add({k: v[i0:i1] for k, v in cols.items()}, x, None if self.thr is None else self.thr[i0:i1],
+                      self.spare[i0])
+            return
+        idx = torch.tensor(group, dtype=torch.long, device=x.device)
+        parts = {k: v.index_select(0, idx) for k, v in cols.items()}                          # (G, B, W) copies
+        self._add(parts, x, None if self.thr is None else self.thr.index_select(0, idx), self.spare[i0])
+        for k, v in cols.items():
+            v.index_copy_(0, idx, parts[k])
 
 
 COLUMNS = ("acc", "ema", "high")

@@ -13,6 +13,9 @@ from kvlab.studies.bench.evict_batch import batch_evict_policies, attention_pref
 name = sys.argv[1]; E = int(sys.argv[2]); R = int(sys.argv[3]) if len(sys.argv) > 3 else 60
 variants = sys.argv[4].split(",") if len(sys.argv) > 4 else ["defer", "nostat"]
 torch.set_num_threads(2)
+from kvlab.core import decode_attn, packed
+decode_attn.DECODE = os.environ.get("DECODE") or None    # as the bench runs: DECODE=auto PACKED=auto
+packed.BACKEND = os.environ.get("PACKED") or None
 lm = load_teacher("cpu", "float32"); model = lm.model
 CL, B = 4096, 8
 g = torch.Generator().manual_seed(0)

@@ -1,5 +1,6 @@
 """evict/plain over many whole periods (asked every E), in-process, variants interleaved per period.
-usage: periods.py POLICY NPERIODS VARIANTS(comma: base,fill)  (env E: the period, default 16)
+usage: periods.py POLICY NPERIODS VARIANTS(comma: base,fill,holes)  (env E: the period, default 16; DECODE, PACKED:
+kvlab.core.decode_attn.DECODE / kvlab.core.packed.BACKEND, "auto" as the bench runs them; unset: None)
 Each variant is its own bank of 8 rows at 4,096 -> about 1,040 entries (the bulk cut and one period untimed); every
 step alternates (order flipping) with a plain bank whose rows are put back to the evicting rows' live length at each
 ask (untimed). Prints per-period ratios and the period's cost split: forwards between asks, the asked forward, and
@@ -8,6 +9,9 @@ import sys, time, statistics, os
 from types import SimpleNamespace
 import torch
 torch.set_num_threads(2)
+from kvlab.core import decode_attn, packed
+decode_attn.DECODE = os.environ.get("DECODE") or None    # as the bench runs: DECODE=auto PACKED=auto
+packed.BACKEND = os.environ.get("PACKED") or None
 from kvlab.core.models import load_teacher
 from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
@@ -30,9 +34,10 @@ src = attention_prefill(model, ids, pol) if need else None
 plain_src = KVCache(); plain_src.forward(model, ids, writer="teacher")
 if src is None: src = plain_src
 later = need and defers("cpu")
-SETTINGS = {"base": {}, "fill": {"FILL": True}}
+SETTINGS = {"base": {}, "fill": {"FILL": True}, "holes": {"FILL": False}}   # base: the library's default FILL
+FILL0 = kev.FILL
 def setv(v):
-    kev.FILL = SETTINGS[v].get("FILL", False)
+    kev.FILL = SETTINGS[v].get("FILL", FILL0)
 class Run:
     def __init__(self, v):
         setv(v)
@@ -49,6 +54,7 @@ class Run:
                             attention=[measures_at(pol, step) and not later] * B,
                             defer=[measures_at(pol, step) and later] * B)
     def ask(self, step, logits):
+        if PROFASK and self.tpl: PR["ask"].enable()
         t0 = time.perf_counter()
         settle_rows(self.c)
         t1 = time.perf_counter()
@@ -59,6 +65,7 @@ class Run:
         t3 = time.perf_counter()
         for c, d in zip(self.c, dec): apply_keep(c, d, model)
         t4 = time.perf_counter()
+        if PROFASK and self.tpl: PR["ask"].disable()
         for k, x in zip(("settle", "views", "decide", "apply"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             self.ph.setdefault(k, []).append(x)
     def period(self):
@@ -69,9 +76,9 @@ class Run:
             for who in (("ev", "pl") if (st + len(self.tev)) % 2 else ("pl", "ev")):
                 if who == "ev":
                     t = time.perf_counter()
-                    if PROF and j == 6: PR["ev"].enable()
+                    if PROF and j == PROFJ and self.tpl: PR["ev"].enable()
                     logits = self.fwd(st)
-                    if PROF and j == 6: PR["ev"].disable()
+                    if PROF and j == PROFJ and self.tpl: PR["ev"].disable()
                     self.ph.setdefault("fwd_ask" if evict_due(pol, st) else "fwd", []).append(time.perf_counter() - t)
                     if evict_due(pol, st):
                         self.ask(st, logits)
@@ -83,16 +90,18 @@ class Run:
                         pending_first = True
                 elif getattr(self, "pc", None) is not None:
                     t = time.perf_counter()
-                    if PROF and j == 6: PR["pl"].enable()
+                    if PROF and j == PROFJ and self.tpl: PR["pl"].enable()
                     forward_rows(self.pbank, model, self.pc, [7] * B, writer="teacher", steps=[st] * B)
-                    if PROF and j == 6: PR["pl"].disable()
+                    if PROF and j == PROFJ and self.tpl: PR["pl"].disable()
                     pl += time.perf_counter() - t
                     self.ph.setdefault("plain", []).append(time.perf_counter() - t)
         self.tev.append(ev); self.tpl.append(pl)
 runs = {}
 import cProfile, pstats, io
 PROF = os.environ.get("PROF") == "1"
-PR = {"ev": cProfile.Profile(), "pl": cProfile.Profile()}
+PROFJ = int(os.environ.get("PROFJ", "6"))   # which step of the period PROF profiles (0: the asked one)
+PROFASK = os.environ.get("PROFASK") == "1"   # profile the asks (settle, views, decision, edit) instead
+PR = {"ev": cProfile.Profile(), "pl": cProfile.Profile(), "ask": cProfile.Profile()}
 for v in variants:
     runs[v] = Run(v)
 for k in range(NP):
@@ -112,6 +121,10 @@ for v, r in runs.items():
           f"(apply mean {1000 * sum(r.ph['apply']) / len(r.ph['apply']):.1f} ms); period of {E}: "
           f"{(fwd / pln - 1) * n / E:.3f} + {(sum(r.ph['fwd_ask']) / len(r.ph['fwd_ask']) / pln - 1) / E:.3f} + {ask / pln / E:.3f}")
 
-if PROF:
+if PROF or PROFASK:
     for k, p in PR.items():
-        sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats("tottime").print_stats(22); print("PROFILE", k); print(sio.getvalue()[-5200:])
+        if (k == "ask") != PROFASK:
+            continue
+        sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats("tottime").print_stats(int(os.environ.get("PROFN", "22"))); print("PROFILE", k); print(sio.getvalue()[-9000:])
+        if os.environ.get("PROFCALLERS"):
+            sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats("tottime").print_callers(os.environ["PROFCALLERS"]); print(sio.getvalue()[-6000:])
