@@ -245,3 +245,43 @@ def test_col_block_views_the_layers_and_follows_growth(tiny_teacher):
     assert block.shape == (L, 2, 128) and float(block[L - 1, 0, 3]) == 2.5
     bank.cols["acc"][L - 1][1, 7] = 1.0
     assert float(block[L - 1, 1, 7]) == 1.0
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:2])
+@pytest.mark.parametrize("fill", [False, True])
+def test_settle_all_layers_at_once_equal_per_layer(tiny_teacher, setting, fill, monkeypatch):
+    """A read folding bank columns of rows whose layers hold equally many entries without holes gathers every layer
+    at once from the bank's blocks (``deferred._settle_blocks``; permuted rows after filling evictions each their own
+    columns); the statistics are bitwise those of the fold layer by layer, and the rows' columns are zero after."""
+    import kvlab.cache.evict as kev
+    from kvlab.cache import deferred
+
+    monkeypatch.setattr(kev, "FILL", fill)
+    model = tiny_teacher.model
+    src, toks = base(tiny_teacher, setting, 14)
+    L = src.num_layers
+    got, used = [], []
+    real = deferred._settle_blocks
+    for blocked in (True, False):
+        bank = Bank.for_model(model, 3, capacity=64)
+        if not blocked:
+            bank.col_block = lambda name: None
+        rows = [bank.adopt(b, src) for b in range(3)]
+        calls = []
+        monkeypatch.setattr(deferred, "_settle_blocks", lambda *a: calls.append(real(*a)) or calls[-1])
+        for j, t in enumerate(toks[:3]):
+            forward_rows(bank, model, rows, [t] * 3, writer="teacher", steps=[1 + j] * 3, defer=[True] * 3)
+        for b, c in enumerate(rows):                              # per layer, each row its own drops
+            c.evict([], layers=[[(b + l) % 5, 6 + (b * l) % 4] for l in range(L)])
+        for j, t in enumerate(toks[3:6]):
+            forward_rows(bank, model, rows, [t] * 3, writer="teacher", steps=[4 + j] * 3, defer=[True] * 3)
+        assert fill == (bank.rows[0][0].order is not None)
+        from kvlab.cache.deferred import settle_rows
+        settle_rows(rows)
+        used.append(calls)
+        got.append([{k: [x.clone() for x in v] for k, v in c.layer_attn().items()} for c in rows])
+        assert columns_zero(bank)
+    assert used[0][0] and used[0][-1] == fill and not any(used[1])   # holes (no filling): layer by layer
+    for a, b in zip(*got):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))

@@ -222,12 +222,61 @@ def _settle_columns(group: list) -> None:
     columns per statistic; ``count`` from the lengths each pending step saw. The rows' columns are zero afterwards."""
     st0 = group[0]._stats
     lays0 = group[0]._store.layers
-    bank, n, L = lays0[0].bank, len(st0.pending), len(lays0)
+    bank = lays0[0].bank
     seen_upto = torch.tensor([lens for _, _, lens in st0.pending], dtype=torch.long, device=bank.device)   # (N, L)
     rix = [c._store.layers[0].row for c in group]
     rows = torch.tensor(rix, dtype=torch.long, device=bank.device)                                       # (G,)
     span = rix == list(range(rix[0], rix[0] + len(rix)))                      # consecutive rows: views, no gather
     names = COLUMNS if st0.below else COLUMNS[:2]
+    if not _settle_blocks(group, bank, names, seen_upto, rix, rows, span):
+        _settle_layers(group, bank, names, seen_upto, rix, rows, span)
+    if set(names) == set(bank.cols):                                          # every sum the bank keeps
+        for r in rix:
+            bank.summed[r] = False
+
+
+def _settle_blocks(group, bank, names, seen_upto, rix, rows, span) -> bool:
+    """:func:`_settle_columns` for every layer at once when the layers hold equally many entries, none has holes
+    and the bank keeps each statistic as one block (:meth:`~kvlab.cache.bank.Bank.col_block`): one gather per
+    statistic over ``(L, G, T)`` columns, one ``count`` and one zeroing per statistic. False (nothing done)
+    otherwise. The same numbers as :func:`_settle_layers` (the same values gathered, the same arithmetic)."""
+    lays0 = group[0]._store.layers
+    t = lays0[0].n
+    if any(lay.n != t or lay.holes for lay in lays0):
+        return False
+    blocks = {name: bank.col_block(name) for name in names}
+    if any(b is None for b in blocks.values()):
+        return False
+    L, G, n, dev = len(lays0), len(group), seen_upto.shape[0], bank.device
+    s = torch.tensor([lay.s for lay in lays0], dtype=torch.long, device=dev).view(L, 1, 1)     # (L, 1, 1) starts
+    if all(lay.order is None for lay in lays0):                     # dense rows: offsets 0 .. T - 1 on every layer
+        at = (torch.arange(t, device=dev).view(1, 1, t) + s).expand(L, G, t)                   # (L, G, T)
+    else:                                                           # permuted rows: each row layer its own columns
+        at = torch.stack([c._store.layers[i].live_offsets() for i in range(L) for c in group]).to(dev)
+        at = at.view(L, G, t) + s                                                              # (L, G, T)
+    got = {}
+    for name, key in zip(names, ("acc", "ema_in", "low")):
+        blk = blocks[name]                                                                     # (L, B, capacity)
+        x = blk[:, rix[0]:rix[0] + G] if span else blk.index_select(1, rows)                   # (L, G, capacity)
+        got[key] = x.gather(2, at).transpose(0, 1)                                             # (G, L, T)
+    # count[l, j] = #{k : j < seen_upto[k, l]} = N - #{k : seen_upto[k, l] <= j}: a histogram of the lengths seen
+    hist = torch.zeros(L, t + 1, dtype=torch.long, device=dev)
+    hist.scatter_add_(1, seen_upto.clamp(max=t).T.contiguous(), torch.ones(L, n, dtype=torch.long, device=dev))
+    count = (n - hist.cumsum(1)[:, :t]).float()                                                # (L, T)
+    got["count"] = count.expand(G, L, t)
+    got["low"] = count - got["low"] if "low" in got else None        # below uniform: the steps that saw it, less high
+    for g, c in enumerate(group):
+        c._stats.fold(n, {name: None if v is None else v[g] for name, v in got.items()})      # (L, T) each
+        c._stats.pending = []
+    for blk in blocks.values():                                                                # the rows' columns: 0
+        blk[:, rix[0]:rix[0] + G].zero_() if span else blk.index_fill_(1, rows, 0.0)
+    return True
+
+
+def _settle_layers(group, bank, names, seen_upto, rix, rows, span) -> None:
+    """:func:`_settle_columns` layer by layer: per layer one gather of the rows' live columns per statistic."""
+    st0, lays0 = group[0]._stats, group[0]._store.layers
+    n = seen_upto.shape[0]
     adds = {"acc": [], "ema_in": [], "count": [], "low": []}                  # "low" gathers high, then count - high
     for i, lay in enumerate(lays0):
         t = lay.n
@@ -251,9 +300,6 @@ def _settle_columns(group: list) -> None:
     for name in names:                                                        # then the rows' columns: zeros
         for col in bank.cols[name]:
             col[rix[0]:rix[0] + len(rix)].zero_() if span else col.index_fill_(0, rows, 0.0)
-    if set(names) == set(bank.cols):                                          # every sum the bank keeps
-        for r in rix:
-            bank.summed[r] = False
 
 
 def _rows_view(keys: list) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
-"""Many alternating between-ask steps: ev rows (bench state after K asks) with/without deferred stats vs plain."""
+"""Many alternating between-ask steps: ev rows (bench state after K asks) with/without deferred stats vs plain.
+usage: between.py POLICY E R [variants: defer,nostat,plain2]  (plain2: a second plain bank, the two banks' floor)"""
 import sys, time, statistics, os
 from types import SimpleNamespace
 import torch
@@ -39,13 +40,16 @@ def evbank():
                      for c, (_, e, t, m, _) in zip(caches, token_stats_rows(logits))]
             for c, d in zip(caches, keep_rows(pol, views)): apply_keep(c, d, model)
     return bank, caches
-banks = {v: evbank() for v in variants}
+banks = {v: evbank() for v in variants if v != "plain2"}
 L0 = len(banks[variants[0]][1][0])
 lay = banks[variants[0]][1][0]._store.layers
 print("live", L0, "holes", sum(len(l.holes) for l in lay), "s", [l.s for l in lay][:6], flush=True)
 pl = plain_src.copy(); pl.crop(L0)
 pbank = Bank.for_model(model, B, capacity=cap)
 pc = [pbank.adopt(b, pl) for b in range(B)]
+if "plain2" in variants:                 # a second plain bank: the floor of two banks' difference
+    pbank2 = Bank.for_model(model, B, capacity=cap)
+    banks["plain2"] = (pbank2, [pbank2.adopt(b, pl) for b in range(B)])
 ts = {v: [] for v in variants}; ts["plain"] = []
 step0 = K * E + 2
 for r in range(R):
@@ -53,8 +57,9 @@ for r in range(R):
     k = r % len(order); order = order[k:] + order[:k]
     for v in order:
         t0 = time.perf_counter()
-        if v == "plain":
-            forward_rows(pbank, model, pc, [7] * B, writer="teacher", steps=[step0 + r] * B)
+        if v in ("plain", "plain2"):
+            bk, cs = (pbank, pc) if v == "plain" else banks[v]
+            forward_rows(bk, model, cs, [7] * B, writer="teacher", steps=[step0 + r] * B)
         else:
             bank, caches = banks[v]
             d = v == "defer"

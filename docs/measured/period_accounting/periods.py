@@ -28,7 +28,7 @@ CL, B = 4096, 8
 g = torch.Generator().manual_seed(0)
 vocab = int(model.get_input_embeddings().weight.shape[0])
 ids = torch.randint(0, vocab, (CL,), generator=g).tolist()
-pol = with_every({name: batch_evict_policies(CL)[name]}, [E])[f"{name}/every{E}"][2]
+pol = with_every({name: batch_evict_policies(CL)[name]}, [E])[name if E == 1 else f"{name}/every{E}"][2]
 need = bool(evict_attr(pol, "needs_attention"))
 src = attention_prefill(model, ids, pol) if need else None
 plain_src = KVCache(); plain_src.forward(model, ids, writer="teacher")
@@ -114,7 +114,7 @@ for v, r in runs.items():
     print("   ", [round(x, 3) for x in rat])
     print("    phases ms (median, mean):", {k: (round(1000 * statistics.median(x), 1), round(1000 * statistics.mean(x), 1)) for k, x in r.ph.items()})
     n = E - 1                             # per period: E - 1 forwards between asks, E plain steps (the first beside the ask)
-    fwd = sum(r.ph["fwd"]) / len(r.ph["fwd"]); pln = sum(r.ph["plain"]) / len(r.ph["plain"])
+    fwd = sum(r.ph.get("fwd", [0.0])) / max(1, len(r.ph.get("fwd", []))); pln = sum(r.ph["plain"]) / len(r.ph["plain"])
     ask = sum(sum(r.ph[k]) for k in ("settle", "views", "decide", "apply")) / len(r.ph["apply"])
     print(f"    per period, in plain steps: between-ask forwards {(fwd / pln - 1) * n:.2f} over plain, asked forward "
           f"{sum(r.ph['fwd_ask']) / len(r.ph['fwd_ask']) / pln - 1:.2f}, ask phases {ask / pln:.2f} "
@@ -125,6 +125,6 @@ if PROF or PROFASK:
     for k, p in PR.items():
         if (k == "ask") != PROFASK:
             continue
-        sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats("tottime").print_stats(int(os.environ.get("PROFN", "22"))); print("PROFILE", k); print(sio.getvalue()[-9000:])
+        sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats(os.environ.get("PROFSORT", "tottime")).print_stats(int(os.environ.get("PROFN", "22"))); print("PROFILE", k); print(sio.getvalue()[-9000:])
         if os.environ.get("PROFCALLERS"):
             sio = io.StringIO(); pstats.Stats(p, stream=sio).sort_stats("tottime").print_callers(os.environ["PROFCALLERS"]); print(sio.getvalue()[-6000:])
