@@ -145,3 +145,54 @@ def test_period_times_spread_the_asked_step():
     assert sorted(times)[len(times) // 2] == 1.0                        # the per-step median hides them
     assert period_times(times, 1) == times
     assert period_times(times[:3], 4) == []
+
+
+@pytest.mark.parametrize("pol", [H2O(budget=8, recent=2), ConfKV(tight=6, loose=10, protect=2)])
+def test_every_step_rows_deferring_equal_single_runs(tiny_teacher, tiny_student, pol, monkeypatch):
+    """``kvlab.cache.deferred.EVERY_STEP``: a policy asked at every step keeps its statistics in bank columns and
+    folds them at the step's read (evictions filling their columns); the batched rows still equal single runs."""
+    from kvlab.cache import deferred
+
+    monkeypatch.setattr(deferred, "EVERY_STEP", True)
+    calls = []
+    real = deferred.ColumnSink.apply
+    monkeypatch.setattr(deferred.ColumnSink, "apply", lambda self, n: calls.append(n) or real(self, n))
+    prompts = ["the quick brown fox", "sky", "jumps over the lazy dog and then some more words"]
+    config = DecodeConfig(max_new_tokens=16, chat=False, keep_dists=True, mode="teacher", evict=pol)
+    assert_rows_equal(*batch_and_singles(tiny_teacher, tiny_student, prompts, config))
+    assert len(calls) >= 10                                       # the batched steps added into bank columns
+
+
+def test_defers_policy():
+    """Every N > 1 steps: deferred where the device defers; at every step only with EVERY_STEP and no INT8 entries."""
+    from kvlab.cache import deferred
+
+    assert deferred.defers_policy(4, "cpu") and not deferred.defers_policy(1, "cpu")
+    old = deferred.EVERY_STEP
+    try:
+        deferred.EVERY_STEP = True
+        assert deferred.defers_policy(1, "cpu") and not deferred.defers_policy(1, "cpu", int8=True)
+        assert deferred.defers_policy(4, "cpu", int8=True)
+    finally:
+        deferred.EVERY_STEP = old
+
+
+def test_bench_defers_every_step_and_puts_it_back(monkeypatch):
+    """``python -m kvlab bench`` runs with ``--defer-every-step`` (default on) and restores the flag."""
+    from types import SimpleNamespace
+
+    from kvlab.cache import deferred
+    from kvlab.studies.bench import cli
+
+    seen = []
+
+    def fake(args, *, bench_sweep):
+        seen.append(deferred.EVERY_STEP)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(cli, "_cmd_bench", fake)
+    for flag, want in (("on", True), ("off", False)):
+        with pytest.raises(RuntimeError, match="stop"):
+            cli.cmd_bench(SimpleNamespace(packed="auto", decode_attention="auto", defer_every_step=flag),
+                          bench_sweep=None)
+        assert seen[-1] is want and deferred.EVERY_STEP is False
