@@ -36,27 +36,11 @@ KWARG = "kvlab_queries"
 # queries vs each step (2-core CPU, batch 8, 4,096 -> ~1,030 entries, asked every 16 steps; docs/measured/defer_cpu):
 # evicting / plain H2O 1.130, 1.136 deferred vs 1.131, 1.088 each step; Scissorhands 1.167, 1.171 vs 1.220, 1.225.
 DEFERS = {"cuda": True, "cpu": True}
-# Whether a policy asked at EVERY step defers too, when its rows can keep their statistics in bank columns (no INT8
-# entries): each step's attention is then added into the columns (ColumnSink) and folded at the same step's read,
-# instead of each row's mass picked out of the step and folded on its own (mass.MassSink), and its evictions fill
-# their columns (kvlab.cache.evict.FILL). The same statistics within float tolerance (the fold adds in another
-# order; tests/test_deferred_stats.py), so off by default: the studies' every-step rows compute what they always did
-# (a greedy near-tie could flip). ``python -m kvlab bench`` turns it on (its ``--defer-every-step``). On a 2-core
-# AMD EPYC (family 26) the measuring step of Scissorhands at batch 8 over ~1,030 entries took about 8 ms more than a
-# deferring one (docs/measured/period_accounting, session 22).
-EVERY_STEP = False
 
 
 def defers(device) -> bool:
     """Whether a batched step on ``device`` defers the statistics of a policy asked every N steps (:data:`DEFERS`)."""
     return DEFERS.get(torch.device(device).type, True)
-
-
-def defers_policy(every: int, device, int8: bool = False) -> bool:
-    """Whether a batched step on ``device`` defers the statistics of a policy asked every ``every`` steps: every
-    N > 1 steps where :func:`defers`; at every step only when :data:`EVERY_STEP` and the row holds no INT8 entries
-    (their statistics cannot wait in bank columns, and deferring queries would replay each step's Q·Kᵀ)."""
-    return defers(device) and (every > 1 or (EVERY_STEP and not int8))
 
 
 class QuerySink:

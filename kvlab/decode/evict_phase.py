@@ -10,7 +10,7 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.cache.attention import attention_modules
-from kvlab.cache.deferred import defers_policy
+from kvlab.cache.deferred import defers
 from kvlab.cache.inputs import LayerInputs
 from kvlab.decode.protocols import EvictView, evict_attr, evict_due, measures_at
 from kvlab.decode.records import Signals, StepRecord
@@ -26,14 +26,11 @@ class EvictPhases:
 
     @property
     def _defer_attention(self) -> bool:
-        """A policy asked only every N-th step (``every`` > 1; at every step too with
-        :data:`kvlab.cache.deferred.EVERY_STEP`) that measures attention: a batched decode step keeps its statistics
-        back and they are computed when the policy next reads them (:mod:`kvlab.cache.deferred`; the same numbers
-        as measuring every step) on the devices :func:`kvlab.cache.deferred.defers` names (CPU and CUDA: the A/B
-        is in its comment); :func:`~kvlab.cache.deferred.defers_policy` decides."""
-        return self._needs_attention and defers_policy(evict_attr(self.config.evict, "every"),
-                                                       getattr(self, "_device", None) or self.decoder.device,
-                                                       self.cache is not None and bool(self.cache.n_int8))
+        """A policy asked only every N-th step (``every`` > 1) that measures attention: a batched decode step keeps
+        its queries and the statistics are computed when the policy next reads them (:mod:`kvlab.cache.deferred`;
+        the same numbers as measuring every step) on the devices :func:`kvlab.cache.deferred.defers` names
+        (CPU and CUDA: the A/B is in its comment)."""
+        return self._needs_attention and evict_attr(self.config.evict, "every") > 1 and defers(getattr(self, "_device", None) or self.decoder.device)
 
     def _measures_at(self, step: int) -> bool:
         """Whether this row's forward at ``step`` measures attention (:func:`~kvlab.decode.protocols.measures_at`)."""

@@ -45,10 +45,6 @@ def register(sub, bench_sweep) -> None:
     p.add_argument("--decode-attention", choices=("auto", "sdpa", "eager"), default="auto",
                    help="the batched step's one-token attention: auto (default: the faster here, timed once; "
                         "kvlab.core.decode_attn), sdpa or eager. Studies and figures run SDPA")
-    p.add_argument("--defer-every-step", choices=("on", "off"), default="on",
-                   help="a policy asked at every step keeps its statistics in bank columns and folds them at the "
-                        "step's read, as one asked every N steps does (on, default; kvlab.cache.deferred.EVERY_STEP) "
-                        "or measures each row's mass at each step (off). Studies and figures run off")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", type=Path, default=None, help="evict: also write evict_bench_timing.{json,md} into this folder; decode: append one JSON line to "
@@ -93,18 +89,16 @@ def cmd_bench(args, *, bench_sweep) -> None:
     """``python -m kvlab bench``: the bench's products through ``--packed``'s library (``kvlab.core.packed.BACKEND``)
     and its batched one-token attention through ``--decode-attention``'s (``kvlab.core.decode_attn.DECODE``), both
     put back afterwards: a bench run inside another program leaves its choices as it found them."""
-    from kvlab.cache import deferred
     from kvlab.core import decode_attn, packed
 
-    before = packed.BACKEND, decode_attn.DECODE, deferred.EVERY_STEP
+    before = packed.BACKEND, decode_attn.DECODE
     packed.BACKEND = getattr(args, "packed", "auto")     # the bench's products: the faster library here by default
     decode_attn.DECODE = getattr(args, "decode_attention", "auto")     # ... and the faster one-token attention
-    deferred.EVERY_STEP = getattr(args, "defer_every_step", "on") == "on"    # ... and every-step rows deferring
     try:
         packed.backend()                                # checked (a library this torch lacks) before a model loads
         _cmd_bench(args, bench_sweep=bench_sweep)
     finally:
-        packed.BACKEND, decode_attn.DECODE, deferred.EVERY_STEP = before
+        packed.BACKEND, decode_attn.DECODE = before
 
 
 def _cmd_bench(args, *, bench_sweep) -> None:
@@ -155,8 +149,7 @@ def _cmd_bench(args, *, bench_sweep) -> None:
         if args.policies is not None:
             cmd = cmd.replace(" --out", f" --policies {','.join(args.policies)} --out")
         for flag, v in (("--packed", getattr(args, "packed", "auto")),
-                        ("--decode-attention", getattr(args, "decode_attention", "auto")),
-                        ("--defer-every-step", "auto" if getattr(args, "defer_every_step", "on") == "on" else "off")):
+                        ("--decode-attention", getattr(args, "decode_attention", "auto"))):
             if v != "auto":                             # a forced choice reproduces only with its flag
                 cmd = cmd.replace(" --out", f" {flag} {v} --out")
 
@@ -234,7 +227,7 @@ def _append_bench(path: Path, res: dict, cmd: str) -> None:
     repeated runs accumulate, so every run of a noisy benchmark can be compared (and runs on different CPUs told
     apart: the same bench's ratios differ between CPU models; ``packed``: the library the batched step's weight products
     ran through, :func:`kvlab.core.packed.backend`; ``decode_attention``: the batched one-token attention,
-    :func:`kvlab.core.decode_attn.described`; ``defer_every_step``: :data:`kvlab.cache.deferred.EVERY_STEP`)."""
+    :func:`kvlab.core.decode_attn.described`)."""
     import datetime
 
     from kvlab.core.decode_attn import described
@@ -242,10 +235,8 @@ def _append_bench(path: Path, res: dict, cmd: str) -> None:
     from kvlab.store.provenance import describe_machine, source_label
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    from kvlab.cache.deferred import EVERY_STEP
-
     row = {"command": cmd, "commit": source_label(), "machine": describe_machine(), "packed": backend(),
-           "decode_attention": described(), "defer_every_step": EVERY_STEP,
+           "decode_attention": described(),
            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     with path.open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")

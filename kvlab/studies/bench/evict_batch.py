@@ -155,7 +155,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
 
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
-    from kvlab.cache.deferred import defers_policy, settle_rows
+    from kvlab.cache.deferred import defers, settle_rows
     from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep, evict_view
     from kvlab.decode.protocols import evict_due, keep_rows, measures_at
@@ -207,7 +207,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 from kvlab.decode.protocols import evict_attr
 
                 need = bool(evict_attr(p, "needs_attention"))
-                later = need and defers_policy(evict_attr(p, "every"), bk.device)   # as the decode loop does
+                later = need and evict_attr(p, "every") > 1 and defers(bk.device)   # as the decode loop does
                 src = bases[_settings(p)] if need else plain_base
                 caches = [bk.adopt(b, src) for b in range(B)]                # untimed copies
 
