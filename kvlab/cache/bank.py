@@ -218,17 +218,20 @@ class Bank:
     _dead = None
 
     def dead_index(self, dead: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(layer, row, column)`` long tensors of every hole in ``dead`` (``(i, b, columns)`` per row layer with
-        holes, :meth:`~.buffer.BufferLayer.hole_columns`), rebuilt only when one of them changed: a batched step
-        between evictions masks the same holes."""
+        """``(layer, row, column)`` long tensors of every hole in ``dead`` (``(i, b, holes, s)`` per row layer with
+        holes: its :attr:`~.buffer.BufferLayer.holes` list, replaced at each edit and never edited in place, and its
+        start), rebuilt only when one of them changed: a batched step between evictions masks the same holes. One
+        conversion for all row layers (a policy asked at every step changes every layer's holes at every step)."""
         got = self._dead
         if got is None or len(got[0]) != len(dead) or any(
-                x[0] != y[0] or x[1] != y[1] or x[2] is not y[2] for x, y in zip(got[0], dead)):
-            sizes = torch.tensor([int(t.shape[0]) for _, _, t in dead], device=self.device)
-            idx = (torch.tensor([i for i, _, _ in dead], device=self.device).repeat_interleave(sizes),
-                   torch.tensor([b for _, b, _ in dead], device=self.device).repeat_interleave(sizes),
-                   torch.cat([t for _, _, t in dead]))
-            self._dead = got = (dead, idx)
+                x[0] != y[0] or x[1] != y[1] or x[2] is not y[2] or x[3] != y[3] for x, y in zip(got[0], dead)):
+            sizes = torch.tensor([len(h) for _, _, h, _ in dead])
+            cols = torch.tensor([o for _, _, h, _ in dead for o in h], dtype=torch.long) + \
+                torch.tensor([s for _, _, _, s in dead], dtype=torch.long).repeat_interleave(sizes)
+            idx = (torch.tensor([i for i, _, _, _ in dead]).repeat_interleave(sizes).to(self.device),
+                   torch.tensor([b for _, b, _, _ in dead]).repeat_interleave(sizes).to(self.device),
+                   cols.to(self.device))
+            self._dead = got = (list(dead), idx)
         return got[1]
 
     def clear_cols(self, b: int, i: int | None = None) -> None:

@@ -165,7 +165,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 c_row.append(lay.s + lay.p)
                 s_row.append(lay.s)
                 if lay.holes:
-                    dead.append((i, b, lay.hole_columns()))
+                    dead.append((i, b, lay.holes, lay.s))
             cols.append(c_row)
             starts.append(s_row if caches[b] is not None else c_row)
         cols_t = torch.tensor(cols, dtype=torch.long, device=device).T                    # (L, B)
