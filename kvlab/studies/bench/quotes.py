@@ -92,6 +92,9 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_zen5_a265585.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 22's second run, a later process on the same library "
+        "code as the first: its +dirty was an edit made after the run had loaded its modules)",
     "docs/measured/evict_vs_plain_ci_zen5_4ee9708.jsonl":
         "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 21's run, before the column sums and their fold took "
         "every layer at once)",
