@@ -133,24 +133,23 @@ def test_the_step_reads_from_the_first_column_a_row_uses(lm, monkeypatch):
 
 def test_hole_index_is_kept_until_the_holes_change(lm):
     """A batched step between evictions masks the same holes: the bank keeps its (layer, row, column) index of every
-    row layer's holes (their lists, replaced at each edit), rebuilt only when a row's holes or start change; each
-    row layer's own tensor of its dead columns likewise."""
+    row layer's holes (their lists, replaced at each edit), rebuilt only when a row's holes or start change."""
     L = lm.model.config.num_hidden_layers
     bank, rows, ref = _rows(lm, [[2, 7]] * L)
     lay = bank.rows[0][0]
-    t = lay.hole_columns()
-    assert t.tolist() == [lay.s + o for o in lay.holes] and lay.hole_columns() is t
+    holes = lay.holes
+    columns = lambda: [lay.s + o for lay in bank.rows[0] for o in lay.holes]   # noqa: E731 every hole's column
     dead = [(i, 0, bank.rows[0][i].holes, bank.rows[0][i].s) for i in range(L)]
     idx = bank.dead_index(dead)
     assert bank.dead_index([tuple(x) for x in dead]) is idx                       # same holes: the same index
     assert idx[0].tolist() == [i for i in range(L) for _ in range(2)] and set(idx[1].tolist()) == {0}
-    assert idx[2].tolist() == [c for i in range(L) for c in bank.rows[0][i].hole_columns().tolist()]
+    assert idx[2].tolist() == columns()
     rows[0].evict([0])
     ref.evict([0])
-    assert lay.hole_columns() is not t and len(lay.hole_columns()) == 3
+    assert lay.holes is not holes and len(lay.holes) == 3                          # a new list: the index follows
     idx2 = bank.dead_index([(i, 0, bank.rows[0][i].holes, bank.rows[0][i].s) for i in range(L)])
     assert idx2 is not idx and idx2[2].shape[0] == 3 * L
-    assert idx2[2].tolist() == [c for i in range(L) for c in bank.rows[0][i].hole_columns().tolist()]
+    assert idx2[2].tolist() == columns()
     for tok in (9, 4):                                                          # the step masks them: as a single
         logits = forward_rows(bank, lm.model, rows, [tok, tok], writer="teacher", steps=[1, 1])
         want = ref.forward(lm.model, [tok], writer="teacher")

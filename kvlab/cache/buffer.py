@@ -193,17 +193,6 @@ class BufferLayer(DynamicLayer):
         else:
             self._views()
 
-    _hole_cache = None
-
-    def hole_columns(self) -> torch.Tensor:
-        """The holes' buffer columns (``s`` + offsets), a long tensor on the buffer's device, kept until the holes
-        or ``s`` change (``holes`` is replaced, never edited in place)."""
-        c = self._hole_cache
-        if c is None or c[0] is not self.holes or c[1] != self.s:
-            t = (torch.tensor(self.holes, dtype=torch.long) + self.s).to(self.buf_k.device)
-            self._hole_cache = c = (self.holes, self.s, t)
-        return c[2]
-
     def compact_at(self) -> int:
         """Holes a lazy layer tolerates: about sqrt(2n) — the extra columns a step reads (half of them on average)
         against the entries a compaction moves (spread over the steps that made the holes)."""

@@ -76,7 +76,8 @@ class ColumnSink:
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
                  pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None):
-        self.bank, self.cols = bank, bank.column_stats(COLUMNS if below else COLUMNS[:2])
+        self.names = COLUMNS if below else COLUMNS[:2]                # the statistics this sink adds to
+        self.bank, self.cols = bank, bank.column_stats(self.names)
         self.lows, self.below, self.pool = lows, below, pool
         self.spare = spare or [0] * len(lows)       # per layer: masked columns read past the last used one
         if below and seen is None:
@@ -135,9 +136,8 @@ class ColumnSink:
             raise RuntimeError(f"attention reached {len(self.got)} of {layers} layers: the model does not run the "
                                "'kvlab' attention function on every layer")
         got = [self.got[i] for i in range(layers)]
-        names = COLUMNS if self.below else COLUMNS[:2]
         w = int(got[0].shape[-1])
-        blocks = {name: self.bank.col_block(name) for name in names} \
+        blocks = {name: self.bank.col_block(name) for name in self.names} \
             if all(int(a.shape[-1]) == w for a in got) and len({1 < self.pool <= sp + 1 for sp in self.spare}) == 1 \
             else {}
         if blocks and all(v is not None for v in blocks.values()):
@@ -149,7 +149,7 @@ class ColumnSink:
             return
         for i, a in enumerate(got):
             lo = self.lows[i]
-            self._add({name: self.cols[name][i][:, lo:lo + int(a.shape[-1])] for name in names}, a,
+            self._add({name: self.cols[name][i][:, lo:lo + int(a.shape[-1])] for name in self.names}, a,
                       None if self.thr is None else self.thr[i], self.spare[i])
 
     def _add_layers(self, cols: dict, group: list[int], got: list) -> None:
@@ -265,9 +265,7 @@ def _settle_blocks(group, bank, names, seen_upto, rix, rows, span) -> bool:
     count = (n - hist.cumsum(1)[:, :t]).float()                                                # (L, T)
     got["count"] = count.expand(G, L, t)
     got["low"] = count - got["low"] if "low" in got else None        # below uniform: the steps that saw it, less high
-    for g, c in enumerate(group):
-        c._stats.fold(n, {name: None if v is None else v[g] for name, v in got.items()})      # (L, T) each
-        c._stats.pending = []
+    _fold(group, n, got)
     for blk in blocks.values():                                                                # the rows' columns: 0
         blk[:, rix[0]:rix[0] + G].zero_() if span else blk.index_fill_(1, rows, 0.0)
     return True
@@ -358,9 +356,13 @@ def _settle_group(group: list) -> None:
 
 
 def _fold(group: list, n: int, adds: dict) -> None:
-    """Each row ``g`` of ``group`` folds ``n`` pending steps: ``adds[name]`` per layer ``(G, T_l)``."""
-    uniform = len({int(x.shape[1]) for x in adds["acc"]}) == 1
-    mats = {name: None if v[0] is None else torch.stack(v, 1) if uniform else v for name, v in adds.items()}
+    """Each row ``g`` of ``group`` folds ``n`` pending steps: ``adds[name]`` per layer ``(G, T_l)`` (a list), or
+    every layer's at once ``(G, L, T)`` (a tensor; None: not kept)."""
+    if isinstance(adds["acc"], torch.Tensor):
+        mats, uniform = adds, True
+    else:
+        uniform = len({int(x.shape[1]) for x in adds["acc"]}) == 1
+        mats = {name: None if v[0] is None else torch.stack(v, 1) if uniform else v for name, v in adds.items()}
     for g, c in enumerate(group):                                                     # (L, T) matrices or lists
         c._stats.fold(n, {name: None if v is None else v[g] if uniform else [x[g] for x in v]
                           for name, v in mats.items()})
