@@ -162,3 +162,53 @@ def test_stats_append_shares_the_lifetime_increment_exactly(window):
         acc = torch.cat([before["acc"][i], z]) + mass[i]
         assert torch.equal(st.data["count"][i], count) and torch.equal(st.data["acc"][i], acc)
         assert torch.equal(st.data["low"][i], torch.cat([before["low"][i], z]) + low[i])
+
+
+def test_low_of_seen_is_below_counts_of_the_seen_columns():
+    from kvlab.cache.mass import below_counts, low_of_seen
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 50
+    vis = torch.rand(B, 1, T, generator=g) > 0.3                                    # (B, 1, T) seen columns
+    a = torch.softmax(torch.randn(B, 1, T, generator=g).masked_fill(~vis, float("-inf")), -1)
+    want = below_counts(a, vis)                                                     # (B, T)
+    for b in range(B):
+        seen = vis[b, 0]
+        got = low_of_seen(a[b, 0][seen], int(seen.sum()))
+        assert torch.equal(got, want[b][seen]) and float(want[b][~seen].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_batched_low_counts_equal_the_per_layer_counts(ragged, monkeypatch):
+    """A measured batched step counts Scissorhands' low queries from each row's picked mass, all layers at once
+    (``MassSink(low_later=True)``); the same rows stepped with the per-layer counts give the same statistics."""
+    import kvlab.cache.batch as kb
+    from kvlab.cache import KVCache
+    from kvlab.cache.batch import forward_rows
+    from kvlab.cache.mass import MassSink
+
+    lm = make_tiny_lm(seed=0)
+    vocab = int(lm.model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    srcs = []
+    for n in ([10, 10, 10] if not ragged else [10, 13, 10]):
+        c = KVCache()
+        c.track_attention(0.5, window=3, below=True)
+        c.forward(lm.model, torch.randint(0, vocab, (n,), generator=g).tolist(), writer="teacher", attention=True)
+        srcs.append(c)
+    toks = torch.randint(0, vocab, (4,), generator=g).tolist()
+
+    def run(later: bool):
+        monkeypatch.setattr(kb, "MassSink", lambda *a, **k: MassSink(*a, **{**k, "low_later": later}))
+        bank = Bank.for_model(lm.model, 3, capacity=32)
+        rows = [bank.adopt(b, s) for b, s in enumerate(srcs)]
+        for j, t in enumerate(toks):
+            forward_rows(bank, lm.model, rows, [t] * 3, writer="teacher", steps=[1 + j] * 3, attention=[True] * 3)
+        return [r._stats.per_layer() for r in rows]
+
+    new, old = run(True), run(False)
+    for a, b in zip(new, old):
+        assert set(a) == set(b) and "low" in a
+        for k in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[k], b[k])), k
+    assert any(float(x.sum()) > 0 for x in new[0]["low"])                 # some queries were low

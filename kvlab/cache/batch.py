@@ -29,7 +29,7 @@ from kvlab.cache.deferred import KWARG as QUERIES_KWARG
 from kvlab.cache.deferred import ColumnSink, QuerySink, columns_ok
 from kvlab.cache.attention import QueryCapture
 from kvlab.cache.mass import KWARG as MASS_KWARG
-from kvlab.cache.mass import MassSink
+from kvlab.cache.mass import MassSink, low_of_seen
 from kvlab.cache.step import explicit_step
 from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
@@ -141,7 +141,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         want = [b for b in active if attention[b]]
         settings = {b: (caches[b]._stats.window, caches[b]._stats.below, caches[b]._stats.query_decay)
                     for b in want}
-        sink = MassSink(*settings[want[0]]) if want and len(set(settings.values())) == 1 else None
+        sink = MassSink(*settings[want[0]], low_later=n_max == 1) if want and len(set(settings.values())) == 1 \
+            else None
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
         dead = []                                               # holes a row's evictions left: masked below
         pooled = columns and caches[deferring[0]]._stats.pool > 1   # pooled column sums: neighbours must be entries
@@ -276,12 +277,15 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     layer for all rows, split by row."""
     _, below, decay = setting
     L = bank.num_layers
-    got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below else None,
+    later = below and sink.low_later                      # the low counts from the picked mass (one query per row)
+    got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below and not later else None,
            "ema": sink.layers("ema", L) if decay is not None else None}
     seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
     wide = max(x.shape[1] for x in seen)                  # layers' widths differ after per-layer evictions: pad
     fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows)
     if fast is not None:
+        if later:                                         # every row sees c columns on every layer: (L, c) each
+            fast = {b: (m, low_of_seen(m, m.shape[-1]), e) for b, (m, _, e) in fast.items()}
         return fast
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
     split = {}
@@ -292,6 +296,9 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     for b in rows:
         out[b] = tuple(None if name not in split else [split[name][i][b] for i in range(L)]
                        for name in ("mass", "low", "ema"))
+        if later:
+            m = out[b][0]
+            out[b] = (m, [low_of_seen(x, x.shape[-1]) for x in m], out[b][2])
     return out
 
 

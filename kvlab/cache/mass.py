@@ -32,9 +32,13 @@ class MassSink:
     (None: no EMA weights). After the forward ``mass[i]`` / ``low[i]`` / ``ema[i]`` are ``(B, T_i)``
     float32 per layer ``i`` (``low`` / ``ema`` only when asked)."""
 
-    def __init__(self, window: int | None = None, below: bool = False, decay: float | None = None):
+    def __init__(self, window: int | None = None, below: bool = False, decay: float | None = None,
+                 low_later: bool = False):
         self.window, self.below, self.decay = window, below, decay
-        self.wants_vis = below                  # the attention function hands ``take`` the visibility (below counts)
+        # ``low_later``: one-query steps whose reader picks each row's seen columns (a batched step,
+        # :func:`kvlab.cache.batch.forward_rows`) count the low queries there, all layers at once (:func:`low_of_seen`)
+        self.low_later = bool(low_later and below)
+        self.wants_vis = below and not self.low_later   # the attention function hands ``take`` the visibility
         self.mass: dict[int, torch.Tensor] = {}
         self.low: dict[int, torch.Tensor] = {}
         self.ema: dict[int, torch.Tensor] = {}
@@ -54,7 +58,7 @@ class MassSink:
             else:
                 wts = float(self.decay) ** torch.arange(w - 1, -1, -1, device=a.device, dtype=a.dtype)
                 self.ema[layer] = torch.einsum("w,bwt->bt", wts, a)
-        if self.below:
+        if self.below and not self.low_later:
             self.low[layer] = below_counts(a, vis)
 
     def layers(self, what: str, count: int) -> list[torch.Tensor]:
@@ -71,6 +75,14 @@ def below_counts(a: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
     seen; causal: ``T - w + i + 1``); float ``(B, T)``."""
     seen = vis.sum(-1, keepdim=True).to(a.dtype)                                   # (B | 1, w, 1)
     return ((a < 1.0 / seen) & vis).sum(-2).float()                                # (B, T)
+
+
+def low_of_seen(a: torch.Tensor, seen: int | torch.Tensor) -> torch.Tensor:
+    """:func:`below_counts` of one query per row, given only the entries it sees: ``a`` ``(..., c)`` its head-mean
+    probabilities over its ``c`` seen columns (``seen``: c, or a broadcastable count); float 0/1 ``(..., c)``, the
+    same numbers (the uniform share is computed as there: ``1 / T`` in ``a``'s dtype)."""
+    c = torch.as_tensor(seen, dtype=a.dtype, device=a.device)
+    return (a < 1.0 / c).float()
 
 
 def _visible(mask: torch.Tensor | None, w: int, t: int, device) -> torch.Tensor:
