@@ -1,9 +1,8 @@
 """Evictions that fill their dead columns (kvlab.cache.buffer.BufferLayer.drop with ``fill``; kvlab.cache.evict.FILL,
-off by default, turned on here): a bank row whose
-statistics wait in bank columns (deferred, unpooled) leaves no holes when it evicts; its last survivors move into the
-freed columns and its columns leave slot order (``order``). The row then holds the same entries, statistics and
-logits as a row that kept holes; every read in slot order (``kv``), a measured step and a pooled step put it back
-in order first."""
+turned on here whatever the default): a bank row whose statistics wait in bank columns (deferred) leaves no holes
+when it evicts; its last survivors move into the freed columns and its columns leave slot order (``order``). The row
+then holds the same entries, statistics and logits as a row that kept holes; every read in slot order (``kv``) and a
+measured step put it back in order first, a pooled deferred step pools in slot order over the permuted columns."""
 from __future__ import annotations
 
 import pytest
@@ -88,28 +87,47 @@ def test_filled_rows_decode_the_same_logits(tiny_teacher):
     assert_same(*rows)
 
 
-@pytest.mark.parametrize("then", ["measured", "pooled"])
-def test_permuted_rows_step_in_order(tiny_teacher, then):
-    """A measured step (its mass is picked in column order) or a pooled deferred step (a pool over neighbouring
-    columns) on a permuted row puts the row back in slot order first; the statistics stay those of the row with
-    holes."""
+def test_permuted_rows_step_in_order(tiny_teacher):
+    """A measured step (its mass is picked in column order) on a permuted row puts the row back in slot order first;
+    the statistics stay those of the row with holes."""
     banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[0], n=20)
     steps(tiny_teacher, banks, caches, toks[:3], 1)
     for c in caches:
         c.evict([1, 5, len(c) - 2])
     assert permuted(caches[1])
-    if then == "measured":
-        forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, toks[3]], writer="teacher",
-                     steps=[0, 4], attention=[False, True])
-        forward_rows(banks[0], tiny_teacher.model, [caches[0], None], [toks[3], None], writer="teacher",
-                     steps=[4, 0], attention=[True, False])
-        assert not any(lay.order is not None for lay in caches[1]._store.layers)
+    forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, toks[3]], writer="teacher",
+                 steps=[0, 4], attention=[False, True])
+    forward_rows(banks[0], tiny_teacher.model, [caches[0], None], [toks[3], None], writer="teacher",
+                 steps=[4, 0], attention=[True, False])
+    assert not any(lay.order is not None for lay in caches[1]._store.layers)
+    assert_same(*caches)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_pooled_permuted_rows_pool_in_slot_order(tiny_teacher, per_layer):
+    """A pooling row (a max-pool over each entry and its next ones, block eviction's scores) whose statistics wait in
+    bank columns fills its evictions too: its deferred steps pool in slot order over the permuted columns
+    (``ColumnSink``'s ``slots``), so it stays permuted, moves no more than it evicts, and holds the statistics of the
+    same row measured at every step (which keeps holes and picks its mass in slot order)."""
+    banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[2], n=24)
+    steps(tiny_teacher, banks, caches, toks[:3], 1)
+    L = caches[0].num_layers
+    for k, c in enumerate(caches):
+        if per_layer:                                       # each layer its own slots (equally many)
+            c.evict([], layers=[[i % 3, 7 + i, len(c) - 4 + i % 2] for i in range(L)])
+        else:
+            c.evict([2, 3, 9, len(c) - 3])
+    assert permuted(caches[1])
+    assert_same(*caches)
+    for j in range(2):                                      # two asks' worth: steps, an eviction, steps
+        steps(tiny_teacher, banks, caches, toks[3 + 4 * j:7 + 4 * j], 4 + 4 * j)
+        assert permuted(caches[1]) and caches[1]._stats.pending               # not put back in order, deferred
         assert_same(*caches)
-    else:
-        caches[1]._stats.pool = 2                                 # as a pooling row would hold it
-        forward_rows(banks[1], tiny_teacher.model, [None, caches[1]], [None, toks[3]], writer="teacher",
-                     steps=[0, 4], defer=[False, True])
-        assert not any(lay.order is not None for lay in caches[1]._store.layers)
+        for c in caches:
+            c.evict([0, 4, len(c) - 6])
+    steps(tiny_teacher, banks, caches, toks[11:14], 12)
+    assert permuted(caches[1])
+    assert_same(*caches)
 
 
 def test_swap_and_copy_keep_a_permuted_row(tiny_teacher):

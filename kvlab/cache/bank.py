@@ -49,6 +49,7 @@ class Bank:
         # column moves of filling evictions (buffer.fill_layers) not yet done: (row, layer, src, dst) per move; done
         # together, one op per layer and K/V, by flush_moves() before anything reads or edits the buffers
         self.moves: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._slots = None          # slot_offsets' (orders it was built from, width, (L, B, width) offsets)
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -108,6 +109,27 @@ class Bank:
             ts[:] = list(block.unbind(0))
             self._blocks[name] = block
         return block
+
+    def slot_offsets(self, width: int) -> torch.Tensor:
+        """``(L, rows, width)`` long: per layer and row of the forward's slots, the column of each of its first
+        ``width`` slots as an offset from the row's start (:attr:`~.buffer.BufferLayer.order` where a filling
+        eviction permuted the row, the identity past it and on unpermuted rows). Kept while no row layer's order
+        changes (orders are replaced, never edited in place): a step of rows asked every few steps rebuilds it once
+        per ask."""
+        orders = [lay.order for row in self.rows[:self.width] for lay in row]
+        got = self._slots
+        if got is not None and got[1] >= width and len(got[0]) == len(orders) and \
+                all(a is b for a, b in zip(got[0], orders)):
+            return got[2][..., :width]
+        L, B, w = self.num_layers, self.width, width + 64
+        out = torch.arange(w).repeat(L, B, 1)                                            # (L, B, w) identity
+        for b, row in enumerate(self.rows[:B]):
+            for i, lay in enumerate(row):
+                if lay.order is not None:
+                    k = min(int(lay.order.numel()), w)
+                    out[i, b, :k] = lay.order[:k]
+        self._slots = (orders, w, out.to(self.device))
+        return self._slots[2][..., :width]
 
     def _zeros(self, *shape) -> torch.Tensor:
         """A float32 zeros tensor that edits in place in and out of inference mode (a batched step makes it)."""

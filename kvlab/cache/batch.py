@@ -146,10 +146,10 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         cols, starts = [], []                                   # B x L: each row's new column, first column seen
         dead = []                                               # holes a row's evictions left: masked below
         pooled = columns and caches[deferring[0]]._stats.pool > 1   # pooled column sums: neighbours must be entries
-        holed = []                      # dummies, the capture's pass and pooling read dense rows, the mass in order
+        holed = []                      # dummies, the capture's pass and pooling read hole-free rows, the mass in order
         for b, row in enumerate(bank.rows[:B]):
             for lay in row:
-                if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b])
+                if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b] and lay.holes)
                                    or (lay.order is not None and attention[b])):
                     if lay.order is None:
                         holed.append(lay)
@@ -205,10 +205,13 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             kwargs[QUERIES_KWARG] = qsink
         if columns:
             st = caches[deferring[0]]._stats
+            slots = None            # pooling rows a filling eviction permuted: the pool runs in slot order
+            if pooled and any(lay.order is not None for b in deferring for lay in bank.rows[b]):
+                slots = bank.slot_offsets(W) + (starts_t - lo_t[:, None])[..., None]           # (L, B, W) columns
             csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
                                torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool,
                                seen=masks[:, :, 0].sum(-1, keepdim=True) if st.below else None,   # (L, B, 1)
-                               spare=[lo + w - u for lo, w, u in zip(lows, widths, used)])
+                               spare=[lo + w - u for lo, w, u in zip(lows, widths, used)], slots=slots)
             kwargs[MASS_KWARG] = csink
         if sink is not None:                                    # one pass: the attention function measures
             kwargs[MASS_KWARG] = sink

@@ -70,12 +70,16 @@ class ColumnSink:
     ``ema ← β·ema + a`` (after ``N`` steps ``Σ_j β^(N-1-j) a_j``) and, when ``below``, ``high += [a >= 1/T]``
     (``T``: the columns the row sees; ``seen``, ``(L, B, 1)``).
     ``rows``: bool ``(B,)``, the rows that defer (None: all). ``pool > 1``: each step's ``a`` is max-pooled over the
-    column and the next ``pool - 1`` (the rows' holes are compacted before such a step; masked columns give 0, so a
-    row's end cuts the window as the dense pool does). The fold happens at the rows' next read or edit
+    entry and the next ``pool - 1`` entries (the rows' holes are compacted before such a step; masked columns give 0,
+    so a row's end cuts the window as the dense pool does); ``slots`` ``(L, B, W)`` long, when some row's columns are
+    permuted (a filling eviction, :attr:`~kvlab.cache.buffer.BufferLayer.order`): each row's slot ``j``'s column
+    (from the layer's first column read; past ``W``: none), so the pool runs in slot order. The fold happens at the rows' next read or edit
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
-                 pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None):
+                 pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None,
+                 slots: torch.Tensor | None = None):
+        self.slots = slots if pool > 1 else None       # (L, B, W) slot -> column, permuted pooled rows
         self.names = COLUMNS if below else COLUMNS[:2]                # the statistics this sink adds to
         self.bank, self.cols = bank, bank.column_stats(self.names)
         self.lows, self.below, self.pool = lows, below, pool
@@ -96,12 +100,21 @@ class ColumnSink:
         ``low = count - high`` (``count``: the steps that saw the entry)."""
         self.got[layer] = a[:, 0]                                                             # (B, W_i)
 
-    def _pooled(self, a: torch.Tensor, spare: int) -> torch.Tensor:
+    def _pooled(self, a: torch.Tensor, spare: int, slots: torch.Tensor | None = None) -> torch.Tensor:
         """The step's ``a`` ``(..., W)`` max-pooled over each column and the next ``pool - 1`` (no holes: see the
         class docstring); when the pool's window past the last used column is read (``spare`` masked columns,
-        ``a = 0``) the last ``pool - 1`` columns are left out, else the window is cut at the end."""
+        ``a = 0``) the last ``pool - 1`` columns are left out, else the window is cut at the end. ``slots``
+        (``(..., W')`` long, ``W' >= W``): the columns in each row's slot order; the pool then runs over the entries
+        in that order and lands on their columns (``a >= 0``: a window cut at the row's end, or reading its masked
+        columns, gives the same maxima; columns no slot maps to get 0)."""
         if self.pool <= 1:
             return a
+        if slots is not None:
+            w = a.shape[-1]
+            idx = slots[..., :w].clamp(max=w)                                                 # (..., B, W); w: none
+            ap = torch.nn.functional.pad(a, (0, 1))                                           # (..., B, W + 1)
+            x = max_pool_next(ap.gather(-1, idx).reshape(-1, w), self.pool).view(idx.shape)   # in slot order
+            return torch.zeros_like(ap).scatter_(-1, idx, x)[..., :w]                         # back on the columns
         flat = a.reshape(-1, a.shape[-1])                                                     # (rows, W)
         if self.pool <= spare + 1:
             x = torch.nn.functional.max_pool1d(flat[:, None], self.pool, stride=1)[:, 0]      # (rows, W - pool + 1)
@@ -109,11 +122,12 @@ class ColumnSink:
             x = max_pool_next(flat, self.pool)                                                # (rows, W)
         return x.view(*a.shape[:-1], x.shape[-1])
 
-    def _add(self, cols: dict, a: torch.Tensor, thr: torch.Tensor | None, spare: int) -> None:
+    def _add(self, cols: dict, a: torch.Tensor, thr: torch.Tensor | None, spare: int,
+             slots: torch.Tensor | None = None) -> None:
         """Add one step's ``a`` ``(..., B, W)`` (a layer's, or every layer's stacked) into ``cols`` (the matching
         views of the statistics) and, when ``below``, ``[a >= thr]`` (unpooled) into ``high``."""
         b = a.shape[-2]
-        x = self._pooled(a, spare)
+        x = self._pooled(a, spare, slots)
         high = None
         if self.below:              # (…, B, W) float 0/1, unpooled: a float out (a bool added to the float sums casts
             high = torch.ge(a, thr, out=torch.empty_like(a))                          # element by element, slower)
@@ -150,7 +164,8 @@ class ColumnSink:
         for i, a in enumerate(got):
             lo = self.lows[i]
             self._add({name: self.cols[name][i][:, lo:lo + int(a.shape[-1])] for name in self.names}, a,
-                      None if self.thr is None else self.thr[i], self.spare[i])
+                      None if self.thr is None else self.thr[i], self.spare[i],
+                      None if self.slots is None else self.slots[i])
 
     def _add_layers(self, cols: dict, group: list[int], got: list) -> None:
         """:meth:`_add` for the layers ``group`` at once (``cols``: ``(L, B, W)`` views at their columns)."""
@@ -158,11 +173,12 @@ class ColumnSink:
         i0, i1 = group[0], group[-1] + 1
         if group == list(range(i0, i1)):                                                      # a run: views
             self._add({k: v[i0:i1] for k, v in cols.items()}, x, None if self.thr is None else self.thr[i0:i1],
-                      self.spare[i0])
+                      self.spare[i0], None if self.slots is None else self.slots[i0:i1])
             return
         idx = torch.tensor(group, dtype=torch.long, device=x.device)
         parts = {k: v.index_select(0, idx) for k, v in cols.items()}                          # (G, B, W) copies
-        self._add(parts, x, None if self.thr is None else self.thr.index_select(0, idx), self.spare[i0])
+        self._add(parts, x, None if self.thr is None else self.thr.index_select(0, idx), self.spare[i0],
+                  None if self.slots is None else self.slots.index_select(0, idx))
         for k, v in cols.items():
             v.index_copy_(0, idx, parts[k])
 

@@ -95,9 +95,10 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
                 memo[key] = mask.nonzero().squeeze(1)                            # (T_l',) kept slots
             keeps.append(memo[key])
     st = cache._stats
-    # rows whose statistics wait in bank columns (deferred, unpooled) read their entries in any column order: their
-    # evictions fill the dead columns with the last survivors instead of leaving holes (BufferLayer.drop)
-    store.keep(keeps, drops, fill=FILL and not rerotate and st is not None and st.columns_deferred and st.pool == 1)
+    # rows whose statistics wait in bank columns read their entries in any column order (a pooling row's step pools
+    # in slot order, ColumnSink's ``slots``): their evictions fill the dead columns with the last survivors instead
+    # of leaving holes (BufferLayer.drop)
+    store.keep(keeps, drops, fill=FILL and not rerotate and st is not None and st.columns_deferred)
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
     for i, d in enumerate(drops):
