@@ -50,6 +50,7 @@ class Bank:
         # together, one op per layer and K/V, by flush_moves() before anything reads or edits the buffers
         self.moves: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._slots = None          # slot_offsets' (orders it was built from, width, (L, B, width) offsets)
+        self._cols = None           # slot_columns' (extra, starts, lows, columns) for the current _slots
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int = MIN_CAPACITY) -> "Bank":
@@ -121,6 +122,7 @@ class Bank:
         if got is not None and got[1] >= width and len(got[0]) == len(orders) and \
                 all(a is b for a, b in zip(got[0], orders)):
             return got[2][..., :width]
+        self._cols = None
         L, B, w = self.num_layers, self.width, width + 64
         out = torch.arange(w).repeat(L, B, 1)                                            # (L, B, w) identity
         for b, row in enumerate(self.rows[:B]):
@@ -130,6 +132,21 @@ class Bank:
                     out[i, b, :k] = lay.order[:k]
         self._slots = (orders, w, out.to(self.device))
         return self._slots[2][..., :width]
+
+    def slot_columns(self, width: int, starts: torch.Tensor, lows: torch.Tensor, extra: int = 0) -> torch.Tensor:
+        """``(L, rows, w + extra)`` long, ``w >= width``: per layer and row, the column of each slot counted from the
+        layer's first column read (``starts`` ``(L, rows)`` the rows' first columns, ``lows`` ``(L,)`` the layers'),
+        as :meth:`slot_offsets` gives them; ``w`` (one past the columns, where a reader keeps a zero) for every column
+        at or past ``w`` and for the ``extra`` slots appended (a pool's window past the end). Kept while the offsets,
+        ``starts`` and ``lows`` stay (a step of rows asked every few steps builds it once per ask)."""
+        self.slot_offsets(width)                               # (re)builds _slots; a rebuild drops _cols
+        got, w = self._cols, self._slots[1]
+        if got is not None and got[0] == extra and torch.equal(got[1], starts) and torch.equal(got[2], lows):
+            return got[3]
+        cols = (self._slots[2] + (starts - lows[:, None])[..., None]).clamp_(max=w)       # (L, rows, w)
+        cols = torch.nn.functional.pad(cols, (0, extra), value=w)
+        self._cols = (extra, starts.clone(), lows.clone(), cols)
+        return cols
 
     def _zeros(self, *shape) -> torch.Tensor:
         """A float32 zeros tensor that edits in place in and out of inference mode (a batched step makes it)."""

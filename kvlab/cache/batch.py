@@ -207,7 +207,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
             st = caches[deferring[0]]._stats
             slots = None            # pooling rows a filling eviction permuted: the pool runs in slot order
             if pooled and any(lay.order is not None for b in deferring for lay in bank.rows[b]):
-                slots = bank.slot_offsets(W) + (starts_t - lo_t[:, None])[..., None]           # (L, B, W) columns
+                slots = bank.slot_columns(W, starts_t, lo_t, st.pool - 1)              # (L, B, w + pool - 1)
             csink = ColumnSink(bank, lows, st.ema_decay, st.below, None if len(deferring) == B else
                                torch.tensor([defer[b] for b in range(B)], device=device), pool=st.pool,
                                seen=masks[:, :, 0].sum(-1, keepdim=True) if st.below else None,   # (L, B, 1)

@@ -71,9 +71,10 @@ class ColumnSink:
     (``T``: the columns the row sees; ``seen``, ``(L, B, 1)``).
     ``rows``: bool ``(B,)``, the rows that defer (None: all). ``pool > 1``: each step's ``a`` is max-pooled over the
     entry and the next ``pool - 1`` entries (the rows' holes are compacted before such a step; masked columns give 0,
-    so a row's end cuts the window as the dense pool does); ``slots`` ``(L, B, W)`` long, when some row's columns are
-    permuted (a filling eviction, :attr:`~kvlab.cache.buffer.BufferLayer.order`): each row's slot ``j``'s column
-    (from the layer's first column read; past ``W``: none), so the pool runs in slot order. The fold happens at the rows' next read or edit
+    so a row's end cuts the window as the dense pool does); ``slots`` ``(L, B, w + pool - 1)`` long, when some row's
+    columns are permuted (a filling eviction, :attr:`~kvlab.cache.buffer.BufferLayer.order`): each row's slot ``j``'s
+    column from the layer's first column read, ``w`` (>= the columns read) for none
+    (:meth:`~kvlab.cache.bank.Bank.slot_columns`), so the pool runs in slot order. The fold happens at the rows' next read or edit
     (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
@@ -104,17 +105,18 @@ class ColumnSink:
         """The step's ``a`` ``(..., W)`` max-pooled over each column and the next ``pool - 1`` (no holes: see the
         class docstring); when the pool's window past the last used column is read (``spare`` masked columns,
         ``a = 0``) the last ``pool - 1`` columns are left out, else the window is cut at the end. ``slots``
-        (``(..., W')`` long, ``W' >= W``): the columns in each row's slot order; the pool then runs over the entries
-        in that order and lands on their columns (``a >= 0``: a window cut at the row's end, or reading its masked
-        columns, gives the same maxima; columns no slot maps to get 0)."""
+        (``(..., w' + pool - 1)`` long, ``w' >= W``; ``w'`` for none): the columns in each row's slot order; the pool
+        then runs over the entries in that order and lands on their columns (``a >= 0``: a window cut at the row's
+        end, or reading its masked columns or zeros, gives the same maxima; columns no slot maps to get 0)."""
         if self.pool <= 1:
             return a
         if slots is not None:
-            w = a.shape[-1]
-            idx = slots[..., :w].clamp(max=w)                                                 # (..., B, W); w: none
-            ap = torch.nn.functional.pad(a, (0, 1))                                           # (..., B, W + 1)
-            x = max_pool_next(ap.gather(-1, idx).reshape(-1, w), self.pool).view(idx.shape)   # in slot order
-            return torch.zeros_like(ap).scatter_(-1, idx, x)[..., :w]                         # back on the columns
+            w, n = a.shape[-1], slots.shape[-1]
+            wc = n - (self.pool - 1)
+            ap = torch.nn.functional.pad(a, (0, wc + 1 - w))                                  # (..., B, w' + 1)
+            x = torch.nn.functional.max_pool1d(ap.gather(-1, slots).view(-1, 1, n), self.pool, stride=1)
+            x = x.view(*slots.shape[:-1], wc)                                                 # in slot order
+            return torch.zeros_like(ap).scatter_(-1, slots[..., :wc], x)[..., :w]             # back on the columns
         flat = a.reshape(-1, a.shape[-1])                                                     # (rows, W)
         if self.pool <= spare + 1:
             x = torch.nn.functional.max_pool1d(flat[:, None], self.pool, stride=1)[:, 0]      # (rows, W - pool + 1)
