@@ -74,13 +74,14 @@ class ColumnSink:
     so a row's end cuts the window as the dense pool does); ``slots`` ``(L, B, w + pool - 1)`` long, when some row's
     columns are permuted (a filling eviction, :attr:`~kvlab.cache.buffer.BufferLayer.order`): each row's slot ``j``'s
     column from the layer's first column read, ``w`` (>= the columns read) for none
-    (:meth:`~kvlab.cache.bank.Bank.slot_columns`), so the pool runs in slot order. The fold happens at the rows' next read or edit
-    (:func:`settle_rows`); the bank moves a row's columns with its entries (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
+    (:meth:`~kvlab.cache.bank.Bank.slot_columns`), so the pool runs in slot order. The fold happens at the rows'
+    next read or edit (:func:`settle_rows`); the bank moves a row's columns with its entries
+    (:meth:`~kvlab.cache.bank.Bank.move_cols`)."""
 
     def __init__(self, bank, lows: list[int], decay: float, below: bool, rows: torch.Tensor | None = None,
                  pool: int = 1, seen: torch.Tensor | None = None, spare: list[int] | None = None,
                  slots: torch.Tensor | None = None):
-        self.slots = slots if pool > 1 else None       # (L, B, W) slot -> column, permuted pooled rows
+        self.slots = slots if pool > 1 else None       # (L, B, w + pool - 1) slot -> column, permuted pooled rows
         self.names = COLUMNS if below else COLUMNS[:2]                # the statistics this sink adds to
         self.bank, self.cols = bank, bank.column_stats(self.names)
         self.lows, self.below, self.pool = lows, below, pool
@@ -191,8 +192,8 @@ COLUMNS = ("acc", "ema", "high")
 def columns_ok(caches) -> bool:
     """Whether these deferring rows can keep their statistics in bank columns (:class:`ColumnSink`): one statistics
     setting (decay, below, pool) and no INT8 entries (their columns are rebuilt at every forward). Pooling rows
-    (``pool > 1``: a max-pool over live neighbours) step with their holes compacted (:func:`kvlab.cache.batch.forward_rows`),
-    so neighbouring columns are neighbouring entries."""
+    (``pool > 1``: a max-pool over live neighbours) step with their holes compacted
+    (:func:`kvlab.cache.batch.forward_rows`) and pool in slot order where a filling eviction permuted them."""
     sts = [c._stats for c in caches]
     return len({(st.ema_decay, st.below, st.pool) for st in sts}) == 1 and not any(c.n_int8 for c in caches)
 
