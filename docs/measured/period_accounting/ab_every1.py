@@ -6,20 +6,15 @@ import torch
 torch.set_num_threads(2)
 from kvlab.core import decode_attn, packed
 decode_attn.DECODE = "auto"; packed.BACKEND = "auto"
-from kvlab.core.models import load_teacher
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.cache.deferred import settle_rows
 from kvlab.decode.sampling import token_stats_rows
 from kvlab.decode.evict_phase import apply_keep, evict_view
 from kvlab.decode.protocols import keep_rows
-from kvlab.studies.bench.evict_batch import batch_evict_policies, attention_prefill
+from kvlab.studies.bench.evict_batch import attention_prefill
 name, S = sys.argv[1], int(sys.argv[2])
-lm = load_teacher("cpu", "float32"); model = lm.model
-CL, B = 4096, 8
-g = torch.Generator().manual_seed(0)
-vocab = int(model.get_input_embeddings().weight.shape[0])
-ids = torch.randint(0, vocab, (CL,), generator=g).tolist()
-pol = batch_evict_policies(CL)[name]
+from common import CL, B, setup
+model, vocab, ids, pol = setup(name)
 src = attention_prefill(model, ids, pol)
 runs = {}
 for v in ("measure", "defer"):

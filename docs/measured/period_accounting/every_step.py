@@ -14,7 +14,6 @@ torch.set_num_threads(2)
 from kvlab.core import decode_attn, packed
 decode_attn.DECODE = os.environ.get("DECODE", "auto") or None
 packed.BACKEND = os.environ.get("PACKED", "auto") or None
-from kvlab.core.models import load_teacher
 from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
 import kvlab.cache.batch as kb
@@ -23,7 +22,7 @@ from kvlab.cache.deferred import settle_rows
 from kvlab.decode.sampling import token_stats_rows
 from kvlab.decode.evict_phase import apply_keep, evict_view
 from kvlab.decode.protocols import keep_rows, measures_at, evict_attr
-from kvlab.studies.bench.evict_batch import batch_evict_policies, attention_prefill
+from kvlab.studies.bench.evict_batch import attention_prefill
 name, N = sys.argv[1], int(sys.argv[2]); variants = sys.argv[3].split(",")
 STATE = {}
 def base():
@@ -35,12 +34,8 @@ import importlib
 extra = os.environ.get("ABPATCH")
 PATCHES = {"new": lambda: None, "old_low": old_low}
 if extra: exec(open(extra).read())
-lm = load_teacher("cpu", "float32"); model = lm.model
-CL, B = 4096, 8
-g = torch.Generator().manual_seed(0)
-vocab = int(model.get_input_embeddings().weight.shape[0])
-ids = torch.randint(0, vocab, (CL,), generator=g).tolist()
-pol = batch_evict_policies(CL)[name]
+from common import CL, B, setup
+model, vocab, ids, pol = setup(name)
 need = bool(evict_attr(pol, "needs_attention"))
 plain_src = KVCache(); plain_src.forward(model, ids, writer="teacher")
 src = attention_prefill(model, ids, pol) if need else plain_src
