@@ -259,8 +259,12 @@ class AttnStats:
         matrix padded with ``n`` zero columns (one op per statistic, not one per layer: a deferred step appends
         unmeasured at every step). False (nothing done) when layers differ in length or there are none. A row
         whose steps defer (``pending``) owes the columns instead (:meth:`_pay`, at the next read: its fold)."""
-        lengths = self._lengths()
-        if not lengths or any(x != lengths[0] for x in lengths):
+        m = self._matrix("acc", pay=False)
+        if m is None:                                                   # per-layer rows: equal lengths?
+            lengths = self._lengths()
+            if not lengths or any(x != lengths[0] for x in lengths):
+                return False
+        elif not m.shape[0]:                                            # one (L, T) matrix: equal by construction
             return False
         if self.pending and all(self._matrix(name, pay=False) is not None for name in self._data):
             self._owed += n

@@ -66,6 +66,8 @@ class Storage:
         return self.int8_len(i) + self.hf.layers[i].n
 
     def layer_lengths(self) -> list[int]:
+        if not self.int8:                       # (every decode step asks each row: no per-layer method calls)
+            return [lay.n for lay in self.hf.layers]
         return [self.layer_len(i) for i in range(self.num_layers)]
 
     def check(self, lengths: Sequence[int]) -> None:
