@@ -285,10 +285,8 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
            "ema": sink.layers("ema", L) if decay is not None else None}
     seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
     wide = max(x.shape[1] for x in seen)                  # layers' widths differ after per-layer evictions: pad
-    fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows)
+    fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later)
     if fast is not None:
-        if later:                                         # every row sees c columns on every layer: (L, c) each
-            fast = {b: (m, low_of_seen(m, m.shape[-1]), e) for b, (m, _, e) in fast.items()}
         return fast
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
     split = {}
@@ -305,10 +303,11 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     return out
 
 
-def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int]) -> dict | None:
+def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: bool = False) -> dict | None:
     """:func:`_sink_rows` when each measured row sees ``c`` columns on every layer (``seen`` ``(L, B, W)``, narrower
     layers padded with unseen columns): one boolean pick per statistic for all rows and layers, each row's
-    statistic an ``(L, c)`` matrix (its layers' rows). None (nothing done) otherwise."""
+    statistic an ``(L, c)`` matrix (its layers' rows); ``low_later``: the low counts from the picked mass, one
+    comparison for all rows (:func:`~kvlab.cache.mass.low_of_seen`). None (nothing done) otherwise."""
     idx = torch.tensor(rows, dtype=torch.long, device=seen.device)
     seen = seen.index_select(1, idx)                                                  # (L, R, W)
     counts = seen.sum(-1)                                                             # (L, R)
@@ -326,6 +325,8 @@ def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int]) -> dict | None
                 x = x.index_select(1, idx)                                            # (L, R, W)
                 done[key] = x.reshape(-1).index_select(0, at).view(L, R, c).transpose(0, 1)   # (R, L, c)
             split[name] = done[key]
+    if low_later:
+        split["low"] = low_of_seen(split["mass"], c)                                  # (R, L, c)
     return {b: tuple(split[name][j] if name in split else None for name in ("mass", "low", "ema"))
             for j, b in enumerate(rows)}
 
