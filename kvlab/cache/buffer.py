@@ -334,12 +334,15 @@ def keep_plan(idx: torch.Tensor, n: int) -> tuple[int, int]:
     return down, up
 
 
-def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor) -> None:
+def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor, per: int | None = None) -> None:
     """:meth:`BufferLayer.drop` with ``fill`` on every layer of one cache at once: ``keep`` ``(L, m)`` the kept slots
     of each layer (sorted), every layer a lazy one holding ``n`` entries. The bookkeeping is one ``(L, m)`` pass;
-    each layer then moves its survivors past column ``m`` into its freed columns."""
-    if lays[0]._queued():                   # this row's earlier moves first (a bank queues each row's once)
-        lays[0]._touch()
+    each layer then moves its survivors past column ``m`` into its freed columns. ``per``: ``lays`` are the layers of
+    several caches (bank rows of one bank, :func:`~kvlab.cache.evict_rows.evict_rows`), ``per`` consecutive ones
+    each; None: one cache."""
+    per = per or len(lays)
+    if any(lays[j]._queued() for j in range(0, len(lays), per)):   # these rows' earlier moves first (a bank queues
+        lays[0]._touch()                                            # each row's once)
     for lay in lays:
         if lay.holes:
             lay.compact()
@@ -358,7 +361,12 @@ def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor) -> None:
         firsts = torch.arange(n - m)[None, :] < torch.tensor(counts)[:, None]        # (L, n - m) the first c_l
         src, dst = (kept + s0)[out], (free + s0)[firsts]                             # layer by layer, flat
         kept = torch.where(out, free.gather(1, (out.cumsum(1) - 1).clamp(min=0)), kept)
-        lays[0]._move_layers(lays, counts, src, dst)
+        at = 0
+        for j in range(0, len(lays), per):                                           # one cache's layers at a time
+            c = sum(counts[j:j + per])
+            if c:
+                lays[j]._move_layers(lays[j:j + per], counts[j:j + per], src[at:at + c], dst[at:at + c])
+            at += c
     kept = torch.cat([kept, torch.arange(m, m + _tail(m)).expand(L, -1)], 1)       # (L, m + tail) identity after m
     for i, lay in enumerate(lays):
         lay._cut(lay.s + m, lay.s + lay.n)

@@ -322,6 +322,29 @@ class AttnStats:
         return {k: self.data[k][0] if k == "count" else torch.stack(self.data[k]) for k in self.names}
 
 
+def keep_rows(stats: Sequence[AttnStats], keep: torch.Tensor) -> None:
+    """:meth:`AttnStats.keep` of several caches' statistics at once: ``stats[r]`` keeps its columns ``keep[r]``
+    (``(R, L, m)``, every layer's slots, in order). When every statistic of every cache is one ``(L, n)`` matrix
+    of the same shape (a batch's rows, each updated for all layers at once), one gather per statistic for all of
+    them; otherwise cache by cache. The same numbers either way."""
+    for st in stats:
+        st._no_pending("keep")
+    names = list(stats[0]._data)
+    R, L, m = keep.shape
+    if all(list(st._data) == names for st in stats):
+        mats = [[st._matrix(name) for st in stats] for name in names]
+        shapes = {tuple(x.shape) if x is not None else None for ms in mats for x in ms}
+        if len(shapes) == 1 and None not in shapes and next(iter(shapes))[0] == L:
+            idx = keep.to(stats[0].device)
+            for name, ms in zip(names, mats):
+                got = torch.stack(ms).gather(2, idx)                                      # (R, L, m)
+                for st, g in zip(stats, got.unbind(0)):
+                    st._set(name, g)
+            return
+    for st, k in zip(stats, keep.unbind(0)):
+        st.keep(list(k.unbind(0)))
+
+
 def lifetime_increment(t: int, n: int, window: int | None) -> torch.Tensor:
     """``(t,)``: how many of a forward's measured queries see each entry — the last ``n`` of the
     ``t`` entries are the forward's own tokens (causal: new token ``i`` is seen by ``n - i``

@@ -260,14 +260,17 @@ class BatchDecoding:
             ready[b] = (rec, spent + settled.get(b, 0.0) + (teacher_s if due is not None else 0.0)
                         + time.perf_counter() - t1)
         decided, share = self._decide(views)            # every row's eviction decided at once, per policy
+        applied, edit = self._apply_rows(decided)       # and applied at once where the rows' edits fit
         for b, (rec, spent) in ready.items():
             d = rows[b]
-            t0 = time.perf_counter() - spent - share.get(b, 0.0)
+            t0 = time.perf_counter() - spent - share.get(b, 0.0) - edit
             try:
                 if b in decided:
                     if isinstance(decided[b], BaseException):
                         raise decided[b]
-                    rec = d._apply_evict(rec, decided[b])
+                    if isinstance(applied.get(b), BaseException):
+                        raise applied[b]
+                    rec = d._apply_evict(rec, decided[b], *((applied[b],) if b in applied else ()))
                 rec = d._finish(rec, t0)
             except Exception as e:                      # noqa: BLE001
                 self._fail(b, e, live)
@@ -301,6 +304,28 @@ class BatchDecoding:
             spent = (time.perf_counter() - t0) / len(bs)
             share.update({b: spent for b in bs})
         return decided, share
+
+    def _apply_rows(self, decided: dict) -> tuple[dict, float]:
+        """The decided rows' evictions, all at once (:func:`~kvlab.decode.evict_phase.apply_keep_rows`: one edit
+        for the rows whose decisions fit it, the same caches as row by row). Returns ``{row: its EvictReport or
+        None}`` (or the error the edit raised) and each row's share of the time. Only plain evictions go here (no
+        re-rotation, no INT8 demotion: their edits validate every row before changing any); if a row's slots are
+        bad (ValueError), nothing changed and each row applies its own decision (and fails on its own)."""
+        from kvlab.decode.evict_phase import apply_keep_rows
+
+        bs = [b for b, k in decided.items() if not isinstance(k, BaseException) and not k.rerotate
+              and k.int8_window is None]
+        if len(bs) < 2:
+            return {}, 0.0
+        t0 = time.perf_counter()
+        try:
+            reps = apply_keep_rows([self.rows[b].cache for b in bs], [decided[b] for b in bs],
+                                   self.rows[0].decoder.model)
+        except ValueError:                              # validation: nothing changed, each row on its own
+            return {}, 0.0
+        except Exception as e:                          # noqa: BLE001 - the rows' edit failed: each row fails
+            reps = [e] * len(bs)
+        return dict(zip(bs, reps)), (time.perf_counter() - t0) / len(bs)
 
     def _catch_up(self, due: dict[int, int]) -> float:
         """Extend the teacher caches of rows ``due`` (``{row: n}``) to ``x, y_≤n`` in one batched

@@ -65,11 +65,12 @@ class EvictPhases:
                           temperature=float(sp.temperature), top_p=float(sp.top_p), first=rec.step == self.first_step,
                           **self._kv_access(policy))
 
-    def _apply_evict(self, rec: StepRecord, decision) -> StepRecord:
-        """The cache's side of the policy's ``decision`` (a Keep) and its signals in the record."""
+    def _apply_evict(self, rec: StepRecord, decision, *applied) -> StepRecord:
+        """The cache's side of the policy's ``decision`` (a Keep) and its signals in the record. ``applied``: the
+        edit's report when a batched step already applied it (:func:`apply_keep_rows`)."""
         evicted = 0
         signals = rec.signals
-        rep = apply_keep(self.cache, decision, self.decoder.model)
+        rep = applied[0] if applied else apply_keep(self.cache, decision, self.decoder.model)
         if rep is not None:
             evicted = rep.evicted
         if decision.signals():
@@ -108,6 +109,39 @@ def evict_view(cache: KVCache, step: int, record, vocab_size: int, **extra) -> E
     lp = cache.live_positions()
     return EvictView(step=step, length=len(cache), positions=lp[0], record=record, vocab_size=vocab_size,
                      num_layers=cache.num_layers, attn=cache.layer_attn(matrix=True), layer_positions=lp, **extra)
+
+
+def apply_keep_rows(caches, decisions, model) -> list:
+    """:func:`apply_keep` for the rows of a batch asked at the same step: the rows whose decisions evict without
+    re-rotation edit together (:func:`kvlab.cache.evict_rows.evict_rows`: validated first, then one pass for all
+    rows where they fit), then each row's INT8 demotion if asked. The same caches as :func:`apply_keep` row by row.
+    Returns each row's :class:`~kvlab.cache.evict.EvictReport` (None when nothing was evicted)."""
+    from kvlab.cache.evict_rows import evict_rows
+
+    reps: list = [None] * len(caches)
+    idx, drops, turned = [], [], []
+    for r, (c, d) in enumerate(zip(caches, decisions)):
+        per = d.dropped_layers(c.layer_lengths())
+        if d.rerotate:
+            turned.append((r, per))
+            continue
+        if per is None:
+            drop = d.dropped(len(c))
+            per = [drop] * c.num_layers if drop else None
+        if per is not None and any(per):
+            idx.append(r)
+            drops.append(per)
+    if idx:
+        for r, rep in zip(idx, evict_rows([caches[r] for r in idx], drops)):
+            reps[r] = rep
+    for r, per in turned:                               # re-rotating rows: each its own (KVCache.evict)
+        c, d = caches[r], decisions[r]
+        if d.dropped(len(c)) or (per is not None and any(per)):
+            reps[r] = c.evict(d.dropped(len(c)), model=model, rerotate=True, layers=per)
+    for c, d in zip(caches, decisions):
+        if d.int8_window is not None:
+            c.quantize_older(d.int8_window, d.int8_group)
+    return reps
 
 
 def apply_keep(cache: KVCache, decision, model, timing: dict | None = None):

@@ -4,7 +4,8 @@ steps (untimed; the first plain step after that not counted). Prints each varian
 measuring forward, the views, the decision, the edit, their total) against the plain step, the largest forwards and
 edits (a compaction of the lazy holes shows there), and for two variants their paired ratio.
 usage: every_step.py POLICY NSTEPS VARIANTS   (variants: names in PATCHES; `new` the library as it is, `old_low` the
-low-query counts per layer inside the attention as before session 23; ABPATCH=FILE adds PATCHES entries)
+low-query counts per layer inside the attention as before session 23; `one` each row's edit on its own (apply_keep)
+as before session 24, `new` all rows at once (apply_keep_rows); ABPATCH=FILE adds PATCHES entries)
 env: PROFAPPLY=1 / PROFVIEWS=1 profile the edits / the views and decisions (PROFSORT, PROFN); DECODE, PACKED as the
 bench ("auto" by default here)."""
 import sys, time, statistics, os
@@ -20,19 +21,22 @@ import kvlab.cache.batch as kb
 from kvlab.cache.mass import MassSink
 from kvlab.cache.deferred import settle_rows
 from kvlab.decode.sampling import token_stats_rows
-from kvlab.decode.evict_phase import apply_keep, evict_view
+from kvlab.decode.evict_phase import apply_keep, apply_keep_rows, evict_view
 from kvlab.decode.protocols import keep_rows, measures_at, evict_attr
 from kvlab.studies.bench.evict_batch import attention_prefill
 name, N = sys.argv[1], int(sys.argv[2]); variants = sys.argv[3].split(",")
 STATE = {}
 def base():
     kb.MassSink = MassSink
+    STATE["one"] = False
     for f in STATE.get("undo", []): f()
 def old_low():
     kb.MassSink = lambda *a, **k: MassSink(*a, **{**k, "low_later": False})
 import importlib
 extra = os.environ.get("ABPATCH")
-PATCHES = {"new": lambda: None, "old_low": old_low}
+def one():
+    STATE["one"] = True
+PATCHES = {"new": lambda: None, "old_low": old_low, "one": one}
 if extra: exec(open(extra).read())
 from common import CL, B, setup
 model, vocab, ids, pol = setup(name)
@@ -62,7 +66,10 @@ def ev(v, step):
     if PV is not None and step > 8: PV.disable()
     t3 = time.perf_counter()
     if PR is not None and step > 8: PR.enable()
-    for cc, d in zip(c, dec): apply_keep(cc, d, model)
+    if STATE.get("one"):
+        for cc, d in zip(c, dec): apply_keep(cc, d, model)
+    else:
+        apply_keep_rows(c, dec, model)
     if PR is not None and step > 8: PR.disable()
     t4 = time.perf_counter()
     if step > 8:

@@ -1,5 +1,6 @@
 """evict/plain over many whole periods (asked every E), in-process, variants interleaved per period.
-usage: periods.py POLICY NPERIODS VARIANTS(comma: base,fill,holes)  (env E: the period, default 16; DECODE, PACKED:
+usage: periods.py POLICY NPERIODS VARIANTS(comma: base,fill,holes,rows,one; rows: every row's edit at once,
+apply_keep_rows, as the library since session 24; one: row by row, apply_keep, as before)  (env E: the period, default 16; DECODE, PACKED:
 kvlab.core.decode_attn.DECODE / kvlab.core.packed.BACKEND, "auto" as the bench runs them; unset: None)
 Each variant is its own bank of 8 rows at 4,096 -> about 1,040 entries (the bulk cut and one period untimed); every
 step alternates (order flipping) with a plain bank whose rows are put back to the evicting rows' live length at each
@@ -17,7 +18,7 @@ from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.cache.deferred import settle_rows, defers
 from kvlab.decode.sampling import token_stats_rows
-from kvlab.decode.evict_phase import apply_keep, evict_view
+from kvlab.decode.evict_phase import apply_keep, apply_keep_rows, evict_view
 from kvlab.decode.protocols import evict_due, keep_rows, measures_at, evict_attr
 from kvlab.studies.bench.evict_batch import batch_evict_policies, attention_prefill, with_every, _settings
 import kvlab.cache.evict as kev
@@ -34,10 +35,13 @@ src = attention_prefill(model, ids, pol) if need else None
 plain_src = KVCache(); plain_src.forward(model, ids, writer="teacher")
 if src is None: src = plain_src
 later = need and E > 1 and defers("cpu")     # as the bench: a policy asked at every step measures each step
-SETTINGS = {"base": {}, "fill": {"FILL": True}, "holes": {"FILL": False}}   # base: the library's default FILL
+SETTINGS = {"base": {}, "fill": {"FILL": True}, "holes": {"FILL": False}, "rows": {"ROWS": True},
+            "one": {"ROWS": False}}   # base: the library's default FILL, rows at once
 FILL0 = kev.FILL
+ROWS = [True]
 def setv(v):
     kev.FILL = SETTINGS[v].get("FILL", FILL0)
+    ROWS[0] = SETTINGS[v].get("ROWS", True)
 class Run:
     def __init__(self, v):
         setv(v)
@@ -63,7 +67,10 @@ class Run:
         t2 = time.perf_counter()
         dec = keep_rows(pol, views)
         t3 = time.perf_counter()
-        for c, d in zip(self.c, dec): apply_keep(c, d, model)
+        if ROWS[0]:
+            apply_keep_rows(self.c, dec, model)
+        else:
+            for c, d in zip(self.c, dec): apply_keep(c, d, model)
         t4 = time.perf_counter()
         if PROFASK and self.tpl: PR["ask"].disable()
         for k, x in zip(("settle", "views", "decide", "apply"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

@@ -129,7 +129,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     forward (:func:`~kvlab.cache.batch.forward_rows`, attention mass when the policy needs it) plus
     every row's decision (all rows at once where the policy can: :func:`kvlab.decode.protocols.keep_rows`; at the
     steps the policy is asked: ``every`` > 1 adds each policy asked every ``e``-th step, :func:`with_every`) and
-    the cache's edit (the decode loop's own evict phase, :func:`kvlab.decode.evict_phase.apply_keep`). The first step (the bulk cut to the budget) is left out.
+    the caches' edit (the batched decode loop's own evict phase, all rows at once:
+    :func:`kvlab.decode.evict_phase.apply_keep_rows`). The first step (the bulk cut to the budget) is left out.
     ``step_ms`` is the median over periods of the mean step time of each whole period of ``e`` steps starting at an
     asked step (:func:`~kvlab.studies.bench.timing.period_times`; ``e = 1``: the median step), so a policy asked
     every ``e`` steps pays its asked step's decision and edit spread over the steps it serves; ``asked_ms``: the
@@ -157,7 +158,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.cache.deferred import defers, settle_rows
     from kvlab.decode.sampling import token_stats_rows
-    from kvlab.decode.evict_phase import apply_keep, evict_view
+    from kvlab.decode.evict_phase import apply_keep_rows, evict_view
     from kvlab.decode.protocols import evict_due, keep_rows, measures_at
 
     batches = check_batches(batches)
@@ -228,8 +229,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                         with record_function("evict_bench.decide"):
                             decisions = keep_rows(p, views)             # every row's decision at once
                         with record_function("evict_bench.apply"):
-                            for c, decision in zip(caches, decisions):
-                                apply_keep(c, decision, model)
+                            apply_keep_rows(caches, decisions, model)      # every row's edit at once
                     _sync()
                     times.append(time.perf_counter() - t0)
                 return evicting, caches
