@@ -145,3 +145,19 @@ def test_period_times_spread_the_asked_step():
     assert sorted(times)[len(times) // 2] == 1.0                        # the per-step median hides them
     assert period_times(times, 1) == times
     assert period_times(times[:3], 4) == []
+
+
+def test_bench_records_compute_the_step_signals_when_read():
+    """The batched bench's records (what Conf-KV's confidence reads): nothing computed until a policy reads a
+    signal, then every row's at once, the same numbers as the decode loop's token_stats_rows."""
+    import torch
+
+    from kvlab.decode.sampling import token_stats_rows
+    from kvlab.studies.bench.evict_batch import _Signals
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    s = _Signals(logits)
+    recs = [s.row(7, b) for b in range(3)]
+    assert s.got is None and recs[1].step == 7
+    want = token_stats_rows(logits)
+    assert [(r.entropy_bits, r.top1_prob, r.margin) for r in recs] == [w[1:4] for w in want]

@@ -33,43 +33,31 @@ def _gather(values: list, rows: list[int]) -> tuple:
     return (values[rows[0]],) if rows else ()
 
 
-FRESH_TAIL = 64     # a live map whose tensor lacks at most this many appended entries is snapshotted as the tensor
-
-
 class LivePositions(abc.Sequence):
     """One layer's live positions as a read-only sequence, gathered from the ledger only when read whole:
     ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
     never change), so it stays what it was when taken. Equal to the tuple of the same positions.
 
-    Taken from an :class:`~kvlab.cache.intlist.IntList` live map that keeps its int64 tensor up to date, the copy is
-    that tensor, which the list never edits in place (it makes a new one at each edit): :meth:`rows_tensor` is then
-    that tensor, with no per-entry work; read as a sequence it is converted to a list once. Otherwise the copy is a
-    list, and :meth:`rows_tensor` reads the list's own tensor (making it, so that the next snapshot is the cheap kind)
-    while only appends have followed."""
+    The copy is a plain list of the live map's ledger rows (``list.copy``: about 1 us for a thousand entries).
+    :meth:`rows_tensor` reads them as a tensor: the :class:`~kvlab.cache.intlist.IntList`'s own
+    (kept up to date from then on, so the next read is a prefix of it) while only appends have followed, else
+    converted from the copy. Until then the list keeps no tensor: a policy that never reads positions as a tensor
+    (most ranked ones) costs no conversion per layer and row at any step."""
 
-    __slots__ = ("_pos", "_rows", "_t", "_l", "_src", "_ver")
+    __slots__ = ("_pos", "_rows", "_t", "_src", "_ver")
 
-    def __init__(self, position: list, rows: list[int]):
-        self._pos, self._t, self._l, self._src, self._ver = position, None, None, None, None
-        # an IntList's own tensor (never edited in place, so it stays the snapshot): no per-entry copy and no
-        # GC-tracked list per layer and row at every step. Only while the list keeps it up to date (a decoding
-        # step appends one entry): after an edit that dropped it (re-rotation rewrites every slot) converting the
-        # whole list would cost more than the copy, so that and any other sequence is copied
-        cheap = isinstance(rows, IntList) and rows.tensor_len >= len(rows) - FRESH_TAIL
-        self._rows = rows.tensor() if cheap else list(rows)
-        if isinstance(rows, IntList) and not cheap:             # read as a tensor while only appends follow: the
+    def __init__(self, position: list, rows: Sequence[int]):
+        self._pos, self._t, self._src, self._ver = position, None, None, None
+        self._rows = list.copy(rows) if isinstance(rows, list) else list(rows)
+        if isinstance(rows, IntList):                           # read as a tensor while only appends follow: the
             self._src, self._ver = rows, rows.version             # list's own (made once, then kept up to date)
 
     def _list(self) -> list:
-        """The live map as a list (converted once from the tensor)."""
-        if self._l is None:
-            self._l = self._rows.tolist() if isinstance(self._rows, torch.Tensor) else self._rows
-        return self._l
+        """The live map's ledger rows."""
+        return self._rows
 
     def rows_tensor(self) -> torch.Tensor:
         """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
-        if isinstance(self._rows, torch.Tensor):
-            return self._rows
         src, n = self._src, len(self._rows)
         if src is not None and src.version == self._ver and len(src) >= n:
             return src.tensor()[:n]                              # only appends since: the snapshot is its prefix
@@ -94,10 +82,7 @@ class LivePositions(abc.Sequence):
     def __eq__(self, other) -> bool:
         if isinstance(other, LivePositions):
             if other._pos is self._pos:                         # one ledger: equal rows give equal positions
-                a, b = self._rows, other._rows
-                if a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
-                    return True
-                if len(a) == len(b) and self._list() == other._list():
+                if self._rows is other._rows or self._rows == other._rows:
                     return True
             return self._tuple() == other._tuple()
         return self._tuple() == tuple(other) if isinstance(other, (tuple, list)) else NotImplemented

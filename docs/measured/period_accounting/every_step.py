@@ -20,7 +20,7 @@ from kvlab.cache.batch import Bank, forward_rows
 import kvlab.cache.batch as kb
 from kvlab.cache.mass import MassSink
 from kvlab.cache.deferred import settle_rows
-from kvlab.decode.sampling import token_stats_rows
+from kvlab.studies.bench.evict_batch import _Signals
 from kvlab.decode.evict_phase import apply_keep, apply_keep_rows, evict_view
 from kvlab.decode.protocols import keep_rows, measures_at, evict_attr
 from kvlab.studies.bench.evict_batch import attention_prefill
@@ -59,8 +59,8 @@ def ev(v, step):
     t1 = time.perf_counter()
     if PV is not None and step > 8: PV.enable()
     settle_rows(c)
-    views = [evict_view(cc, step, SimpleNamespace(step=step, entropy_bits=e, top1_prob=t, margin=m), vocab, first=step == 1)
-             for cc, (_, e, t, m, _) in zip(c, token_stats_rows(logits))]
+    sig = _Signals(logits)                    # as the bench (session 24): token statistics when a policy reads them
+    views = [evict_view(cc, step, sig.row(step, b), vocab, first=step == 1) for b, cc in enumerate(c)]
     t2 = time.perf_counter()
     dec = keep_rows(pol, views)
     if PV is not None and step > 8: PV.disable()

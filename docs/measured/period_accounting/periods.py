@@ -17,7 +17,7 @@ from kvlab.core.models import load_teacher
 from kvlab.cache import KVCache
 from kvlab.cache.batch import Bank, forward_rows
 from kvlab.cache.deferred import settle_rows, defers
-from kvlab.decode.sampling import token_stats_rows
+from kvlab.studies.bench.evict_batch import _Signals
 from kvlab.decode.evict_phase import apply_keep, apply_keep_rows, evict_view
 from kvlab.decode.protocols import evict_due, keep_rows, measures_at, evict_attr
 from kvlab.studies.bench.evict_batch import batch_evict_policies, attention_prefill, with_every, _settings
@@ -62,8 +62,8 @@ class Run:
         t0 = time.perf_counter()
         settle_rows(self.c)
         t1 = time.perf_counter()
-        views = [evict_view(c, step, SimpleNamespace(step=step, entropy_bits=e, top1_prob=t, margin=m), vocab,
-                            first=step == 1) for c, (_, e, t, m, _) in zip(self.c, token_stats_rows(logits))]
+        sig = _Signals(logits)                # as the bench (session 24): token statistics when a policy reads them
+        views = [evict_view(c, step, sig.row(step, b), vocab, first=step == 1) for b, c in enumerate(self.c)]
         t2 = time.perf_counter()
         dec = keep_rows(pol, views)
         t3 = time.perf_counter()

@@ -12,6 +12,40 @@ from kvlab.studies.bench.evict import _check_evict_bench, default_evict_policies
 from kvlab.studies.bench.timing import _sync, check_batches, check_whole_period, peak_rss_mb, period_times, ratio_interval
 
 
+class _Signals:
+    """A step's token statistics (entropy, top-1, margin) for the rows' records, computed for every row at once
+    (:func:`~kvlab.decode.sampling.token_stats_rows`) when a policy first reads one. The decode loop computes them
+    for every row at every step, evicting or not (its step records, its sampling); the plain step this bench
+    compares with computes none, so an evicting step pays them only when its policy reads them (Conf-KV)."""
+
+    def __init__(self, logits):
+        self.logits, self.got = logits, None
+
+    def get(self, b: int, i: int) -> float:
+        if self.got is None:
+            from kvlab.decode.sampling import token_stats_rows
+
+            self.got = token_stats_rows(self.logits)
+        return self.got[b][i]
+
+    def row(self, step: int, b: int) -> "_Record":
+        return _Record(step, self, b)
+
+
+class _Record:
+    """Row ``b``'s step record as an eviction policy reads it (``step``, ``entropy_bits``, ``top1_prob``,
+    ``margin``), the statistics read from :class:`_Signals`."""
+
+    __slots__ = ("step", "_s", "_b")
+
+    def __init__(self, step: int, signals: _Signals, b: int):
+        self.step, self._s, self._b = step, signals, b
+
+    entropy_bits = property(lambda self: self._s.get(self._b, 1))
+    top1_prob = property(lambda self: self._s.get(self._b, 2))
+    margin = property(lambda self: self._s.get(self._b, 3))
+
+
 def batch_evict_policies(cache_len: int) -> dict:
     """The policies ``bench evict --batch`` compares at a ``cache_len`` context (budget ≈ cache_len / 4):
     full, sliding, H2O, Scissorhands, SnapKV, block eviction and Conf-KV (tight = budget, loose = 2 × budget)."""
@@ -152,12 +186,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     ``speedup_vs_full / bound``; ``plain_frac_of_bound``: the same for the plain step at the policy's mean length (the
     fraction of the bound this machine's plain loop reaches at that length: what an eviction that costs nothing would
     reach)."""
-    from types import SimpleNamespace
 
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.cache.deferred import defers, settle_rows
-    from kvlab.decode.sampling import token_stats_rows
     from kvlab.decode.evict_phase import apply_keep_rows, evict_view
     from kvlab.decode.protocols import evict_due, keep_rows, measures_at
 
@@ -223,9 +255,9 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                         with record_function("evict_bench.views"):
                             settle_rows(caches)                         # deferred statistics, the rows together
                             views = []                                  # the batched loop's one stats pass
-                            for c, (_, ent, top1, margin, _) in zip(caches, token_stats_rows(logits)):
-                                rec = SimpleNamespace(step=step, entropy_bits=ent, top1_prob=top1, margin=margin)
-                                views.append(evict_view(c, step, rec, vocab, first=step == 1))
+                            signals = _Signals(logits)                  # read by Conf-KV only (its confidence)
+                            for b, c in enumerate(caches):
+                                views.append(evict_view(c, step, signals.row(step, b), vocab, first=step == 1))
                         with record_function("evict_bench.decide"):
                             decisions = keep_rows(p, views)             # every row's decision at once
                         with record_function("evict_bench.apply"):
