@@ -152,3 +152,23 @@ def test_positions_follow_a_decoding_cache_through_evictions_and_surgery(tiny_te
     check()
     c.forward(model, [9], writer="student", step=9)
     check()
+
+
+def test_tensors_of_several_lists_at_once():
+    """IntList.tensors: equally long lists whose cached tensors are equally long (a batch's live maps) are read as
+    one (G, n) tensor (cached parts stacked, tails converted together) and each keeps its row as its tensor; the
+    next edit's gather follows from it. Lists unlike each other (cached lengths, none cached) are read one by one:
+    the same numbers either way, and a pure-Python copy of each list agrees."""
+    lists = [IntList(range(10 * g, 10 * g + 6)) for g in range(3)]
+    for x in lists:
+        x.tensor()
+        x.extend([100 + len(x), 200])
+    got = IntList.tensors(lists)
+    assert got.tolist() == [list(x) for x in lists]
+    assert all(x.tensor_len == 8 and x._t.data_ptr() == got[g].data_ptr() for g, x in enumerate(lists))
+    lists[1].drop_slots([0, 3], torch.tensor([1, 2, 4, 5, 6, 7]))
+    assert lists[1].tensor().tolist() == list(lists[1]) == [11, 12, 14, 15, 106, 200]
+    mixed = [IntList(range(5)), IntList(range(5, 10))]
+    mixed[0].tensor()                                               # one cached, one not: one by one
+    assert IntList.tensors(mixed).tolist() == [list(range(5)), list(range(5, 10))]
+    assert IntList.tensors([lists[0]]).tolist() == [list(lists[0])]

@@ -82,6 +82,25 @@ class IntList(list):
         self._t = t
         return t
 
+    @staticmethod
+    def tensors(lists: Sequence["IntList"]) -> torch.Tensor:
+        """:meth:`tensor` of several equally long lists as the rows of one int64 ``(G, len)`` tensor. When their
+        cached tensors are equally long (a batch's live maps after the same edits and appends), the cached parts are
+        stacked and the appended tails converted together, three ops for all of them instead of a conversion per
+        list; each list then keeps its row (a view, never edited in place) as its tensor."""
+        n = len(lists[0])
+        k = lists[0].tensor_len
+        if any(len(x) != n or x.tensor_len != k for x in lists) or k == 0 or k > n:
+            return torch.stack([x.tensor() for x in lists]) if lists else torch.zeros(0, n, dtype=torch.int64)
+        if k == n:
+            out = torch.stack([x._t for x in lists])                                        # (G, n)
+        else:
+            tail = torch.tensor([x[k:] for x in lists], dtype=torch.int64)                  # (G, n - k) appended
+            out = torch.cat([torch.stack([x._t for x in lists]), tail], 1)                  # (G, n)
+        for x, row in zip(lists, out.unbind(0)):
+            x._t = row
+        return out
+
     def drop_slots(self, slots: Sequence[int], kept: torch.Tensor | None = None) -> None:
         """Delete the entries at ``slots`` (sorted, distinct). ``kept``: the remaining indices into the list before
         the call (sorted, ``(len - len(slots),)``); with it a cached tensor that covers the whole list follows by one

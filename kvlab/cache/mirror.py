@@ -101,7 +101,12 @@ def positions_tensor(seqs: Sequence, lo: int = 0, hi: int | None = None) -> torc
     hi = len(seqs[0]) if hi is None else hi
     live = [s for s in seqs if isinstance(s, LivePositions)]
     if len(live) == len(seqs) and len({id(s._pos) for s in live}) == 1 and hi > lo:
-        rows = torch.stack([s.rows_tensor()[lo:hi] for s in live])                            # (G, hi - lo) ledger rows
+        srcs = [s._src for s in live]
+        n = len(live[0])
+        if all(s is not None and s.version == x._ver and len(s) == n and len(x) == n for s, x in zip(srcs, live)):
+            rows = IntList.tensors(srcs)[:, lo:hi]              # the live maps unchanged since: all at once
+        else:
+            rows = torch.stack([s.rows_tensor()[lo:hi] for s in live])                        # (G, hi - lo) ledger rows
         pos = live[0]._pos
         table = pos.tensor() if isinstance(pos, IntList) else torch.frombuffer(array("q", pos), dtype=torch.int64)
         return table[rows]                                                                     # ledger positions
