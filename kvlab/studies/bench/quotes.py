@@ -92,6 +92,11 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_zen5_7d936d8.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 24's first run, the same code in an earlier process; "
+        "there the bench's timing chose SDPA for the plain step's attention)",
+    "docs/measured/evict_vs_plain_ci_zen5_957a0a6_run1.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 23's first run, before a batch's rows evicted at once)",
     "docs/measured/evict_vs_plain_ci_zen5_957a0a6.jsonl":
         "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 23's second run, a later process on the same code)",
     "docs/measured/evict_vs_plain_ci_zen5_fda6698.jsonl":
