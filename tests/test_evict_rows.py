@@ -66,9 +66,10 @@ def same(a: KVCache, b: KVCache):
 @pytest.mark.parametrize("kind", ["per_layer", "uniform", "unequal"])
 def test_rows_at_once_equal_row_by_row(tiny_teacher, defer, kind, monkeypatch):
     import kvlab.cache.evict_rows as er
+    from kvlab.cache.stats import keep_rows
 
     together = []
-    monkeypatch.setattr(er, "keep_stats_rows", lambda sts, keep: (together.append(len(sts)), er.keep_rows(sts, keep)))
+    monkeypatch.setattr(er, "keep_stats_rows", lambda sts, keep: (together.append(len(sts)), keep_rows(sts, keep)))
     banks, rows, toks = two_banks(tiny_teacher, defer=defer)
     step(tiny_teacher, banks, rows, toks[:3], 1, defer)
     for ask in range(2):

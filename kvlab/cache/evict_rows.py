@@ -22,9 +22,7 @@ import torch
 from kvlab.cache import evict as _evict
 from kvlab.cache.buffer import fill_layers
 from kvlab.cache.evict import EvictReport
-from kvlab.cache.stats import keep_rows
-
-keep_stats_rows = keep_rows
+from kvlab.cache.stats import keep_rows as keep_stats_rows
 
 
 def _checked(caches, layers) -> list[list[list[int]]]:

@@ -263,7 +263,7 @@ class BatchDecoding:
         applied, edit = self._apply_rows(decided)       # and applied at once where the rows' edits fit
         for b, (rec, spent) in ready.items():
             d = rows[b]
-            t0 = time.perf_counter() - spent - share.get(b, 0.0) - edit
+            t0 = time.perf_counter() - spent - share.get(b, 0.0) - (edit if b in applied else 0.0)
             try:
                 if b in decided:
                     if isinstance(decided[b], BaseException):
