@@ -90,7 +90,11 @@ def evict_rows(caches: Sequence, layers: Sequence[Sequence[Sequence[int]]]) -> l
         fill_layers(lays, keep.view(R * L, n - k), per=L)                             # every row's layers at once
     else:
         for c, d, f, kp in zip(caches, drops, fills, keep.unbind(0)):
-            c._store.keep(list(kp.unbind(0)), d, fill=f)
+            if f:
+                c._store.keep(list(kp.unbind(0)), d, fill=True)
+            else:                                       # lazy FP layers (as checked): each marks its holes
+                for lay, x in zip(c._store.layers, d):
+                    lay.drop(x)
     # no failure point below but the mirrors' pure-Python bookkeeping
     for c, d, kp in zip(caches, drops, keep.unbind(0)):
         mirror = c._mirror
