@@ -188,6 +188,8 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         if dead:                                                                          # dead columns: unseen
             hl, hb, hc = bank.dead_index(dead)
             masks[hl, hb, :, hc - lo_t[hl]] = False
+        if sink is not None and n_max == 1:                    # every layer's mass written into one (L, B, W) tensor
+            sink.block = torch.empty(L, B, W, dtype=torch.float32, device=device)
         step_cache = _StepCache([_StepLayer(bank, i, cols_t[i], widths[i], lows[i]) for i in range(L)])
         per_layer = [masks[i, :, None, :, :widths[i]] for i in range(L)]                  # (B, 1, n, W_i)
         ids = torch.tensor([(s or [0]) + [0] * (n_max - len(s or [0])) for s in seqs], dtype=torch.long,
@@ -239,7 +241,7 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
                 for b in deferring:                             # their sums may be nonzero now (Bank.summed)
                     bank.summed[b] = True
             if sink is not None:
-                masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer)
+                masses = _sink_rows(sink, bank, want, settings[want[0]], per_layer, masks)
             elif want:                                          # all measured rows at once (QueryCapture.mass_rows)
                 masses = cap.mass_rows(want, n_max, lambda i, group: _group_keys(bank, i, group),
                                        lambda b, i: bank.rows[b][i].n, settings)
@@ -273,19 +275,25 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
     return logits[torch.arange(B, device=logits.device), pick]                            # (B, V)
 
 
-def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, masks: list[torch.Tensor]) -> dict:
+def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, masks: list[torch.Tensor],
+               full: torch.Tensor | None = None) -> dict:
     """Each measured row's per-layer ``(mass, low, ema_mass)`` (lists of ``(T_i,)``; None where not kept) out of
     the sink's ``(B, W_i)`` bank columns: row ``b``'s live columns of every layer — those its last query saw
-    (``masks[i]`` ``(B, 1, n, W_i)``: its used span, holes left out, the new columns in). One boolean pick per
-    layer for all rows, split by row."""
+    (``masks[i]`` ``(B, 1, n, W_i)``: its used span, holes left out, the new columns in; ``full`` ``(L, B, n, W)``:
+    all of them, narrower layers' extra columns unseen). One boolean pick per layer for all rows, split by row; when
+    the sink wrote every layer's mass into one block (:attr:`MassSink.block`), one pick for all layers."""
     _, below, decay = setting
     L = bank.num_layers
     later = below and sink.low_later                      # the low counts from the picked mass (one query per row)
     got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below and not later else None,
            "ema": sink.layers("ema", L) if decay is not None else None}
     seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
-    wide = max(x.shape[1] for x in seen)                  # layers' widths differ after per-layer evictions: pad
-    fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later)
+    if sink.block is not None and full is not None and got["low"] is None:            # one query: ema is the mass
+        fast = _sink_stacked({"mass": sink.block, "low": None, "ema": sink.block if decay is not None else None},
+                             full[:, :, -1, :], rows, later)                          # (L, B, W) seen
+    else:
+        wide = max(x.shape[1] for x in seen)              # layers' widths differ after per-layer evictions: pad
+        fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later)
     if fast is not None:
         return fast
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
@@ -305,11 +313,13 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
 
 def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: bool = False) -> dict | None:
     """:func:`_sink_rows` when each measured row sees ``c`` columns on every layer (``seen`` ``(L, B, W)``, narrower
-    layers padded with unseen columns): one boolean pick per statistic for all rows and layers, each row's
+    layers padded with unseen columns; each statistic per layer, or one ``(L, B, W)`` block whose unseen columns are
+    never read): one boolean pick per statistic for all rows and layers, each row's
     statistic an ``(L, c)`` matrix (its layers' rows); ``low_later``: the low counts from the picked mass, one
     comparison for all rows (:func:`~kvlab.cache.mass.low_of_seen`). None (nothing done) otherwise."""
-    idx = torch.tensor(rows, dtype=torch.long, device=seen.device)
-    seen = seen.index_select(1, idx)                                                  # (L, R, W)
+    every = rows == list(range(seen.shape[1]))            # every row of the step measured: no selection
+    idx = None if every else torch.tensor(rows, dtype=torch.long, device=seen.device)
+    seen = seen if every else seen.index_select(1, idx)                               # (L, R, W)
     counts = seen.sum(-1)                                                             # (L, R)
     c = int(counts[0, 0])
     if not bool((counts == c).all()):
@@ -319,10 +329,11 @@ def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: boo
     split, done = {}, {}
     for name, per_layer in got.items():
         if per_layer is not None:
-            key = tuple(map(id, per_layer))                                           # ema is mass when w == 1
-            if key not in done:
-                x = torch.stack([F.pad(t[:, :W], (0, W - min(W, t.shape[1]))) for t in per_layer])
-                x = x.index_select(1, idx)                                            # (L, R, W)
+            key = id(per_layer) if isinstance(per_layer, torch.Tensor) else tuple(map(id, per_layer))   # ema is mass
+            if key not in done:                                                       # when w == 1
+                x = per_layer if isinstance(per_layer, torch.Tensor) else \
+                    torch.stack([F.pad(t[:, :W], (0, W - min(W, t.shape[1]))) for t in per_layer])
+                x = x if every else x.index_select(1, idx)                            # (L, R, W)
                 done[key] = x.reshape(-1).index_select(0, at).view(L, R, c).transpose(0, 1)   # (R, L, c)
             split[name] = done[key]
     if low_later:

@@ -39,6 +39,10 @@ class MassSink:
         # :func:`kvlab.cache.batch.forward_rows`) count the low queries there, all layers at once (:func:`low_of_seen`)
         self.low_later = bool(low_later and below)
         self.wants_vis = below and not self.low_later   # the attention function hands ``take`` the visibility
+        # ``(L, B, W)`` float32 or None: a batched one-query step's mass of every layer in one tensor (set by the
+        # batched forward, :func:`kvlab.cache.batch.forward_rows`): ``take`` writes layer ``i``'s ``(B, T_i)`` into
+        # its first columns and ``mass[i]`` is that view, so the reader picks every layer's mass without stacking
+        self.block: torch.Tensor | None = None
         self.mass: dict[int, torch.Tensor] = {}
         self.low: dict[int, torch.Tensor] = {}
         self.ema: dict[int, torch.Tensor] = {}
@@ -51,7 +55,12 @@ class MassSink:
         ``(B | 1, w, T)``, the entries each query sees (its count is that query's ``T_i``; read only when
         ``below``)."""
         w = a.shape[1]
-        self.mass[layer] = a[:, 0] if w == 1 else a.sum(1)                           # (B, T)
+        if w == 1 and self.block is not None:
+            dst = self.block[layer, :, :a.shape[-1]]                                # (B, T) view of the block
+            dst.copy_(a[:, 0])
+            self.mass[layer] = dst
+        else:
+            self.mass[layer] = a[:, 0] if w == 1 else a.sum(1)                       # (B, T)
         if self.decay is not None:
             if w == 1:
                 self.ema[layer] = self.mass[layer]                                  # β^0 · a: exactly a
