@@ -287,15 +287,18 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     later = below and sink.low_later                      # the low counts from the picked mass (one query per row)
     got = {"mass": sink.layers("mass", L), "low": sink.layers("low", L) if below and not later else None,
            "ema": sink.layers("ema", L) if decay is not None else None}
-    seen = [m[:, 0, -1, :] for m in masks]                                            # (B, W_i) bool
     if sink.block is not None and full is not None and got["low"] is None:            # one query: ema is the mass
         fast = _sink_stacked({"mass": sink.block, "low": None, "ema": sink.block if decay is not None else None},
                              full[:, :, -1, :], rows, later)                          # (L, B, W) seen
+        seen = None
     else:
+        seen = [m[:, 0, -1, :] for m in masks]                                        # (B, W_i) bool
         wide = max(x.shape[1] for x in seen)              # layers' widths differ after per-layer evictions: pad
         fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later)
     if fast is not None:
         return fast
+    if seen is None:                                      # rows see different counts: per layer, from here on
+        seen = [m[:, 0, -1, :] for m in masks]                                        # (B, W_i) bool
     counts = [seen_i.sum(1).tolist() for seen_i in seen]                              # per layer, per row
     split = {}
     for name, per_layer in got.items():

@@ -56,11 +56,16 @@ class LivePositions(abc.Sequence):
         """The live map's ledger rows."""
         return self._rows
 
+    def _appended_only(self) -> bool:
+        """Taken from an IntList that has only been appended to since: the snapshot is the list's prefix."""
+        src = self._src
+        return src is not None and src.version == self._ver and len(src) >= len(self._rows)
+
     def rows_tensor(self) -> torch.Tensor:
         """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
-        src, n = self._src, len(self._rows)
-        if src is not None and src.version == self._ver and len(src) >= n:
-            return src.tensor()[:n]                              # only appends since: the snapshot is its prefix
+        n = len(self._rows)
+        if self._appended_only():
+            return self._src.tensor()[:n]                        # only appends since: the snapshot is its prefix
         return torch.frombuffer(array("q", self._rows), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
 
     def _tuple(self) -> tuple:
@@ -101,10 +106,9 @@ def positions_tensor(seqs: Sequence, lo: int = 0, hi: int | None = None) -> torc
     hi = len(seqs[0]) if hi is None else hi
     live = [s for s in seqs if isinstance(s, LivePositions)]
     if len(live) == len(seqs) and len({id(s._pos) for s in live}) == 1 and hi > lo:
-        srcs = [s._src for s in live]
         n = len(live[0])
-        if all(s is not None and s.version == x._ver and len(s) == n and len(x) == n for s, x in zip(srcs, live)):
-            rows = IntList.tensors(srcs)[:, lo:hi]              # the live maps unchanged since: all at once
+        if all(x._appended_only() and len(x._src) == n and len(x) == n for x in live):
+            rows = IntList.tensors([x._src for x in live])[:, lo:hi]    # the live maps unchanged since: all at once
         else:
             rows = torch.stack([s.rows_tensor()[lo:hi] for s in live])                        # (G, hi - lo) ledger rows
         pos = live[0]._pos

@@ -186,7 +186,6 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     ``speedup_vs_full / bound``; ``plain_frac_of_bound``: the same for the plain step at the policy's mean length (the
     fraction of the bound this machine's plain loop reaches at that length: what an eviction that costs nothing would
     reach)."""
-
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.cache.deferred import defers, settle_rows
