@@ -1,23 +1,28 @@
 """Evictions that fill their dead columns (kvlab.cache.buffer.BufferLayer.drop with ``fill``; kvlab.cache.evict.FILL,
 turned on here whatever the default): a bank row whose statistics wait in bank columns (deferred) leaves no holes
 when it evicts; its last survivors move into the freed columns and its columns leave slot order (``order``). The row
-then holds the same entries, statistics and logits as a row that kept holes; every read in slot order (``kv``) and a
-measured step put it back in order first, a pooled deferred step pools in slot order over the permuted columns."""
+then holds the same entries, statistics and logits as a row that kept holes; every read in slot order (``kv``) puts
+it back in order first, a pooled deferred step pools in slot order over the permuted columns. A measured row fills
+too when ``FILL_MEASURED`` is on (off by default, see there; the tests here turn it on where they compare both):
+a one-query measured step reads its mass in column order and puts it in slot order; a measured step of several
+tokens puts the row back in order first."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvlab.cache import evict as evict_mod
-from kvlab.cache.batch import forward_rows
-from test_column_stats import SETTINGS, columns_zero, measured_and_deferred, steps
+from kvlab.cache.batch import Bank, forward_rows
+from test_column_stats import SETTINGS, base, columns_zero, measured_and_deferred, steps
 from test_deferred_stats import assert_same
 
 
 @pytest.fixture(autouse=True)
 def filling(monkeypatch):
-    """Filling evictions on (``kvlab.cache.evict.FILL``; on by default since session 21, see there; set here so the tests hold whatever the default)."""
+    """Filling evictions on (``kvlab.cache.evict.FILL``; on by default since session 21, see there; set here so the
+    tests hold whatever the default); measured rows keep holes (``FILL_MEASURED`` off) unless a test turns it on."""
     monkeypatch.setattr(evict_mod, "FILL", True)
+    monkeypatch.setattr(evict_mod, "FILL_MEASURED", False)
 
 
 def same_entries(a, b):
@@ -172,3 +177,83 @@ def test_queued_moves_of_several_rows(tiny_teacher):
         torch.testing.assert_close(logits[0], logits[2], rtol=1e-5, atol=1e-5)
     assert_same(rows[2], rows[0])
     same_entries(rows[2], rows[0])
+
+
+def two_measured(lm, setting, n=20, rows=1):
+    """The same prefill in two banks, ``rows`` rows each, every row measured at every step."""
+    src, toks = base(lm, setting, n)
+    banks = [Bank.for_model(lm.model, rows + 1, capacity=64) for _ in range(2)]
+    return banks, [[bank.adopt(b, src) for b in range(rows)] for bank in banks], toks
+
+
+def measured_steps(lm, banks, rows, toks, start, tokens=1):
+    """Every row of both banks measured at each step (``tokens`` at a time); returns each step's logits per bank."""
+    out = []
+    for j in range(0, len(toks), tokens):
+        got = []
+        for bank, cs in zip(banks, rows):
+            k = len(cs)
+            t = toks[j] if tokens == 1 else toks[j:j + tokens]
+            got.append(forward_rows(bank, lm.model, cs + [None], [t] * k + [None], writer="teacher",
+                                    steps=[start + j] * k + [0], attention=[True] * k + [False])[:k])
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("per_layer", [None, "equal", "unequal"])
+def test_measured_rows_fill_and_read_their_mass_in_slot_order(tiny_teacher, monkeypatch, setting, per_layer):
+    """Bank 1's measured rows fill their evictions (``FILL_MEASURED``), bank 0's leave holes: after evictions of old,
+    middle and newest entries (uniform or per layer; two rows evicting alike: one pass for both, ``evict_rows``) and
+    more one-token measured steps, the filled rows stay permuted (no compaction) and hold the same statistics, and
+    every step's logits agree; a second eviction, and a measured step of two tokens (back in order first) too."""
+    from kvlab.cache.evict_rows import evict_rows
+
+    banks, rows, toks = two_measured(tiny_teacher, setting, n=24, rows=2)
+    measured_steps(tiny_teacher, banks, rows, toks[:3], 1)
+    L = rows[0][0].num_layers
+
+    def cut(c, extra=0):
+        n = min(c.layer_lengths())
+        if per_layer is None:
+            return [[1, 3 + extra, n - 6, n - 2]] * L
+        return [[1 + i % 3, n - 3 - i % 2] + ([n - 1] if per_layer == "unequal" and i % 2 else []) for i in range(L)]
+
+    for fill, cs in ((False, rows[0]), (True, rows[1])):
+        monkeypatch.setattr(evict_mod, "FILL_MEASURED", fill)
+        evict_rows(cs, [cut(c) for c in cs])
+    assert all(permuted(c) for c in rows[1]) and not any(permuted(c) for c in rows[0])
+    assert all(any(lay.holes for lay in c._store.layers) for c in rows[0])
+    for got in measured_steps(tiny_teacher, banks, rows, toks[3:8], 4):
+        torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-5)
+    assert all(permuted(c) for c in rows[1])                     # measured one token at a time: still permuted
+    for a, b in zip(*rows):
+        assert_same(a, b)
+    for fill, cs in ((False, rows[0]), (True, rows[1])):         # a second eviction of the permuted rows
+        monkeypatch.setattr(evict_mod, "FILL_MEASURED", fill)
+        for c in cs:
+            c.evict([], layers=cut(c, 1))
+    for got in measured_steps(tiny_teacher, banks, rows, toks[8:12], 9):
+        torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*rows):
+        assert_same(a, b)
+    measured_steps(tiny_teacher, banks, rows, toks[12:14], 13, tokens=2)    # several tokens: in order first
+    assert not any(lay.order is not None for c in rows[1] for lay in c._store.layers)
+    for a, b in zip(*rows):
+        assert_same(a, b)
+        same_entries(a, b)
+
+
+def test_measured_rows_with_and_without_fill_pick_by_order(tiny_teacher, monkeypatch):
+    """The slot-order pick is what makes a filled measured row right: picking its mass in column order (the pick's
+    order left out) gives other statistics than the row with holes."""
+    import kvlab.cache.batch as batch_mod
+
+    banks, rows, toks = two_measured(tiny_teacher, SETTINGS[0], n=24)
+    for fill, cs in ((False, rows[0]), (True, rows[1])):
+        monkeypatch.setattr(evict_mod, "FILL_MEASURED", fill)
+        cs[0].evict([1, 4, 9])
+    monkeypatch.setattr(batch_mod, "_slot_index", lambda *a: None)
+    measured_steps(tiny_teacher, banks, rows, toks[:2], 1)
+    with pytest.raises(AssertionError):
+        assert_same(rows[0][0], rows[1][0])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvlab.cache import KVCache
+from kvlab.cache import evict as evict_mod
 from kvlab.cache.batch import Bank, forward_rows
 from test_deferred_stats import assert_same
 
@@ -58,9 +59,11 @@ def test_columns_equal_measured_every_step(tiny_teacher, setting):
     assert_same(*caches)
 
 
-def test_pooled_rows_step_without_holes(tiny_teacher):
+def test_pooled_rows_step_without_holes(tiny_teacher, monkeypatch):
     """A max-pool over live neighbours is a pool over neighbouring columns only without holes: a pooling row's holes
-    are compacted before its deferred step (a plain row keeps them)."""
+    are compacted before its deferred step (a plain row keeps them). (Rows not yet deferring evict with holes here:
+    ``FILL_MEASURED`` off.)"""
+    monkeypatch.setattr(evict_mod, "FILL_MEASURED", False)
     banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[2])
     for c in caches:
         c.evict([2, 5])
@@ -71,9 +74,10 @@ def test_pooled_rows_step_without_holes(tiny_teacher):
     assert_same(*caches)
 
 
-def test_columns_follow_growth_and_moves_to_the_front(tiny_teacher):
-    """The row's start moved up by an eviction, then deferred steps fill the buffer: it grows and moves to the
-    front while steps are pending; the sums move with their entries."""
+def test_columns_follow_growth_and_moves_to_the_front(tiny_teacher, monkeypatch):
+    """The row's start moved up by an eviction (holes compacted: ``FILL_MEASURED`` off), then deferred steps fill the
+    buffer: it grows and moves to the front while steps are pending; the sums move with their entries."""
+    monkeypatch.setattr(evict_mod, "FILL_MEASURED", False)
     banks, caches, toks = measured_and_deferred(tiny_teacher, SETTINGS[1], n=40, capacity=64)
     for c in caches:
         c.evict(list(range(4, 16)))

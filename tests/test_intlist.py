@@ -69,14 +69,15 @@ def test_live_positions_keep_their_snapshot_after_any_edit():
 
 
 def test_a_snapshot_of_an_intlist_reads_its_tensor_while_only_appends_follow():
-    """Taken from an IntList, a LivePositions holds a plain copy of the rows (the list keeps no tensor for it: a policy
-    that never reads positions as a tensor costs no conversion); read as a tensor it is the list's own while only
-    appends followed (made once, then a prefix), its own copy after any other edit (item assignment, deletes,
-    truncation, evictions), and it stays as taken read as a tensor, a sequence, a slot or a slice."""
+    """Taken from an IntList, a LivePositions reads the list's prefix (no copy; the list keeps no tensor for it: a
+    policy that never reads positions as a tensor costs no conversion); read as a tensor it is the list's own while
+    only appends followed (made once, then a prefix), its own copy (handed over before the edit) after any other edit
+    (item assignment, deletes, truncation, evictions), and it stays as taken read as a tensor, a sequence, a slot or a
+    slice."""
     pos = IntList(range(0, 40, 2))
     live = IntList(range(10))
     first = LivePositions(pos, live)
-    assert live.tensor_len == 0 and type(first._rows) is list      # taking it made no tensor
+    assert live.tensor_len == 0 and first._rows is None            # taking it made no tensor and no copy
     t = first.rows_tensor()                                        # read as a tensor: the list's own, made once
     assert live.tensor_len == 10 and t.data_ptr() == live.tensor().data_ptr() and t.tolist() == list(range(10))
     live.append(10)
@@ -98,6 +99,48 @@ def test_a_snapshot_of_an_intlist_reads_its_tensor_while_only_appends_follow():
     assert stale.tensor_len == 200                                 # and its tensor read made the list's own
 
 
+@pytest.mark.parametrize("edit", ["drop_slots", "setitem", "delslice", "insert", "pop", "remove", "clear", "sort",
+                                  "reverse", "imul"])
+def test_a_snapshot_copies_its_prefix_just_before_an_edit(edit):
+    """A snapshot of an IntList holds no copy while only appends follow; any other edit hands every snapshot still
+    alive its own copy of the prefix it was taken at (and nothing to one that is gone), so each reads as taken."""
+    pos = IntList(range(0, 60, 2))
+    live = IntList([4, 1, 7, 3, 9, 0])
+    snaps = [LivePositions(pos, live)]
+    live.append(5)
+    snaps.append(LivePositions(pos, live))
+    gone = LivePositions(pos, live)
+    del gone                                                       # released before the edit: nothing to copy
+    live.extend([8, 2])
+    assert all(s._rows is None for s in snaps) and snaps[1][-1] == 10 and snaps[0][-1] == 0
+    before = [list(s) for s in snaps]
+    {"drop_slots": lambda: live.drop_slots([0, 2]), "setitem": lambda: live.__setitem__(1, 11),
+     "delslice": lambda: live.__delitem__(slice(2, None)), "insert": lambda: live.insert(0, 12),
+     "pop": lambda: live.pop(0), "remove": lambda: live.remove(7), "clear": live.clear, "sort": live.sort,
+     "reverse": live.reverse, "imul": lambda: live.__imul__(2)}[edit]()
+    assert [s._rows for s in snaps] == [[4, 1, 7, 3, 9, 0], [4, 1, 7, 3, 9, 0, 5]]    # the prefixes, not the appends
+    assert [list(s) for s in snaps] == before == [[8, 2, 14, 6, 18, 0], [8, 2, 14, 6, 18, 0, 10]]
+    assert [len(s) for s in snaps] == [6, 7] and snaps[1][2:5] == (14, 6, 18) and snaps[0][-1] == 0
+    assert [s.rows_tensor().tolist() for s in snaps] == [[4, 1, 7, 3, 9, 0], [4, 1, 7, 3, 9, 0, 5]]
+    with pytest.raises(IndexError):
+        snaps[0][6]
+    live.append(1)
+    live.drop_slots([0], torch.arange(1, len(live)))              # a second edit: nothing left to hand over
+    assert [s._rows for s in snaps] == [[4, 1, 7, 3, 9, 0], [4, 1, 7, 3, 9, 0, 5]]
+
+
+def test_an_intlist_pickles_and_copies_without_its_snapshots():
+    import copy
+    import pickle
+    live = IntList(range(5))
+    live.tensor()
+    snap = LivePositions(IntList(range(10)), live)
+    for twin in (pickle.loads(pickle.dumps(live)), copy.deepcopy(live), live.copy()):
+        assert list(twin) == list(range(5)) and type(twin) is IntList and "_snaps" not in twin.__dict__
+        twin.drop_slots([0])
+    assert snap._rows is None and list(snap) == list(range(5))
+
+
 def test_live_positions_equality_by_rows_and_by_positions():
     """Two snapshots of one ledger are equal when their rows are; different rows that give the same positions are
     equal too (compared as positions), and different positions are not."""
@@ -105,7 +148,7 @@ def test_live_positions_equality_by_rows_and_by_positions():
     a, b = IntList([0, 1, 2]), IntList([0, 1, 2])
     a.tensor(), b.tensor()
     sa, sb = LivePositions(pos, a), LivePositions(pos, b)
-    assert sa._rows is not sb._rows and sa == sb
+    assert sa._src is not sb._src and sa == sb
     c = IntList([0, 1, 3])
     c.tensor()
     assert LivePositions(pos, c) == sa                              # other rows, the same positions

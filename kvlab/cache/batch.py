@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.cache import attn_fn
+from kvlab.cache import evict as evict_mod
 from kvlab.cache.deferred import KWARG as QUERIES_KWARG
 from kvlab.cache.deferred import ColumnSink, QuerySink, columns_ok
 from kvlab.cache.attention import QueryCapture
@@ -147,10 +148,12 @@ def forward_rows(bank: Bank, model, caches: Sequence, tokens: Sequence, *, write
         dead = []                                               # holes a row's evictions left: masked below
         pooled = columns and caches[deferring[0]]._stats.pool > 1   # pooled column sums: neighbours must be entries
         holed = []                      # dummies, the capture's pass and pooling read hole-free rows, the mass in order
+        # a one-query measured step puts a permuted row's mass in slot order (evict.FILL_MEASURED: else in order first)
+        in_order = sink is not None and n_max == 1 and evict_mod.FILL_MEASURED
         for b, row in enumerate(bank.rows[:B]):
             for lay in row:
                 if lay.sparse and (caches[b] is None or (want and sink is None) or (pooled and defer[b] and lay.holes)
-                                   or (lay.order is not None and attention[b])):
+                                   or (lay.order is not None and attention[b] and not in_order)):
                     if lay.order is None:
                         holed.append(lay)
                     else:
@@ -281,7 +284,9 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     the sink's ``(B, W_i)`` bank columns: row ``b``'s live columns of every layer — those its last query saw
     (``masks[i]`` ``(B, 1, n, W_i)``: its used span, holes left out, the new columns in; ``full`` ``(L, B, n, W)``:
     all of them, narrower layers' extra columns unseen). One boolean pick per layer for all rows, split by row; when
-    the sink wrote every layer's mass into one block (:attr:`MassSink.block`), one pick for all layers."""
+    the sink wrote every layer's mass into one block (:attr:`MassSink.block`), one pick for all layers. The picks
+    come in column order; a layer a filling eviction permuted (one query per row) is put in slot order
+    (:func:`_slot_index`)."""
     _, below, decay = setting
     L = bank.num_layers
     later = below and sink.low_later                      # the low counts from the picked mass (one query per row)
@@ -289,12 +294,12 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
            "ema": sink.layers("ema", L) if decay is not None else None}
     if sink.block is not None and full is not None and got["low"] is None:            # one query: ema is the mass
         fast = _sink_stacked({"mass": sink.block, "low": None, "ema": sink.block if decay is not None else None},
-                             full[:, :, -1, :], rows, later)                          # (L, B, W) seen
+                             full[:, :, -1, :], rows, later, bank)                    # (L, B, W) seen
         seen = None
     else:
         seen = [m[:, 0, -1, :] for m in masks]                                        # (B, W_i) bool
         wide = max(x.shape[1] for x in seen)              # layers' widths differ after per-layer evictions: pad
-        fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later)
+        fast = _sink_stacked(got, torch.stack([F.pad(x, (0, wide - x.shape[1])) for x in seen]), rows, later, bank)
     if fast is not None:
         return fast
     if seen is None:                                      # rows see different counts: per layer, from here on
@@ -306,7 +311,8 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
             split[name] = [t[:, :seen[i].shape[1]][seen[i]].split(counts[i]) for i, t in enumerate(per_layer)]
     out = {}
     for b in rows:
-        out[b] = tuple(None if name not in split else [split[name][i][b] for i in range(L)]
+        lays = bank.rows[b]
+        out[b] = tuple(None if name not in split else [_in_slots(split[name][i][b], lays[i]) for i in range(L)]
                        for name in ("mass", "low", "ema"))
         if later:
             m = out[b][0]
@@ -314,11 +320,30 @@ def _sink_rows(sink: MassSink, bank: Bank, rows: list[int], setting: tuple, mask
     return out
 
 
-def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: bool = False) -> dict | None:
+def _in_slots(t: torch.Tensor, lay) -> torch.Tensor:
+    """One row layer's picked statistic ``(c,)`` (column order) in slot order: a layer a filling eviction permuted
+    holds slot ``j`` at offset ``order[j]`` (no holes); any other layer's picks are in slot order already."""
+    return t if lay.order is None else t.index_select(0, lay.live_offsets().to(t.device))
+
+
+def _slot_index(bank: Bank, rows: list[int], c: int, device) -> torch.Tensor | None:
+    """``(R, L, c)`` long: for each measured row and layer, the pick (in column order) holding each slot's statistic
+    (:func:`_in_slots` for all rows at once); None when no layer of these rows is permuted."""
+    lays = [lay for b in rows for lay in bank.rows[b]]
+    if all(lay.order is None for lay in lays):
+        return None
+    ident = torch.arange(c)
+    idx = torch.stack([ident if lay.order is None else lay.live_offsets() for lay in lays])    # (R·L, c)
+    return idx.view(len(rows), -1, c).to(device)
+
+
+def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: bool = False,
+                  bank: Bank | None = None) -> dict | None:
     """:func:`_sink_rows` when each measured row sees ``c`` columns on every layer (``seen`` ``(L, B, W)``, narrower
     layers padded with unseen columns; each statistic per layer, or one ``(L, B, W)`` block whose unseen columns are
     never read): one boolean pick per statistic for all rows and layers, each row's
-    statistic an ``(L, c)`` matrix (its layers' rows); ``low_later``: the low counts from the picked mass, one
+    statistic an ``(L, c)`` matrix (its layers' rows), in slot order (``bank``: its permuted layers,
+    :func:`_slot_index`); ``low_later``: the low counts from the picked mass, one
     comparison for all rows (:func:`~kvlab.cache.mass.low_of_seen`). None (nothing done) otherwise."""
     every = rows == list(range(seen.shape[1]))            # every row of the step measured: no selection
     idx = None if every else torch.tensor(rows, dtype=torch.long, device=seen.device)
@@ -329,6 +354,7 @@ def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: boo
         return None
     L, R, W = seen.shape
     at = seen.reshape(-1).nonzero().squeeze(1)                                        # (L·R·c,) flat picks
+    order = _slot_index(bank, rows, c, seen.device) if bank is not None else None    # (R, L, c) or None
     split, done = {}, {}
     for name, per_layer in got.items():
         if per_layer is not None:
@@ -338,6 +364,8 @@ def _sink_stacked(got: dict, seen: torch.Tensor, rows: list[int], low_later: boo
                     torch.stack([F.pad(t[:, :W], (0, W - min(W, t.shape[1]))) for t in per_layer])
                 x = x if every else x.index_select(1, idx)                            # (L, R, W)
                 done[key] = x.reshape(-1).index_select(0, at).view(L, R, c).transpose(0, 1)   # (R, L, c)
+                if order is not None:                                                 # column order -> slot order
+                    done[key] = done[key].gather(2, order)
             split[name] = done[key]
     if low_later:
         split["low"] = low_of_seen(split["mass"], c)                                  # (R, L, c)

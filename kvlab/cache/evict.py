@@ -26,6 +26,21 @@ from kvlab.cache.rope import rope_of
 # 1.074, Conf-KV 1.055, 1.053 vs 1.070, 1.059; an in-process accounting of 13 periods (period_accounting) H2O 0.963
 # vs 0.994. Only bank rows of a policy asked every N > 1 steps take this path; the studies' runs do not.
 FILL = True
+# Whether the other bank rows with attention statistics fill too: rows measured at their asked steps (a policy asked
+# at every step, the bench's default). A one-query batched step reads their mass in column order and puts it in slot
+# order before the statistics take it (kvlab.cache.batch); any other reader (a multi-token step, the capture's pass,
+# a deferred replay, a read of keys / values) puts a permuted row back in order first. Off: at every step the fill's
+# bookkeeping costs more than the holes it saves (H2O, batch 8, 4,096 -> 1,024 on a 2-core AMD EPYC, session 25,
+# docs/measured/period_accounting/every_step.py h2o 100 new,holes: the edit 3.8 ms median with fill vs 2.5 with holes,
+# 3.9 vs 3.3 mean with the holes' compactions; the forwards alike; filled / holes 1.028 paired median). Filled rows
+# have no compaction steps (about 35 ms every 46 steps with holes at that size): the switch is there for latency.
+FILL_MEASURED = False
+
+
+def fills(stats) -> bool:
+    """Whether a bank row with attention statistics ``stats`` fills its evictions (:data:`FILL`,
+    :data:`FILL_MEASURED`)."""
+    return FILL and stats is not None and (stats.columns_deferred or FILL_MEASURED)
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,10 @@ class EvictReport:
 
 
 def _check_slots(slots, n: int, what: str) -> list[int]:
+    if type(slots) is list and len(slots) == 1 and type(slots[0]) is int:   # one drop (asked every step): no set
+        if not 0 <= slots[0] < n:
+            raise ValueError(f"{what}: slots must lie in [0, {n}); got {slots[0]}..{slots[0]}")
+        return list(slots)
     slots = list(slots)
     if not set(map(type, slots)) <= {int}:                # (plain ints, the usual case: no per-slot checks)
         for s in slots:
@@ -96,9 +115,10 @@ def evict(cache, slots: Sequence[int], *, model=None, rerotate: bool = False,
             keeps.append(memo[key])
     st = cache._stats
     # rows whose statistics wait in bank columns read their entries in any column order (a pooling row's step pools
-    # in slot order, ColumnSink's ``slots``): their evictions fill the dead columns with the last survivors instead
-    # of leaving holes (BufferLayer.drop)
-    store.keep(keeps, drops, fill=FILL and not rerotate and st is not None and st.columns_deferred)
+    # in slot order, ColumnSink's ``slots``), and so do measured rows (a one-query batched step puts the mass in slot
+    # order, FILL_MEASURED): their evictions fill the dead columns with the last survivors instead of leaving holes
+    # (BufferLayer.drop; fills)
+    store.keep(keeps, drops, fill=not rerotate and fills(st))
     # no failure point below but the mirror's pure-Python bookkeeping
     tick = mirror.next_tick()
     for i, d in enumerate(drops):

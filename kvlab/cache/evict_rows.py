@@ -83,8 +83,9 @@ def evict_rows(caches: Sequence, layers: Sequence[Sequence[Sequence[int]]]) -> l
     mask.scatter_(1, D.view(R * L, k), False)
     keep = mask.nonzero()[:, 1].view(R, L, n - k)                                    # (R, L, m) kept slots
     sts = [c._stats for c in caches]
-    # rows whose statistics wait in bank columns fill their dead columns (evict.FILL: as KVCache.evict decides)
-    fills = [_evict.FILL and st is not None and st.columns_deferred for st in sts]
+    # rows whose statistics wait in bank columns or are measured unpooled fill their dead columns (evict.FILL: as
+    # KVCache.evict decides)
+    fills = [_evict.fills(st) for st in sts]
     lays = [lay for c in caches for lay in c._store.layers]
     if all(fills):
         fill_layers(lays, keep.view(R * L, n - k), per=L)                             # every row's layers at once

@@ -35,38 +35,50 @@ def _gather(values: list, rows: list[int]) -> tuple:
 
 class LivePositions(abc.Sequence):
     """One layer's live positions as a read-only sequence, gathered from the ledger only when read whole:
-    ``len`` and a slot or a slice cost nothing per entry. Holds a copy of the live map (the ledger's positions
-    never change), so it stays what it was when taken. Equal to the tuple of the same positions.
+    ``len`` and a slot or a slice cost nothing per entry. It stays what it was when taken (the ledger's positions
+    never change): taken from an :class:`~kvlab.cache.intlist.IntList` (a cache's live map) it reads the list's
+    first ``len`` ledger rows, and the list hands it a copy of them just before any edit other than an append
+    (:meth:`IntList.watch`; a view released before the cache's edit costs no copy at all); from anything else it
+    copies the rows when taken. Equal to the tuple of the same positions.
 
-    The copy is a plain list of the live map's ledger rows (``list.copy``: about 1 us for a thousand entries).
-    :meth:`rows_tensor` reads them as a tensor: the :class:`~kvlab.cache.intlist.IntList`'s own
-    (kept up to date from then on, so the next read is a prefix of it) while only appends have followed, else
-    converted from the copy. Until then the list keeps no tensor: a policy that never reads positions as a tensor
-    (most ranked ones) costs no conversion per layer and row at any step."""
+    :meth:`rows_tensor` reads the rows as a tensor: the IntList's own (kept up to date from then on, so the next read
+    is a prefix of it) while only appends have followed, else converted from the copy. Until then the list keeps no
+    tensor: a policy that never reads positions as a tensor (most ranked ones) costs no conversion per layer and row
+    at any step."""
 
-    __slots__ = ("_pos", "_rows", "_t", "_src", "_ver")
+    __slots__ = ("_pos", "_rows", "_t", "_src", "_ver", "_n", "__weakref__")
 
     def __init__(self, position: list, rows: Sequence[int]):
-        self._pos, self._t, self._src, self._ver = position, None, None, None
-        self._rows = list.copy(rows) if isinstance(rows, list) else list(rows)
-        if isinstance(rows, IntList):                           # read as a tensor while only appends follow: the
-            self._src, self._ver = rows, rows.version             # list's own (made once, then kept up to date)
+        self._pos, self._t = position, None
+        if isinstance(rows, IntList):                           # the list's prefix until it is edited
+            self._src, self._ver, self._n, self._rows = rows, rows.version, len(rows), None
+            rows.watch(self)
+        else:
+            self._src = self._ver = None
+            self._rows = list(rows)
+            self._n = len(self._rows)
+
+    def _detach(self, src) -> None:
+        """``src`` (the list taken from) is about to be edited: keep a copy of its first ``len`` rows."""
+        if self._rows is None and self._src is src:
+            self._rows = list.__getitem__(src, slice(0, self._n))
 
     def _list(self) -> list:
-        """The live map's ledger rows."""
-        return self._rows
+        """The live map's ledger rows (a new list while they are still the source list's prefix)."""
+        rows = self._rows
+        return list.__getitem__(self._src, slice(0, self._n)) if rows is None else rows
 
     def _appended_only(self) -> bool:
         """Taken from an IntList that has only been appended to since: the snapshot is the list's prefix."""
         src = self._src
-        return src is not None and src.version == self._ver and len(src) >= len(self._rows)
+        return src is not None and src.version == self._ver and len(src) >= self._n
 
     def rows_tensor(self) -> torch.Tensor:
         """The ledger rows of the live slots as an int64 ``(len,)`` tensor, as they were when taken."""
-        n = len(self._rows)
+        n = self._n
         if self._appended_only():
             return self._src.tensor()[:n]                        # only appends since: the snapshot is its prefix
-        return torch.frombuffer(array("q", self._rows), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(array("q", self._list()), dtype=torch.int64) if n else torch.zeros(0, dtype=torch.int64)
 
     def _tuple(self) -> tuple:
         if self._t is None:
@@ -74,12 +86,22 @@ class LivePositions(abc.Sequence):
         return self._t
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._n
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return self._tuple()[i] if self._t is not None else _gather(self._pos, self._list()[i])
-        return self._pos[int(self._rows[i])]
+            if self._t is not None:
+                return self._t[i]
+            rows = self._rows
+            return _gather(self._pos, rows[i] if rows is not None else
+                           list.__getitem__(self._src, slice(*i.indices(self._n))))
+        j = int(i)
+        if j < 0:
+            j += self._n
+        if not 0 <= j < self._n:
+            raise IndexError(f"slot {i} of {self._n} live slots")
+        rows = self._rows
+        return self._pos[int((self._src if rows is None else rows)[j])]
 
     def __iter__(self):
         return iter(self._tuple())
@@ -87,7 +109,10 @@ class LivePositions(abc.Sequence):
     def __eq__(self, other) -> bool:
         if isinstance(other, LivePositions):
             if other._pos is self._pos:                         # one ledger: equal rows give equal positions
-                if self._rows is other._rows or self._rows == other._rows:
+                if self._n == other._n and self._src is not None and self._src is other._src and \
+                        self._appended_only() and other._appended_only():
+                    return True                                 # two prefixes of one list, equally long
+                if self._list() == other._list():
                     return True
             return self._tuple() == other._tuple()
         return self._tuple() == tuple(other) if isinstance(other, (tuple, list)) else NotImplemented

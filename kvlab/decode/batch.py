@@ -260,6 +260,7 @@ class BatchDecoding:
             ready[b] = (rec, spent + settled.get(b, 0.0) + (teacher_s if due is not None else 0.0)
                         + time.perf_counter() - t1)
         decided, share = self._decide(views)            # every row's eviction decided at once, per policy
+        views = None                                    # released before the edit: their live maps need no copy
         applied, edit = self._apply_rows(decided)       # and applied at once where the rows' edits fit
         for b, (rec, spent) in ready.items():
             d = rows[b]

@@ -52,7 +52,11 @@ class EvictPhases:
         """Phase 5: the eviction policy's decision, applied by the cache (``KVCache.evict``), then
         INT8 storage of older entries if the policy asks (the loop records the cache after it)."""
         view = self._evict_view(rec, logits)
-        return rec if view is None else self._apply_evict(rec, self.config.evict.keep(view))
+        if view is None:
+            return rec
+        decision = self.config.evict.keep(view)
+        del view                                        # released before the edit: its live maps need no copy
+        return self._apply_evict(rec, decision)
 
     def _evict_view(self, rec: StepRecord, logits: torch.Tensor) -> EvictView | None:
         """The view the eviction policy decides from at this step (None: no policy, an empty cache, or a step the

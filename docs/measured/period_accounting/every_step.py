@@ -5,7 +5,9 @@ measuring forward, the views, the decision, the edit, their total) against the p
 edits (a compaction of the lazy holes shows there), and for two variants their paired ratio.
 usage: every_step.py POLICY NSTEPS VARIANTS   (variants: names in PATCHES; `new` the library as it is, `old_low` the
 low-query counts per layer inside the attention as before session 23; `one` each row's edit on its own (apply_keep)
-as before session 24, `new` all rows at once (apply_keep_rows); ABPATCH=FILE adds PATCHES entries)
+as before session 24, `new` all rows at once (apply_keep_rows); `keepviews` the views held through the edit (their
+live maps copied then, as every view's were when taken before session 25); `fillm` measured rows' evictions fill
+(kvlab.cache.evict.FILL_MEASURED on; off by default); ABPATCH=FILE adds PATCHES entries)
 env: PROFAPPLY=1 / PROFVIEWS=1 profile the edits / the views and decisions (PROFSORT, PROFN); DECODE, PACKED as the
 bench ("auto" by default here)."""
 import sys, time, statistics, os
@@ -29,6 +31,8 @@ STATE = {}
 def base():
     kb.MassSink = MassSink
     STATE["one"] = False
+    STATE["keepviews"] = False
+    evict_mod.FILL_MEASURED = False
     for f in STATE.get("undo", []): f()
 def old_low():
     kb.MassSink = lambda *a, **k: MassSink(*a, **{**k, "low_later": False})
@@ -36,7 +40,12 @@ import importlib
 extra = os.environ.get("ABPATCH")
 def one():
     STATE["one"] = True
-PATCHES = {"new": lambda: None, "old_low": old_low, "one": one}
+def keepviews():
+    STATE["keepviews"] = True
+import kvlab.cache.evict as evict_mod
+def fillm():
+    evict_mod.FILL_MEASURED = True
+PATCHES = {"new": lambda: None, "old_low": old_low, "one": one, "keepviews": keepviews, "fillm": fillm}
 if extra: exec(open(extra).read())
 from common import CL, B, setup
 model, vocab, ids, pol = setup(name)
@@ -63,6 +72,8 @@ def ev(v, step):
     views = [evict_view(cc, step, sig.row(step, b), vocab, first=step == 1) for b, cc in enumerate(c)]
     t2 = time.perf_counter()
     dec = keep_rows(pol, views)
+    if not STATE.get("keepviews"):
+        del views                             # released before the edit, as the bench (session 25)
     if PV is not None and step > 8: PV.disable()
     t3 = time.perf_counter()
     if PR is not None and step > 8: PR.enable()

@@ -66,6 +66,7 @@ class Run:
         views = [evict_view(c, step, sig.row(step, b), vocab, first=step == 1) for b, c in enumerate(self.c)]
         t2 = time.perf_counter()
         dec = keep_rows(pol, views)
+        del views                                 # released before the edit, as the bench (session 25)
         t3 = time.perf_counter()
         if ROWS[0]:
             apply_keep_rows(self.c, dec, model)

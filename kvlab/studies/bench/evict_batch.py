@@ -259,6 +259,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                                 views.append(evict_view(c, step, signals.row(step, b), vocab, first=step == 1))
                         with record_function("evict_bench.decide"):
                             decisions = keep_rows(p, views)             # every row's decision at once
+                            del views                                   # released before the edit (no copies)
                         with record_function("evict_bench.apply"):
                             apply_keep_rows(caches, decisions, model)      # every row's edit at once
                     _sync()
