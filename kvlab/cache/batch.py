@@ -32,6 +32,7 @@ from kvlab.cache.attention import QueryCapture
 from kvlab.cache.mass import KWARG as MASS_KWARG
 from kvlab.cache.mass import MassSink, low_of_seen
 from kvlab.cache.step import explicit_step
+from kvlab.cache.buffer import live_offsets_of
 from kvlab.cache.bank import Bank, RowLayer  # noqa: F401 - RowLayer re-exported: kvlab.cache.batch's names stay
 from kvlab.core.compat import cache_kwarg
 
@@ -332,6 +333,8 @@ def _slot_index(bank: Bank, rows: list[int], c: int, device) -> torch.Tensor | N
     lays = [lay for b in rows for lay in bank.rows[b]]
     if all(lay.order is None for lay in lays):
         return None
+    if all(lay.order is not None for lay in lays):                 # the rows' orders read at once (one block)
+        return live_offsets_of(lays, c).reshape(len(rows), -1, c).to(device)
     ident = torch.arange(c)
     idx = torch.stack([ident if lay.order is None else lay.live_offsets() for lay in lays])    # (R·L, c)
     return idx.view(len(rows), -1, c).to(device)

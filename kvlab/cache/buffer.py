@@ -21,6 +21,7 @@ class BufferLayer(DynamicLayer):
     window moves the few sinks, not the whole window."""
 
     lazy = False        # True (a bank row): drop() leaves holes, compacted when they pass compact_at()
+    _order_row = None   # (block, i, order): order was row i of block when fill_layers set it (live_offsets_of)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -351,7 +352,7 @@ def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor, per: int | None
             lay.compact()
     L, m = keep.shape
     n = lays[0].n
-    offs = torch.stack([lay.live_offsets() for lay in lays])                        # (L, n) slot -> offset
+    offs = live_offsets_of(lays, n)                                                  # (L, n) slot -> offset
     kept = offs.gather(1, keep)                                                      # (L, m) survivors' offsets
     gone = torch.ones(L, n, dtype=torch.bool)
     gone.scatter_(1, keep, False)
@@ -371,11 +372,28 @@ def fill_layers(lays: Sequence[BufferLayer], keep: torch.Tensor, per: int | None
                 lays[j]._move_layers(lays[j:j + per], counts[j:j + per], src[at:at + c], dst[at:at + c])
             at += c
     kept = torch.cat([kept, torch.arange(m, m + _tail(m)).expand(L, -1)], 1)       # (L, m + tail) identity after m
-    for i, lay in enumerate(lays):
+    for i, (lay, order) in enumerate(zip(lays, kept.unbind(0))):   # rows of one block: live_offsets_of reads it whole
         lay._cut(lay.s + m, lay.s + lay.n)
         lay.n = m
-        lay.order = kept[i]
+        lay.order = order
+        lay._order_row = (kept, i, order)
         lay._views()
+
+
+def live_offsets_of(lays: Sequence[BufferLayer], n: int) -> torch.Tensor:
+    """:meth:`BufferLayer.live_offsets` of several layers holding ``n`` entries each, hole-free, as one ``(len, n)``
+    long tensor. When their orders are the rows of one block, in order (what :func:`fill_layers` leaves behind: a
+    filling eviction at every step reads them at the next step and the next eviction), a view of that block; else
+    stacked."""
+    got = lays[0]._order_row
+    base = got[0] if got is not None else None
+    if base is not None and base.shape[0] == len(lays) and base.shape[1] >= n and all(
+            (r := lay._order_row) is not None and r[0] is base and r[1] == i and r[2] is lay.order
+            for i, lay in enumerate(lays)):
+        return base[:, :n]
+    if all(lay.order is None and not lay.holes for lay in lays):
+        return torch.arange(n).expand(len(lays), n)
+    return torch.stack([lay.live_offsets() for lay in lays])
 
 
 def _tail(m: int) -> int:
