@@ -92,6 +92,9 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_zen5_7d936d8_run2.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 24's second run, the plain step's attention eager; "
+        "before the views stopped copying the live maps)",
     "docs/measured/evict_vs_plain_ci_zen5_7d936d8.jsonl":
         "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 24's first run, the same code in an earlier process; "
         "there the bench's timing chose SDPA for the plain step's attention)",
