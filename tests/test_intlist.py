@@ -129,6 +129,23 @@ def test_a_snapshot_copies_its_prefix_just_before_an_edit(edit):
     assert [s._rows for s in snaps] == [[4, 1, 7, 3, 9, 0], [4, 1, 7, 3, 9, 0, 5]]
 
 
+def test_snapshots_no_edit_follows_are_pruned_as_they_go():
+    """A live map viewed at every step and never edited keeps only its live snapshots' references (pruned as they
+    pile up), and those it keeps still get their copies at the next edit."""
+    pos = IntList(range(100))
+    live = IntList(range(10))
+    kept = []
+    for step in range(500):
+        snap = LivePositions(pos, live)
+        if step % 50 == 0:
+            kept.append(snap)
+        live.append(10 + step % 80)
+    assert len(live._snaps) < 130
+    live.drop_slots([0], torch.arange(1, len(live)))
+    assert [len(s) for s in kept] == [10 + 50 * k for k in range(10)] and all(s._rows is not None for s in kept)
+    assert [s[0] for s in kept] == [0] * 10 and not live._snaps
+
+
 def test_an_intlist_pickles_and_copies_without_its_snapshots():
     import copy
     import pickle

@@ -45,13 +45,15 @@ class IntList(list):
         w = self.__dict__.get("_snaps")
         if w is None:
             self._snaps = w = []
-        elif len(w) >= 64:                              # snapshots never followed by an edit: keep the live ones
-            w[:] = [r for r in w if r() is not None]
+        elif len(w) >= self.__dict__.get("_snaps_cap", 64):   # snapshots no edit followed: keep the live ones (and
+            w[:] = [r for r in w if r() is not None]        # prune again only once as many more came: amortized)
+            self._snaps_cap = max(64, 2 * len(w))
         w.append(weakref.ref(snap))
 
     def __getstate__(self):                         # (pickling, copy: the snapshots' weak references stay)
         d = dict(self.__dict__)
         d.pop("_snaps", None)
+        d.pop("_snaps_cap", None)
         return d
 
     def _release(self) -> None:
