@@ -30,10 +30,11 @@ FILL = True
 # at every step, the bench's default). A one-query batched step reads their mass in column order and puts it in slot
 # order before the statistics take it (kvlab.cache.batch); any other reader (a multi-token step, the capture's pass,
 # a deferred replay, a read of keys / values) puts a permuted row back in order first. Off: at every step the fill's
-# bookkeeping costs more than the holes it saves (H2O, batch 8, 4,096 -> 1,024 on a 2-core AMD EPYC, session 25,
-# docs/measured/period_accounting/every_step.py h2o 100 new,holes: the edit 3.8 ms median with fill vs 2.5 with holes,
-# 3.9 vs 3.3 mean with the holes' compactions; the forwards alike; filled / holes 1.028 paired median). Filled rows
-# have no compaction steps (about 35 ms every 46 steps with holes at that size): the switch is there for latency.
+# bookkeeping costs what the holes and their compaction cost (H2O, batch 8, 4,096 -> 1,024 on a 2-core AMD EPYC,
+# session 25, docs/measured/period_accounting/every_step.py h2o 100 new,fillm, two runs: the edit 3.5 ms median
+# filled vs 2.4-2.5 with holes, 3.7-3.8 vs 3.1-3.3 mean with the holes' compactions; the forwards alike; holes /
+# filled 0.98 paired median, 1.01-1.02 summed). Filled rows have no compaction steps (about 35 ms every 46 steps with
+# holes at that size): the switch is there for latency.
 FILL_MEASURED = False
 
 

@@ -83,8 +83,8 @@ def evict_rows(caches: Sequence, layers: Sequence[Sequence[Sequence[int]]]) -> l
     mask.scatter_(1, D.view(R * L, k), False)
     keep = mask.nonzero()[:, 1].view(R, L, n - k)                                    # (R, L, m) kept slots
     sts = [c._stats for c in caches]
-    # rows whose statistics wait in bank columns or are measured unpooled fill their dead columns (evict.FILL: as
-    # KVCache.evict decides)
+    # rows whose statistics wait in bank columns (or measured rows, evict.FILL_MEASURED) fill their dead columns
+    # (evict.fills: as KVCache.evict decides)
     fills = [_evict.fills(st) for st in sts]
     lays = [lay for c in caches for lay in c._store.layers]
     if all(fills):
