@@ -2,7 +2,6 @@
 (:func:`keep_plan`); part of :mod:`.storage`, which re-exports both."""
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import Sequence
 
 import torch
@@ -181,14 +180,12 @@ class BufferLayer(DynamicLayer):
             gone = set(slots)
             self.keep(torch.tensor([j for j in range(self.n) if j not in gone], dtype=torch.long))
             return
-        holes, new = self.holes, []
-        for j in slots:                                   # live slot j's column o: j + the holes before o
-            c, o = -1, j
-            while True:                                   # (the fixed point, a few bisections: o only grows)
-                k = bisect_right(holes, o)
-                if k == c:
-                    break
-                c, o = k, j + k
+        holes, new, k = self.holes, [], 0
+        for j in slots:                                   # live slot j's column: j + the holes before it
+            o = j + k
+            while k < len(holes) and holes[k] <= o:
+                k += 1
+                o = j + k
             new.append(o)
         self.holes = sorted(holes + new)                  # a new list (readers key on the old one)
         self.n -= len(slots)
