@@ -76,6 +76,8 @@ def test_bench_evict_batch_rows(tiny_teacher):
             assert k in r, k
         assert r["frac_of_bound"] == pytest.approx(r["speedup_vs_full"] / r["bound"], abs=2e-3)
         assert r["plain_frac_of_bound"] > 0           # the plain step's own fraction: this machine's ceiling
+    # asked at every step, the policies that decide over columns run resident (kvlab.cache.resident)
+    assert {r["policy"] for r in rows if r["resident"]} == {"sliding", "h2o", "scissorhands"}
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["bound"] == 1.0 for r in full)
     assert all(r["speedup_vs_full"] == 1.0 and r["full_ms"] == r["step_ms"] for r in full)
@@ -83,6 +85,11 @@ def test_bench_evict_batch_rows(tiny_teacher):
         # (full_ms and step_ms are kept to 0.01 ms: on a fast CPU the tiny model's steps take about half a ms)
         slack = 0.005 / r["full_ms"] + 0.005 / r["step_ms"]
         assert r["speedup_vs_full"] == pytest.approx(r["full_ms"] / r["step_ms"], rel=0.01 + slack)
+    lib = bench_evict_batch(tiny_teacher, [2], cache_len=64, steps=3, repeats=1, names=["full", "h2o"],
+                            resident=False)
+    assert [(r["policy"], r["resident"]) for r in lib] == [("full", False), ("h2o", False)]
+    res = {r["policy"]: r for r in rows if r["batch"] == 2}
+    assert lib[1]["final_len"] == res["h2o"]["final_len"] and lib[1]["mean_len"] == res["h2o"]["mean_len"]
     two = bench_evict_batch(tiny_teacher, [1], cache_len=[64, 80], steps=2, repeats=1,
                             policies={"full": __import__("kvlab").eviction.FullCache()})
     assert [r["cache_len"] for r in two] == [64, 80]
@@ -170,3 +177,5 @@ def test_cli_policies_checked_before_any_model_work(capsys):
     assert "--policies" in err and "nope" in err and "confkv" in err
     assert main(["bench", "decode", "--policies", "h2o"]) != 0
     assert "--policies is for bench evict --batch" in capsys.readouterr().err
+    assert main(["bench", "decode", "--batch", "8", "--no-resident"]) != 0
+    assert "--no-resident is for bench evict --batch" in capsys.readouterr().err

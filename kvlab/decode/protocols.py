@@ -55,6 +55,10 @@ EVICT_ATTRS: dict[str, Attr] = {
                      "N - 1 entries past the budget (kvlab.eviction.every.Every gives any policy an N)"),
     "keep_rows": Attr(None, "keep_rows(views) -> [Keep]: the decisions of several rows of a batch at once, the same "
                             "as keep(view) row by row (ranked policies: one ranking for all rows); None: keep per row"),
+    "decides_columns": Attr(False, "at a budget and asked at every step, the policy decides over a resident bank's "
+                                   "columns (column_drop; kvlab.cache.resident) as keep would over the same entries"),
+    "column_drop": Attr(None, "column_drop(cols) -> (L, B) long: with decides_columns, the column each layer of each "
+                              "row drops (kvlab.cache.resident.ColumnView), the entry keep would drop"),
 }
 
 REFRESH_ATTRS: dict[str, Attr] = {

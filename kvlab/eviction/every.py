@@ -33,6 +33,8 @@ class Every:
         if isinstance(self.inner, Every):
             raise ValueError("inner is already an Every: give one Every its interval (every=) instead of nesting")
 
+    decides_columns = False     # asked every N-th step: not the one drop per step a resident bank takes
+
     def __getattr__(self, name: str):
         if name in ("inner", "every") or name.startswith("__"):
             raise AttributeError(name)

@@ -51,6 +51,10 @@ class H2O(RankedEviction):
         """:meth:`score` of ``layers`` at once: the rows of the ``acc`` matrix when the view carries one."""
         return layer_block(view, "acc", layers)
 
+    def column_score(self, cols) -> torch.Tensor:
+        """Over a resident bank's columns: the accumulated attention ``acc`` ``(L, B, C)``."""
+        return cols.stats["acc"]
+
     def layer_keep(self, acc: torch.Tensor, n: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its ``acc`` ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
         return self.rank_layer(acc, n, self.budget, sinks)

@@ -52,8 +52,9 @@ from typing import Sequence
 import torch
 
 from kvlab.decode.protocols import EvictView, Keep, keep_all
-from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, minmax, per_layer,  # noqa: F401
-                                    rank_items, rank_plans, top_and_recent_layers, top_slots, top_slots_layers)
+from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, drop_lowest, minmax,  # noqa: F401
+                                    per_layer, rank_items, rank_plans, top_and_recent_layers, top_slots,
+                                    top_slots_layers)
 
 # --------------------------------------------------------------------------- reading the view
 
@@ -228,6 +229,36 @@ class RankedEviction:
         lo, hi = self.candidates(view, 0)
         kept = top_slots(self.layer_mean_score(view, lo, hi), list(range(lo, hi)), budget - self.newest - lo)
         return Keep(tuple(range(lo)) + tuple(kept) + tuple(range(hi, n)), **info)
+
+    # ------------------------------------------------------------------ over a resident bank's columns
+
+    def column_score(self, cols) -> torch.Tensor | None:
+        """Every layer's scores over a resident bank's columns (:class:`kvlab.cache.resident.ColumnView`),
+        ``(L, B, C)``, higher = keep: what :meth:`score` gives the same entries. None (the default): the policy does
+        not decide over columns."""
+        return None
+
+    @property
+    def decides_columns(self) -> bool:
+        """Whether :meth:`column_drop` decides as :meth:`keep` does: a ``column_score`` of its own, per layer, and
+        the base's budgets, due steps and planning (Conf-KV's confidence budgets, SnapKV's one cut do not)."""
+        t, base = type(self), RankedEviction
+        return bool(self.per_layer) and t.column_score is not base.column_score and all(
+            getattr(t, m) is getattr(base, m) for m in ("plan", "keep", "keep_rows", "budgets", "due"))
+
+    def column_drop(self, cols) -> torch.Tensor:
+        """``(L, B)`` long: the column each layer of each row of a resident bank drops at this step (its ``budget +
+        1`` entries back to ``budget``): the lowest :meth:`column_score` after the sinks (positions below ``sinks``)
+        and the newest window (the keys above ``newest_key - newest``), ties to the older slot — the entry
+        :meth:`keep` drops."""
+        if not self.decides_columns:
+            raise ValueError(f"{type(self).__name__} does not decide over a resident bank's columns "
+                             "(decides_columns is False): run it through keep / keep_rows")
+        if cols.budget != self.budget:
+            raise ValueError(f"the resident rows hold budget={cols.budget} entries per layer, this policy keeps "
+                             f"budget={self.budget}: check the rows in at the policy's budget")
+        protected = (cols.key > cols.newest_key - self.newest) | (cols.positions < self.sinks)
+        return drop_lowest(self.column_score(cols), protected, cols.key)
 
     def rank_layer(self, scores: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision: the slots it keeps of ``n`` under ``budget``, its first ``sinks`` slots

@@ -58,6 +58,15 @@ def _bottom_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     return drop.nonzero()[:, 1].view(x.shape[0], d)                                 # row-major: sorted per row
 
 
+def drop_lowest(score: torch.Tensor, protected: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Per layer and row of a resident bank (:class:`kvlab.cache.resident.ColumnView`: ``(L, B, C)`` tensors), the
+    column of the lowest ``score`` among those not ``protected`` (ties: the lowest ``key``, the oldest slot, goes, as
+    :func:`_bottom_rows`' one drop); ``(L, B)`` long."""
+    s = score.float().masked_fill(protected, float("inf"))
+    low = s.amin(-1, keepdim=True)                                                  # (L, B, 1)
+    return torch.where(s == low, key, torch.iinfo(key.dtype).max).argmin(-1)        # (L, B) the oldest lowest
+
+
 def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:
     """Per layer, :func:`top_slots` over the contiguous candidates ``0 .. m_l - 1`` of ``scores[l]``
     ``(m_l,)``: the ``k`` highest, ties to the later slot, sorted. One batched sort on the scores'

@@ -59,6 +59,10 @@ class Scissorhands(RankedEviction):
         low = layer_block(view, "low", layers)
         return -low.float() if isinstance(low, torch.Tensor) else [-x.float() for x in low]
 
+    def column_score(self, cols) -> torch.Tensor:
+        """Over a resident bank's columns: minus the low counts, ``(L, B, C)``."""
+        return -cols.stats["low"].float()
+
     def layer_keep(self, low: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision from its low counts ``(n,)`` (its first ``sinks`` slots are sinks): the slots it keeps."""
         return self.rank_layer(-low.float(), n, budget, sinks)

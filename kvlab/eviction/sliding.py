@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvlab.eviction.base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below
 from kvlab.core.registry import register_eviction
 
@@ -34,3 +36,14 @@ class SlidingWindow:
             return keep_all(view, budget=self.window)
         recent = self.window - self.sinks
         return Keep(tuple(range(self.sinks)) + tuple(range(n - recent, n)), budget=self.window)
+
+    decides_columns = True      # one drop per step over a resident bank's columns (kvlab.cache.resident)
+
+    def column_drop(self, cols) -> torch.Tensor:
+        """``(L, B)`` long: over a resident bank's columns (``window + 1`` entries), the oldest slot after the first
+        ``sinks`` (the lowest key at or above ``sinks``: the sinks keep keys ``0 .. sinks - 1``) — the slot
+        :meth:`keep` drops."""
+        if cols.budget != self.window:
+            raise ValueError(f"the resident rows hold budget={cols.budget} entries per layer, this window keeps "
+                             f"window={self.window}: check the rows in at the window")
+        return cols.key.masked_fill(cols.key < self.sinks, torch.iinfo(cols.key.dtype).max).argmin(-1)

@@ -34,6 +34,9 @@ def register(sub, bench_sweep) -> None:
                         "e.g. 1,16 (1 = every step)")
     p.add_argument("--policies", type=_name_list, default=None,
                    help="evict --batch: only these policies, e.g. full,h2o,confkv (default: all seven)")
+    p.add_argument("--no-resident", dest="resident", action="store_false",
+                   help="evict --batch: run every policy through the batched loop's evict phase, none as resident "
+                        "rows (kvlab.cache.resident: sliding, H2O, Scissorhands asked at every step, by default)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")
@@ -116,6 +119,9 @@ def _cmd_bench(args, *, bench_sweep) -> None:
         from kvlab.studies.bench.evict_batch import check_names
 
         check_names(args.policies)                  # before a model loads
+    if not getattr(args, "resident", True) and not (args.what == "evict" and args.batch is not None):
+        raise ValueError(f"--no-resident is for bench evict --batch (got bench {args.what}"
+                         f"{'' if args.batch is not None else ' without --batch'})")
     if args.what == "decode" and args.batch is not None:
         from kvlab.studies.bench.bench import bench_decode_batch
 
@@ -148,6 +154,8 @@ def _cmd_bench(args, *, bench_sweep) -> None:
             cmd = cmd.replace(" --out", f" --every {','.join(map(str, args.every))} --out")
         if args.policies is not None:
             cmd = cmd.replace(" --out", f" --policies {','.join(args.policies)} --out")
+        if not getattr(args, "resident", True):
+            cmd = cmd.replace(" --out", " --no-resident --out")
         for flag, v in (("--packed", getattr(args, "packed", "auto")),
                         ("--decode-attention", getattr(args, "decode_attention", "auto"))):
             if v != "auto":                             # a forced choice reproduces only with its flag
@@ -159,7 +167,7 @@ def _cmd_bench(args, *, bench_sweep) -> None:
                 _append_bench(args.out / "evict_batch_bench_timing.jsonl", r, cmd)
 
         bench_evict_batch(lm, args.batch, cache_len=lens, steps=args.tokens or 16, repeats=args.repeats,
-                          on_row=emit, every=args.every, names=args.policies)
+                          on_row=emit, every=args.every, names=args.policies, resident=getattr(args, "resident", True))
     elif args.what == "decode":
         lm = load_teacher(args.device, args.dtype) if args.model is None else load_model(args.model, args.device, args.dtype)
         prompt = load_prompts(n=1)[0]["prompt"]

@@ -153,7 +153,7 @@ def with_every(policies: dict, every) -> dict:
 
 def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, repeats: int = 2,
                       policies: dict | None = None, seed: int = 0, on_row=None, every=(1,),
-                      names=None) -> list[dict]:
+                      names=None, resident: bool = True) -> list[dict]:
     """Batched decode steps with eviction vs the full cache, one row per (context, batch, policy).
 
     ``cache_len``: an int or a list of contexts. ``names``: only these of :func:`batch_evict_policies` (``--policies``;
@@ -165,6 +165,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     steps the policy is asked: ``every`` > 1 adds each policy asked every ``e``-th step, :func:`with_every`) and
     the caches' edit (the batched decode loop's own evict phase, all rows at once:
     :func:`kvlab.decode.evict_phase.apply_keep_rows`). The first step (the bulk cut to the budget) is left out.
+    ``resident`` (default): a policy asked at every step that decides over columns (``decides_columns``: sliding, H2O,
+    Scissorhands) runs its later steps as resident rows (:class:`kvlab.cache.resident.Resident`: checked in after
+    the first step's cut, inside that untimed step; each step one forward into the freed columns, the policy's
+    ``column_drop`` and the edit; closed after the last step, untimed); its row says ``resident``.
     ``step_ms`` is the median over periods of the mean step time of each whole period of ``e`` steps starting at an
     asked step (:func:`~kvlab.studies.bench.timing.period_times`; ``e = 1``: the median step), so a policy asked
     every ``e`` steps pays its asked step's decision and edit spread over the steps it serves; ``asked_ms``: the
@@ -189,6 +193,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     from kvlab.cache import KVCache
     from kvlab.cache.batch import Bank, forward_rows
     from kvlab.cache.deferred import defers, settle_rows
+    from kvlab.cache.resident import Resident
     from kvlab.decode.evict_phase import apply_keep_rows, evict_view
     from kvlab.decode.protocols import evict_due, keep_rows, measures_at
 
@@ -242,9 +247,20 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 later = need and evict_attr(p, "every") > 1 and defers(bk.device)   # as the decode loop does
                 src = bases[_settings(p)] if need else plain_base
                 caches = [bk.adopt(b, src) for b in range(B)]                # untimed copies
+                held = {"res": None, "ok": resident and evict_attr(p, "every") == 1 and
+                        bool(evict_attr(p, "decides_columns"))}
 
                 def evicting(step: int, tok: int) -> None:
                     t0 = time.perf_counter()
+                    res = held["res"]
+                    if res is not None:                                 # resident rows: the step, the drop, the edit
+                        with record_function("evict_bench.resident"):
+                            res.step(model, [tok] * B, writer="teacher", steps=[step] * B)
+                            read.append(res.C)
+                            res.evict(p.column_drop(res.view(step)))
+                        _sync()
+                        times.append(time.perf_counter() - t0)
+                        return
                     with record_function("evict_bench.forward"):
                         logits = forward_rows(bk, model, caches, [tok] * B, writer="teacher", steps=[step] * B,
                                               attention=[measures_at(p, step) and not later] * B,
@@ -262,9 +278,18 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                             del views                                   # released before the edit (no copies)
                         with record_function("evict_bench.apply"):
                             apply_keep_rows(caches, decisions, model)      # every row's edit at once
+                    if held["ok"] and step == 1:                        # in the untimed first step: check in
+                        held["res"] = Resident(bk, caches)
                     _sync()
                     times.append(time.perf_counter() - t0)
-                return evicting, caches
+
+                def close() -> bool:
+                    """The rows as caches again; whether they ran resident."""
+                    if held["res"] is not None:
+                        held["res"].close()
+                        return True
+                    return False
+                return evicting, caches, close
 
             def one(pol, n0: int | None = None, full=None):
                 """``steps`` steps of ``pol``; with ``n0``, each step beside a plain step on rows that start at
@@ -272,8 +297,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                 step). Returns the step times of the policy, the plain rows and the full cache (the first step
                 left out), the policy's mean live length and its final length."""
                 times, ptimes, ftimes, read = [], [], [], []
-                evicting, caches = stepper(pol, bank, times, read)
-                fns = [evicting]
+                evicting, caches, close = stepper(pol, bank, times, read)
+                fns, closes = [evicting], []
                 if n0 is not None:
                     if n0 not in plain_src:
                         plain_src[n0] = plain_base.copy()
@@ -287,17 +312,22 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                         ptimes.append(time.perf_counter() - t0)
                     fns.append(plain)
                 if full is not None:
-                    fns.append(stepper(full, fbank, ftimes, [])[0])
+                    fstep, _, fclose = stepper(full, fbank, ftimes, [])
+                    fns.append(fstep)
+                    closes.append(fclose)
                 for step, tok in enumerate(new, start=1):
                     k = step % len(fns)
                     for fn in fns[k:] + fns[:k]:                       # each goes first, middle, last in turn
                         fn(step, tok)
-                return times[1:], ptimes[1:], ftimes[1:], statistics.mean(read[1:]), len(caches[0])
+                was = close()
+                for f in closes:
+                    f()
+                return times[1:], ptimes[1:], ftimes[1:], statistics.mean(read[1:]), len(caches[0]), was
 
             start = {}
             full_pol = pols.get("full")
             for n, pol in pols.items():                                  # warm-up; each policy's mean length
-                _, _, _, mean_len, _ = one(pol)
+                _, _, _, mean_len, _, _ = one(pol)
                 start[n] = max(1, min(cl, round(mean_len - (steps + 2) / 2)))   # plain reads that length on average
                 one(pol, start[n])
             runs = {n: [] for n in pols}
@@ -308,17 +338,17 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
             for _ in range(repeats):
                 for n, pol in pols.items():
                     twin = full_pol if n != "full" else None            # the full cache beside every other policy
-                    t, pt, ft, mean_len, final = one(pol, start[n], twin)
+                    t, pt, ft, mean_len, final, was = one(pol, start[n], twin)
                     e = labelled[n][1]
                     runs[n] += period_times(t, e)                       # whole periods: asked step included
                     plains[n] += period_times(pt, e)                    # the same steps' plain twins
                     fulls[n] += period_times(ft if twin is not None else t, e)   # ... and full-cache twins
                     asked[n] += [x for j, x in enumerate(t) if (j + 1) % e == 0]     # steps 1 + k·e (t[0]: step 2)
-                    got[n] = (mean_len, final)
+                    got[n] = (mean_len, final, was)
             med = {n: statistics.median(v) for n, v in runs.items()}
             full_len = got["full"][0] if "full" in got else cl + (steps + 2) / 2
             for n in pols:
-                mean_len, final = got[n]
+                mean_len, final, was = got[n]
                 plain_s = statistics.median(plains[n])
                 row = {"model": lm.name, "device": str(lm.device), "dtype": str(lm.dtype), "batch": B,
                        "policy": labelled[n][0], "every": labelled[n][1], "cache_len": cl, "steps": steps, "repeats": repeats, "step_ms": round(1000 * med[n], 2),
@@ -326,7 +356,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                        "plain_ms": round(1000 * plain_s, 2), "evict_vs_plain": round(med[n] / plain_s, 3),
                        "evict_vs_plain_sum": round(sum(runs[n]) / sum(plains[n]), 3) if plains[n] else None,
                        "asked_ms": round(1000 * statistics.median(asked[n]), 2), "periods": len(runs[n]),
-                       "peak_rss_mb": peak_rss_mb()}
+                       "peak_rss_mb": peak_rss_mb(), "resident": was}
                 ci = ratio_interval(runs[n], plains[n])                 # paired periods resampled together
                 row["evict_vs_plain_lo"], row["evict_vs_plain_hi"] = (None, None) if ci is None else \
                     (round(ci[0], 3), round(ci[1], 3))
