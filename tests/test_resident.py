@@ -12,7 +12,7 @@ from kvlab.cache.batch import Bank, forward_rows
 from kvlab.cache.resident import Resident
 from kvlab.decode.evict_phase import apply_keep_rows, evict_view
 from kvlab.decode.protocols import evict_attr, keep_rows, measures_at
-from kvlab.eviction.confkv import ConfKV
+from kvlab.eviction.confkv import ConfKV, pyramid_budgets
 from kvlab.eviction.every import Every
 from kvlab.eviction.h2o import H2O
 from kvlab.eviction.scissorhands import Scissorhands
@@ -105,6 +105,37 @@ def test_resident_decodes_as_the_batched_loop(tiny_teacher, name):
         same(a, b)
 
 
+def test_confkv_resident_follows_its_sawtooth(tiny_teacher, monkeypatch):
+    """Conf-KV's budget from each row's confidence (patched to a schedule by step and row: confident steps cut to
+    tight, a bulk drop of many entries; uncertain ones grow towards loose, no drop), pyramidal layers: the same logits
+    and caches as the batched loop, through cuts, growth and a packing of the freed columns."""
+    from kvlab.studies.bench.evict_batch import _Signals
+
+    monkeypatch.setattr(ConfKV, "confidence", lambda self, r, v: 1.0 if r is not None and (r.step + r._b) % 5 == 0 else 0.0)
+    pol = ConfKV(tight=8, loose=16, protect=3, pyramidal=True, pyramid_ratio=0.5)
+    assert pol.decides_columns and pol.column_capacity(2) == max(pyramid_budgets(16, 2, 0.5)) + 1
+    (bank_a, bank_b), (loop, rows), toks, vocab = two_banks(tiny_teacher, pol, n=30)
+    model = tiny_teacher.model
+    with Resident(bank_b, rows, pol.column_capacity(bank_b.num_layers)) as res:
+        masks = 0
+        for j, tok in enumerate(toks[:14], start=2):
+            logits = forward_rows(bank_a, model, loop, [tok] * B, writer="teacher", steps=[j] * B,
+                                  attention=[True] * B)
+            sig = _Signals(logits)
+            views = [evict_view(c, j, sig.row(j, b), vocab) for b, c in enumerate(loop)]
+            apply_keep_rows(loop, keep_rows(pol, views), model)
+            got = res.step(model, [tok] * B, writer="teacher", steps=[j] * B)
+            torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-5)
+            sig = _Signals(got)
+            drop = pol.column_drop(res.view(j, [sig.row(j, b) for b in range(B)], vocab))
+            masks += drop.dtype == torch.bool and int(drop.sum(-1).max()) > 1
+            res.evict(drop)
+            assert res.live.sum(-1).T.tolist() == [c.layer_lengths() for c in loop]
+        assert masks >= 2                                       # bulk cuts happened
+    for a, b in zip(loop, rows):
+        same(a, b)
+
+
 def test_resident_rows_refuse_use_and_bad_input(tiny_teacher):
     pol = POLICIES["h2o"]
     (_, bank), (_, rows), toks, _ = two_banks(tiny_teacher, pol)
@@ -113,9 +144,8 @@ def test_resident_rows_refuse_use_and_bad_input(tiny_teacher):
         Resident(bank, rows[:2])
     with pytest.raises(ValueError, match="caches\\[1\\] is not row 1"):
         Resident(bank, [rows[0], rows[2], rows[1]])
-    rows[1].evict((), layers=[[], [5]])                            # one layer of one row shorter
-    with pytest.raises(ValueError, match="caches\\[1\\] layer 1 holds"):
-        Resident(bank, rows)
+    with pytest.raises(ValueError, match="capacity=12 must be an int >= the longest layer \\+ 1 \\(13\\)"):
+        Resident(bank, rows, capacity=12)
     assert rows[0]._mirror.lives[0] is not None and len(rows[0]) == 12     # nothing was taken
 
     (_, bank), (_, rows), toks, _ = two_banks(tiny_teacher, pol, seed=1)
@@ -127,17 +157,17 @@ def test_resident_rows_refuse_use_and_bad_input(tiny_teacher):
         with pytest.raises(ValueError, match="one entry per row"):
             res.step(model, [toks[0]] * 2, writer="teacher", steps=[2] * 2)
         res.step(model, [toks[0]] * B, writer="teacher", steps=[2] * B)
-        with pytest.raises(ValueError, match="evicted nothing"):
+        with pytest.raises(ValueError, match="not evicted yet"):
             res.step(model, [toks[1]] * B, writer="teacher", steps=[3] * B)
-        with pytest.raises(ValueError, match=r"\(L, B\)"):
+        with pytest.raises(ValueError, match=r"\(L, B\) = "):
             res.evict(torch.zeros(B, dtype=torch.long))
         with pytest.raises(ValueError, match="must lie in"):
             res.evict(torch.full((model.config.num_hidden_layers, B), 99))
         res.evict(pol.column_drop(res.view(2)))
         with pytest.raises(ValueError, match="evicts once"):
             res.evict(pol.column_drop(res.view(2)))
-        with pytest.raises(ValueError, match="budget=12"):
-            H2O(budget=10, recent=4).column_drop(res.view(2))
+        got = H2O(budget=10, recent=4).column_drop(res.view(2))     # a lower budget: a mask, 12 -> 10 entries
+        assert got.dtype == torch.bool and got.sum(-1).tolist() == [[2] * B] * model.config.num_hidden_layers
     assert len(rows[0]) == 12 and rows[0].next_position == 26       # closed on exit: caches again
     with pytest.raises(ValueError, match="closed"):
         res.step(model, [toks[1]] * B, writer="teacher", steps=[3] * B)
@@ -162,6 +192,10 @@ def test_which_policies_decide_columns():
     assert not H2O(budget=12, recent=4, per_layer=False).decides_columns       # one live set: not per layer
     assert not evict_attr(Every(h2o, every=4), "decides_columns")             # asked every 4th step
     assert not evict_attr(SnapKV.from_budget(64), "decides_columns")          # one cut, at the first step
-    assert not evict_attr(ConfKV.from_budget(64), "decides_columns")          # its own budgets per step
+    assert evict_attr(ConfKV.from_budget(64), "decides_columns")              # its budgets from each row's record
+    assert not ConfKV.from_budget(64, int8_window=16).decides_columns         # INT8 entries
+    assert not ConfKV(tight=32, loose=64, protect=8, confidence_from="drawn").decides_columns    # the sampler's nucleus
+    assert not evict_attr(__import__("kvlab").eviction.EVICTION_POLICIES.entry("block").at_budget(64),
+                          "decides_columns")
     with pytest.raises(ValueError, match="does not decide over"):
         H2O(budget=12, recent=4, per_layer=False).column_drop(None)

@@ -45,16 +45,25 @@ from kvlab.core.compat import cache_kwarg
 class ColumnView:
     """What a policy decides from over a resident bank's columns (read only). ``stats``: name -> ``(L, B, C)``
     float32 (the statistics the cache tracks); ``positions`` / ``key`` / ``rows``: ``(L, B, C)`` long (absolute
-    position, slot order, ledger row); ``newest_key``: the key of the step's new entry (a layer's newest ``w`` slots
-    are the keys above ``newest_key - w``); ``budget``: the entries each layer keeps (``C - 1``); ``step``."""
+    position, slot order, ledger row); ``live``: ``(L, B, C)`` bool, the columns holding an entry (the others are
+    free: read nothing there); ``newest_key``: the key of the step's new entry (a layer's newest ``w`` slots are the
+    keys above ``newest_key - w``); ``budget``: the entries each layer held when checked in; ``records``: each row's
+    step record (entropy, top-1, margin: Conf-KV's confidence) or None; ``vocab_size``; ``step``."""
 
     stats: dict
     positions: torch.Tensor
     key: torch.Tensor
     rows: torch.Tensor
+    live: torch.Tensor
     newest_key: int
     budget: int
     step: int
+    records: tuple | None = None
+    vocab_size: int | None = None
+
+    def counts(self) -> torch.Tensor:
+        """``(L, B)`` long: the entries each layer of each row holds (the step's new one included)."""
+        return self.live.sum(-1)
 
 
 class _Away:
@@ -72,13 +81,18 @@ class _Away:
         self.__getattr__("__len__")
 
 
+_BIG = torch.iinfo(torch.long).max
+PACK_AT = 0.75      # a bulk drop that leaves fewer live entries than this share of the columns read packs them
+
+
 class Resident:
     """Rows ``caches`` (rows ``0 .. B-1`` of ``bank``, ``B`` = its width) held as bank-wide tensors (module
-    docstring). Every layer of every row must hold the same ``n`` entries in position order, full precision, with
-    statistics (if tracked) unpooled; ``n`` is the budget every step keeps. ValueError naming what does not fit,
-    nothing changed."""
+    docstring). Every layer's live map must hold its entries in position order, full precision, with statistics (if
+    tracked) unpooled. ``capacity``: columns per layer and row, the most entries a layer holds in a step (its budget
+    plus the step's new entry; default: the longest layer + 1). ValueError naming what does not fit, nothing
+    changed."""
 
-    def __init__(self, bank, caches):
+    def __init__(self, bank, caches, capacity: int | None = None):
         caches = list(caches)
         B = bank.width
         if len(caches) != B:
@@ -90,7 +104,6 @@ class Resident:
                 raise ValueError(f"caches[{b}] holds INT8 entries: resident rows are full precision")
         for c in caches:
             c._settle()                                         # deferred statistics folded in first
-        n = len(caches[0]._mirror.lives[0])
         L = bank.num_layers
         sts = [c._stats for c in caches]
         if len({st is None for st in sts}) != 1:
@@ -98,25 +111,31 @@ class Resident:
         if sts[0] is not None and (len({(st.ema_decay, st.below, st.pool, st.window) for st in sts}) != 1
                                    or sts[0].pool != 1):
             raise ValueError("caches: resident rows need one statistics setting, unpooled (pool=1)")
-        positions, rows = [], []
+        lens = [[len(live) for live in c._mirror.lives] for c in caches]                       # (B, L)
+        top = max(max(x) for x in lens)
+        if min(min(x) for x in lens) < 1:
+            raise ValueError("caches: every layer needs an entry (prefill first)")
+        C = top + 1 if capacity is None else capacity
+        if isinstance(C, bool) or not isinstance(C, int) or C < top + 1:
+            raise ValueError(f"capacity={capacity!r} must be an int >= the longest layer + 1 ({top + 1})")
+        positions = torch.full((L, B, C), -1, dtype=torch.long)
+        rows = torch.full((L, B, C), -1, dtype=torch.long)
+        key = torch.full((L, B, C), -1, dtype=torch.long)
         for b, c in enumerate(caches):
             pos = c._mirror.ledger.position
             for i, live in enumerate(c._mirror.lives):
-                if len(live) != n:
-                    raise ValueError(f"caches[{b}] layer {i} holds {len(live)} entries, layer 0 of row 0 {n}: "
-                                     "resident rows hold the same count on every layer (evict to the budget first)")
-            per = [[pos[r] for r in live] for live in c._mirror.lives]
-            if any(p[j] >= p[j + 1] for p in per for j in range(n - 1)):
-                raise ValueError(f"caches[{b}]: a layer's positions do not increase along its slots (a re-rotation or "
-                                 "an interior insert): resident rows keep slot order by position")
-            positions.append(per)
-            rows.append([list(live) for live in c._mirror.lives])
-        if n < 1:
-            raise ValueError("caches are empty: prefill and evict to the budget first")
-        self.bank, self.caches, self.n, self.L, self.B = bank, caches, n, L, B
-        self.C = C = n + 1
+                p = [pos[r] for r in live]
+                if any(p[j] >= p[j + 1] for j in range(len(p) - 1)):
+                    raise ValueError(f"caches[{b}] layer {i}: positions do not increase along its slots (a re-rotation "
+                                     "or an interior insert): resident rows keep slot order by position")
+                n = len(p)
+                positions[i, b, :n] = torch.tensor(p)
+                rows[i, b, :n] = torch.tensor(list(live))
+                key[i, b, :n] = torch.arange(top - n, top)      # every layer's newest entry: key top - 1
+        self.bank, self.caches, self.L, self.B, self.C = bank, caches, L, B, C
+        self.budget = top
         dev = bank.device
-        for i in range(L):                                      # every row layer dense at the front, room for one more
+        for i in range(L):                                      # every row layer dense at the front, room for C
             if bank.capacity(i) < C:
                 bank.grow(i, C)
         bank.flush_moves()
@@ -127,24 +146,28 @@ class Resident:
                 lay._to_front()
                 lay._touch()
         bank.flush_moves()
-        pad = lambda x, v: torch.nn.functional.pad(x, (0, 1), value=v)   # noqa: E731 the free column
-        self.positions = pad(torch.tensor(positions, dtype=torch.long).transpose(0, 1), -1).to(dev)   # (L, B, C)
-        self.rows = pad(torch.tensor(rows, dtype=torch.long).transpose(0, 1), -1).to(dev)             # (L, B, C)
-        self.key = pad(torch.arange(n, device=dev).expand(L, B, n), n).contiguous()                     # (L, B, C)
-        self.next_key = n
+        self.positions, self.rows, self.key = positions.to(dev), rows.to(dev), key.to(dev)     # (L, B, C)
+        n_lb = torch.tensor(lens, dtype=torch.long).T                                         # (L, B)
+        self.live = (torch.arange(C)[None, None, :] < n_lb[..., None]).to(dev)                # (L, B, C)
+        self.next_key = top
+        self.width = top                                        # columns [0, width) hold every live entry
         self.stats: dict[str, torch.Tensor] = {}
         self.setting = None
         if sts[0] is not None:
             st = sts[0]
             self.setting = (st.window, st.below, st.ema_decay)
             for name in st.names:
-                self.stats[name] = pad(torch.stack([s._stack(name) for s in sts], 1).float().to(dev), 0.0)
-            self._block = torch.empty(L, B, C, dtype=torch.float32, device=dev)
-        self.free = torch.full((L, B), n, dtype=torch.long, device=dev)    # (L, B): the column each writes next
+                t = torch.zeros(L, B, C, dtype=torch.float32)
+                for b, s in enumerate(sts):
+                    for i, x in enumerate(s.data[name]):
+                        t[i, b, :x.shape[0]] = x.float().cpu()
+                self.stats[name] = t.to(dev)
+            self._block = torch.zeros(L, B, C, dtype=torch.float32, device=dev)
         self.next_pos = [c.next_position for c in caches]
-        # uniform rows (every layer the same rows) log one event per eviction when every layer drops the same row
+        # uniform rows (every layer the same rows) log one event per eviction when every layer drops the same rows
         self.uniform = [c._mirror.uniform for c in caches]
-        self.log: list[tuple[torch.Tensor, list[bool]]] = []            # per eviction: (L, B) rows, uniform before
+        self.log: list[tuple] = []                              # per eviction: (L, B, k) rows, (L, B) counts, uniform
+        self.stepped = False                                    # a step not yet followed by its evict()
         self._loans = [(c._store, c._mirror, c._stats) for c in caches]
         for c in caches:
             c._store, c._mirror, c._stats = _Away("storage"), _Away("mirror"), _Away("statistics")
@@ -159,28 +182,36 @@ class Resident:
     @torch.inference_mode()
     def step(self, model, tokens, *, writer: str, steps) -> torch.Tensor:
         """One batched forward: row ``b`` appends ``tokens[b]`` (an int) at its next position, written into each
-        layer's free column; the statistics take the step's attention mass. Returns logits ``(B, V)``. Needs the
-        last step's :meth:`evict` first (each layer's one free column). On error nothing changes."""
+        layer's first free column; the statistics take the step's attention mass. Returns logits ``(B, V)``. Needs
+        the last step's :meth:`evict` first. On error nothing changes."""
         self._live()
         B, L, C = self.B, self.L, self.C
-        if self.free is None:
-            raise ValueError("Resident.step: the last step evicted nothing; call evict(columns) after each step")
+        if self.stepped:
+            raise ValueError("Resident.step: the last step is not evicted yet; call evict(...) after each step (an "
+                             "all-False mask drops nothing)")
         tokens, steps = list(tokens), list(steps)
         if len(tokens) != B or len(steps) != B:
             raise ValueError(f"tokens and steps need one entry per row ({B})")
         ids = [int(t) for t in tokens]
         dev = self.bank.device
+        free = (~self.live).to(torch.uint8).argmax(-1)                                        # (L, B) first free
+        if not bool(self.live.gather(2, free[..., None]).logical_not().all()):
+            raise ValueError(f"a layer holds {C} entries, the resident capacity: evict before the next step")
+        W = max(self.width, int(free.max()) + 1)                                             # columns read
+        seen = self.live[..., :W].scatter(2, free[..., None], True)                          # (L, B, W) after the write
+        kwargs = {MASKS_KWARG: [None] * L}                      # every column read is live: no mask
+        if not bool(seen.all()):
+            add = torch.zeros(L, B, W, dtype=torch.float32, device=dev).masked_fill_(~seen, float("-inf"))
+            kwargs[MASKS_KWARG] = [add[i, :, None, None, :] for i in range(L)]              # (B, 1, 1, W) additive
         sink = None
         if self.setting is not None:
             window, below, _ = self.setting
             sink = MassSink(window, below, None, low_later=True)
             sink.block = self._block
-        layers = [_StepLayer(self.bank, i, self.free[i], C) for i in range(L)]    # new entry at (b, free[i, b])
+            kwargs[MASS_KWARG] = sink
+        layers = [_StepLayer(self.bank, i, free[i], W) for i in range(L)]          # new entry at (b, free[i, b])
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(B, 1)                     # (B, 1)
         pos_t = torch.tensor(self.next_pos, dtype=torch.long, device=dev).view(B, 1)           # (B, 1)
-        kwargs = {MASKS_KWARG: [None] * L}                      # every column is live: no mask
-        if sink is not None:
-            kwargs[MASS_KWARG] = sink
         explicit = explicit_step(model)
         if explicit is not None:
             logits = explicit(ids_t, pos_t, _StepCache(layers), 1, **kwargs)
@@ -188,95 +219,149 @@ class Resident:
             attn_fn.use(model)
             logits = model(input_ids=ids_t, position_ids=pos_t, **{cache_kwarg(model): _StepCache(layers)},
                            use_cache=True, logits_to_keep=1, **kwargs).logits
-        # committed from here on (the forward wrote only the free columns)
-        at = self.free[..., None]                                                              # (L, B, 1)
+        # committed from here on (the forward wrote only free columns)
+        at = free[..., None]                                                                   # (L, B, 1)
         new_rows = [c_m.ledger.append([t], [p], writer, int(s))[0]
                     for (_, c_m, _), t, p, s in zip(self._loans, ids, self.next_pos, steps)]
+        self.live.scatter_(2, at, True)
         self.key.scatter_(2, at, self.next_key)
         self.positions.scatter_(2, at, pos_t.view(1, B, 1).expand(L, B, 1))
         self.rows.scatter_(2, at, torch.tensor(new_rows, dtype=torch.long, device=dev).view(1, B, 1).expand(L, B, 1))
         if sink is not None:
-            m = self._block                                                                    # (L, B, C) mass
+            m = self._block[..., :W]                                                           # (L, B, W) mass
             st = self.stats
             for name in st:
                 st[name].scatter_(2, at, 0.0)                   # the new entry's statistics start at zero
             beta = self.setting[2]
-            st["acc"] += m
-            st["ema"] = beta * st["ema"] + (1.0 - beta) * m
-            st["count"] += 1.0
-            if "low" in st:
-                st["low"] += (m < 1.0 / torch.as_tensor(C, dtype=m.dtype, device=dev)).float()
+            st["acc"][..., :W] += m
+            st["ema"][..., :W] = beta * st["ema"][..., :W] + (1.0 - beta) * m
+            st["count"][..., :W] += 1.0
+            if "low" in st:                                     # below the uniform share of the entries it saw
+                n = seen.sum(-1, keepdim=True).to(m.dtype)                                     # (L, B, 1)
+                st["low"][..., :W] += ((m < 1.0 / n) & seen).float()
+        self.width = W
         self.next_key += 1
         self.next_pos = [p + 1 for p in self.next_pos]
-        self.free = None
+        self.stepped = True
         return logits[:, -1, :]                                                                # (B, V)
 
-    def view(self, step: int) -> ColumnView:
-        """The columns a policy decides from after a step (:class:`ColumnView`)."""
+    def view(self, step: int, records=None, vocab_size: int | None = None) -> ColumnView:
+        """The columns a policy decides from after a step (:class:`ColumnView`); ``records``: each row's step record
+        (a policy that reads its confidence needs them)."""
         self._live()
         return ColumnView(stats=dict(self.stats), positions=self.positions, key=self.key, rows=self.rows,
-                          newest_key=self.next_key - 1, budget=self.n, step=step)
+                          live=self.live, newest_key=self.next_key - 1, budget=self.budget, step=step,
+                          records=None if records is None else tuple(records), vocab_size=vocab_size)
 
-    def evict(self, columns: torch.Tensor) -> None:
-        """Drop, per layer and row, the entry in column ``columns[l, b]`` (``(L, B)`` long, a policy's
-        ``column_drop``); the next step writes there."""
+    @torch.inference_mode()
+    def evict(self, drop: torch.Tensor) -> None:
+        """Drop the entries a policy's ``column_drop`` names: ``(L, B)`` long, one column per layer and row, or an
+        ``(L, B, C)`` bool mask (any number, none included). The freed columns take the next steps' entries."""
         self._live()
-        if self.free is not None:
-            raise ValueError("Resident.evict: each step evicts once (this step's columns are already free)")
-        cols = torch.as_tensor(columns)
-        if tuple(cols.shape) != (self.L, self.B) or cols.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"columns must be an (L, B) = ({self.L}, {self.B}) integer tensor, got "
-                             f"{tuple(cols.shape)} {cols.dtype}")
-        cols = cols.to(device=self.bank.device, dtype=torch.long)
-        if bool(((cols < 0) | (cols >= self.C)).any()):
-            raise ValueError(f"columns must lie in [0, {self.C})")
-        gone = self.rows.gather(2, cols[..., None])[..., 0]                                    # (L, B) ledger rows
-        same = (gone == gone[:1]).all(0).tolist()                                              # (B,)
-        self.log.append((gone, list(self.uniform)))
-        self.uniform = [u and s for u, s in zip(self.uniform, same)]
-        self.free = cols
+        if not self.stepped:
+            raise ValueError("Resident.evict: each step evicts once (this step's eviction is done)")
+        L, B, C = self.L, self.B, self.C
+        d = torch.as_tensor(drop).to(self.bank.device)
+        if tuple(d.shape) == (L, B) and d.dtype in (torch.int64, torch.int32):       # one column per layer and row
+            d = d.long()
+            if bool(((d < 0) | (d >= C)).any()):
+                raise ValueError(f"columns must lie in [0, {C})")
+            at = d[..., None]                                                                  # (L, B, 1)
+            if not bool(self.live.gather(2, at).all()):
+                raise ValueError("drop names a free column (no entry there)")
+            gone = self.rows.gather(2, at)                                                     # (L, B, 1)
+            same = (gone[..., 0] == gone[:1, :, 0]).all(0)                                     # (B,)
+            self.log.append((gone, None, list(self.uniform)))
+            self.uniform = [u and x for u, x in zip(self.uniform, same.tolist())]
+            self.live.scatter_(2, at, False)
+            self.stepped = False
+            return
+        if tuple(d.shape) != (L, B, C) or d.dtype != torch.bool:
+            raise ValueError(f"drop must be an (L, B) = ({L}, {B}) integer tensor of columns or an (L, B, C) = "
+                             f"({L}, {B}, {C}) bool mask, got {tuple(d.shape)} {d.dtype}")
+        mask = d
+        if bool((mask & ~self.live).any()):
+            raise ValueError("drop names a free column (no entry there)")
+        k = mask.sum(-1)                                                                       # (L, B)
+        kmax = int(k.max())
+        if kmax:
+            order = torch.where(mask, self.key, _BIG).argsort(-1)[..., :kmax]                  # slot order
+            gone = self.rows.gather(2, order)                                                  # (L, B, kmax)
+            same = ((gone == gone[:1]) | (torch.arange(kmax, device=d.device) >= k[..., None])).all(-1).all(0)
+            same &= (k == k[:1]).all(0)
+            self.log.append((gone, k, list(self.uniform)))
+            self.uniform = [u and s for u, s in zip(self.uniform, same.tolist())]
+            self.live &= ~mask
+            if kmax > 1 and float(self.live[..., :self.width].sum()) < PACK_AT * L * B * self.width:
+                self._pack()                                    # a bulk drop's free columns: packed
+        self.stepped = False
+
+    def _pack(self) -> None:
+        """Every layer's live entries moved to its first columns in slot order (one gather per buffer and per-column
+        tensor), so a step reads no more columns than the longest layer holds."""
+        L, B = self.L, self.B
+        perm = torch.where(self.live, self.key, _BIG).argsort(-1)                             # (L, B, C) live first
+        top = int(self.live.sum(-1).max())
+        for i in range(L):
+            idx = perm[i, :, :top][:, None, :, None]                                          # (B, 1, top, 1)
+            for buf in (self.bank.k[i], self.bank.v[i]):
+                part = buf[:B]                                                                 # (B, H_kv, cap, D)
+                part[:, :, :top] = part.gather(2, idx.expand(B, part.shape[1], top, part.shape[3]))
+        for name in ("positions", "rows", "key", "live"):
+            setattr(self, name, getattr(self, name).gather(2, perm))
+        for name, t in self.stats.items():
+            self.stats[name] = t.gather(2, perm)
+        self.width = top
 
     # ------------------------------------------------------------------ handing the caches back
 
     @torch.inference_mode()
     def close(self) -> list:
-        """The rows as caches again (module docstring); returns them. A step not followed by an eviction leaves its
-        rows one entry longer."""
+        """The rows as caches again (module docstring); returns them."""
         if self.closed:
             return self.caches
-        L, B, C = self.L, self.B, self.C
-        key = self.key if self.free is None else self.key.scatter(2, self.free[..., None], torch.iinfo(torch.long).max)
-        n = C if self.free is None else self.n
-        perm = key.argsort(-1)[..., :n]                                                       # (L, B, n) slot order
+        L, B = self.L, self.B
+        n_lb = self.live.sum(-1)                                                               # (L, B)
+        top = int(n_lb.max())
+        perm = torch.where(self.live, self.key, _BIG).argsort(-1)[..., :top]                   # (L, B, top) slot order
         bank = self.bank
         for i in range(L):
-            idx = perm[i][:, None, :, None]                                                   # (B, 1, n, 1)
+            idx = perm[i][:, None, :, None]                                                   # (B, 1, top, 1)
             for buf in (bank.k[i], bank.v[i]):
                 part = buf[:B]                                                                 # (B, H_kv, cap, D)
-                got = part.gather(2, idx.expand(B, part.shape[1], n, part.shape[3]))
-                part[:, :, :n] = got
-        rows = self.rows.gather(2, perm).cpu()                                                 # (L, B, n)
-        stats = {name: t.gather(2, perm) for name, t in self.stats.items()}
-        events = [(gone.cpu().tolist(), uni) for gone, uni in self.log]
+                part[:, :, :top] = part.gather(2, idx.expand(B, part.shape[1], top, part.shape[3]))
+        rows = self.rows.gather(2, perm).cpu().tolist()                                        # L x B x top
+        stats = {name: t.gather(2, perm).cpu() for name, t in self.stats.items()}
+        counts = n_lb.cpu().tolist()
+        events = [(gone.cpu().tolist(), [[1] * B] * L if k is None else k.cpu().tolist(), uni)
+                  for gone, k, uni in self.log]
         for b, (c, (store, mirror, st)) in enumerate(zip(self.caches, self._loans)):
             c._store, c._mirror, c._stats = store, mirror, st
-            for lay in store.layers:
+            ns = [counts[i][b] for i in range(L)]
+            for lay, n in zip(store.layers, ns):
                 lay.s, lay.n, lay.holes, lay.order = 0, n, [], None
                 lay._order_row = None
                 lay._views()
             bank.clear_cols(b)
-            for gone, uni in events:
+            for gone, k, uni in events:
+                per = [gone[i][b][:k[i][b]] for i in range(L)]
+                if not any(per):
+                    continue
                 tick = mirror.next_tick()
-                col = [g[b] for g in gone]
-                if uni[b] and all(r == col[0] for r in col):
-                    mirror.events.extend(tick, [col[0]], "evicted", -1)
+                if uni[b] and all(x == per[0] for x in per):
+                    mirror.events.extend(tick, per[0], "evicted", -1)
                 else:
-                    for i, r in enumerate(col):
-                        mirror.events.extend(tick, [r], "evicted", i)
-            mirror.lives = [IntList(x) for x in rows[:, b].tolist()]
+                    for i, x in enumerate(per):
+                        if x:
+                            mirror.events.extend(tick, x, "evicted", i)
+            mirror.lives = [IntList(rows[i][b][:n]) for i, n in enumerate(ns)]
             if st is not None:
                 for name, t in stats.items():
-                    st._set(name, t[:, b].clone())
+                    if len(set(ns)) == 1:
+                        st._set(name, t[:, b, :ns[0]].to(st.device).clone())
+                    else:
+                        st._data[name] = [t[i, b, :n].to(st.device).clone() for i, n in enumerate(ns)]
+                        st._mats.pop(name, None)
             c.next_position = self.next_pos[b]
             c.check()
         self.closed = True

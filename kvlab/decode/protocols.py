@@ -57,6 +57,9 @@ EVICT_ATTRS: dict[str, Attr] = {
                             "as keep(view) row by row (ranked policies: one ranking for all rows); None: keep per row"),
     "decides_columns": Attr(False, "at a budget and asked at every step, the policy decides over a resident bank's "
                                    "columns (column_drop; kvlab.cache.resident) as keep would over the same entries"),
+    "column_capacity": Attr(None, "with decides_columns: column_capacity(num_layers) -> int, the columns a resident "
+                                  "bank holds per layer: the most entries a layer holds after a step's append (None: "
+                                  "its length when checked in + 1)"),
     "column_drop": Attr(None, "column_drop(cols) -> (L, B) long: with decides_columns, the column each layer of each "
                               "row drops (kvlab.cache.resident.ColumnView), the entry keep would drop"),
 }

@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from kvlab.eviction.base import (EvictView, Keep, Plan, RankedEviction, check_bool, check_sinks, drawn_stats, finite_float,
                                  layer_block, layer_row, minmax, nonneg_int, positive_int, protected_below, unit_float)
 from kvlab.cache.mirror import positions_tensor
+from kvlab.eviction.ranking import masked_minmax
 from kvlab.core.registry import register_eviction
 
 MARGIN_CLIP = 10.0
@@ -218,6 +219,42 @@ class ConfKV(RankedEviction):
                    else [budget] * view.num_layers)
         return self.plan_select(view, budgets, budget=budget, confidence=c, int8_window=self.int8_window,
                                 int8_group=self.int8_group)
+
+    # ------------------------------------------------------------------ over a resident bank's columns
+
+    @property
+    def decides_columns(self) -> bool:
+        """Conf-KV decides over a resident bank's columns (:meth:`column_drop`) when it ranks per layer, stores full
+        precision and reads its confidence from the step's own distribution (``confidence_from="raw"``)."""
+        return bool(self.per_layer) and self.int8_window is None and self.confidence_from == "raw"
+
+    def column_capacity(self, num_layers: int) -> int:
+        """A resident bank's columns per layer: the largest budget (``loose``; the pyramid's shallowest layer) + 1."""
+        return max(self._budgets(self.loose, num_layers)) + 1
+
+    def _budgets(self, budget: int, num_layers: int) -> list[int]:
+        return pyramid_budgets(budget, num_layers, self.pyramid_ratio) if self.pyramidal else [budget] * num_layers
+
+    def column_drop(self, cols) -> torch.Tensor:
+        """What :meth:`keep` drops at this step, over a resident bank's columns: each row's budget ``B_t`` from its
+        step record's confidence (``cols.records``), each layer over it ranked by ``s = λ·minmax(ema) +
+        (1-λ)·minmax(pos)`` over its candidates (masked min–max: the same numbers), ties to the older slot."""
+        if not self.decides_columns:
+            raise ValueError("this Conf-KV does not decide over a resident bank's columns (per_layer=False, INT8 or "
+                             "confidence_from='drawn'): run it through keep / keep_rows")
+        if cols.records is None or cols.vocab_size is None:
+            raise ValueError("Conf-KV's column_drop reads each row's confidence: Resident.view(step, records=..., "
+                             "vocab_size=...)")
+        L = cols.key.shape[0]
+        per = [self._budgets(self.tight if self.confidence(r, cols.vocab_size) >= self.gamma else self.loose, L)
+               for r in cols.records]
+        budgets = torch.tensor(per, dtype=torch.long, device=cols.key.device).T                 # (L, B)
+        cand = cols.live & (cols.key <= cols.newest_key - self.protect) & (cols.positions >= self.sinks)
+        s = masked_minmax(cols.positions.to(torch.float32), cand)                               # recency
+        if self.attn_weight > 0:
+            a = masked_minmax(cols.stats["ema"].float(), cand)
+            s = self.attn_weight * a + (1.0 - self.attn_weight) * s
+        return self.column_select(cols, s, budgets)
 
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
         """``s_lj = λ·minmax(ema_l) + (1-λ)·minmax(pos_l)`` over the layer's candidates (0 elsewhere)."""

@@ -52,7 +52,8 @@ from typing import Sequence
 import torch
 
 from kvlab.decode.protocols import EvictView, Keep, keep_all
-from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, drop_lowest, minmax,  # noqa: F401
+from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, drop_lowest, masked_minmax,  # noqa: F401
+                                    minmax,
                                     per_layer, rank_items, rank_plans, top_and_recent_layers, top_slots,
                                     top_slots_layers)
 
@@ -247,18 +248,19 @@ class RankedEviction:
             getattr(t, m) is getattr(base, m) for m in ("plan", "keep", "keep_rows", "budgets", "due"))
 
     def column_drop(self, cols) -> torch.Tensor:
-        """``(L, B)`` long: the column each layer of each row of a resident bank drops at this step (its ``budget +
-        1`` entries back to ``budget``): the lowest :meth:`column_score` after the sinks (positions below ``sinks``)
-        and the newest window (the keys above ``newest_key - newest``), ties to the older slot — the entry
-        :meth:`keep` drops."""
+        """The entries each layer of each row of a resident bank drops at this step, down to ``budget`` (``(L, B)``
+        long columns when every layer drops one, else an ``(L, B, C)`` bool mask): the lowest :meth:`column_score`
+        after the sinks (positions below ``sinks``) and the newest window (the keys above ``newest_key - newest``),
+        ties to the older slot — the entries :meth:`keep` drops."""
         if not self.decides_columns:
             raise ValueError(f"{type(self).__name__} does not decide over a resident bank's columns "
                              "(decides_columns is False): run it through keep / keep_rows")
-        if cols.budget != self.budget:
-            raise ValueError(f"the resident rows hold budget={cols.budget} entries per layer, this policy keeps "
-                             f"budget={self.budget}: check the rows in at the policy's budget")
-        protected = (cols.key > cols.newest_key - self.newest) | (cols.positions < self.sinks)
-        return drop_lowest(self.column_score(cols), protected, cols.key)
+        return self.column_select(cols, self.column_score(cols), torch.full_like(cols.key[..., 0], self.budget))
+
+    def column_select(self, cols, score: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """:meth:`column_drop` under ``budgets`` ``(L, B)`` (entries each layer of each row keeps) by ``score``."""
+        protected = ~cols.live | (cols.key > cols.newest_key - self.newest) | (cols.positions < self.sinks)
+        return drop_lowest(score, protected, cols.key, (cols.counts() - budgets).clamp_min(0))
 
     def rank_layer(self, scores: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:
         """One layer's decision: the slots it keeps of ``n`` under ``budget``, its first ``sinks`` slots

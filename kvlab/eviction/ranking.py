@@ -58,13 +58,31 @@ def _bottom_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     return drop.nonzero()[:, 1].view(x.shape[0], d)                                 # row-major: sorted per row
 
 
-def drop_lowest(score: torch.Tensor, protected: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def drop_lowest(score: torch.Tensor, protected: torch.Tensor, key: torch.Tensor,
+                k: torch.Tensor | None = None) -> torch.Tensor:
     """Per layer and row of a resident bank (:class:`kvlab.cache.resident.ColumnView`: ``(L, B, C)`` tensors), the
-    column of the lowest ``score`` among those not ``protected`` (ties: the lowest ``key``, the oldest slot, goes, as
-    :func:`_bottom_rows`' one drop); ``(L, B)`` long."""
+    ``k[l, b]`` columns (``(L, B)``; None: one each) of the lowest ``score`` among those not ``protected``, ties: the
+    lowest ``key`` (the oldest slot) first, as :func:`_bottom_rows`. One drop per layer and row: ``(L, B)`` long
+    columns (one masked ``argmin``); otherwise an ``(L, B, C)`` bool mask (one sort by key, one stable sort by score)."""
     s = score.float().masked_fill(protected, float("inf"))
-    low = s.amin(-1, keepdim=True)                                                  # (L, B, 1)
-    return torch.where(s == low, key, torch.iinfo(key.dtype).max).argmin(-1)        # (L, B) the oldest lowest
+    one = k is None or (int(k.min()) == 1 and int(k.max()) == 1)
+    if one:
+        low = s.amin(-1, keepdim=True)                                              # (L, B, 1)
+        return torch.where(s == low, key, torch.iinfo(key.dtype).max).argmin(-1)    # (L, B) the oldest lowest
+    if int(k.max()) <= 0:
+        return torch.zeros(s.shape, dtype=torch.bool, device=s.device)
+    by_key = key.argsort(-1)                                                        # oldest first
+    order = by_key.gather(-1, s.gather(-1, by_key).argsort(dim=-1, stable=True))        # (L, B, C) drop order
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
+    return rank < k[..., None]
+
+
+def masked_minmax(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`minmax` along the last dim over the entries ``keep`` (bool, same shape) only: the same numbers there
+    (0 where they are all equal); elsewhere undefined."""
+    lo = x.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+    span = x.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True) - lo
+    return torch.where(span > 0, (x - lo) / span.clamp_min(1e-30), torch.zeros_like(x))
 
 
 def top_slots_layers(scores: Sequence[torch.Tensor], k: int) -> list[list[int]]:

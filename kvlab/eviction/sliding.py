@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.eviction.base import EvictView, Keep, keep_all, nonneg_int, positive_int, protected_below
+from kvlab.eviction.ranking import drop_lowest
 from kvlab.core.registry import register_eviction
 
 
@@ -37,13 +38,13 @@ class SlidingWindow:
         recent = self.window - self.sinks
         return Keep(tuple(range(self.sinks)) + tuple(range(n - recent, n)), budget=self.window)
 
-    decides_columns = True      # one drop per step over a resident bank's columns (kvlab.cache.resident)
+    decides_columns = True      # drops over a resident bank's columns (kvlab.cache.resident)
 
     def column_drop(self, cols) -> torch.Tensor:
-        """``(L, B)`` long: over a resident bank's columns (``window + 1`` entries), the oldest slot after the first
-        ``sinks`` (the lowest key at or above ``sinks``: the sinks keep keys ``0 .. sinks - 1``) — the slot
-        :meth:`keep` drops."""
-        if cols.budget != self.window:
-            raise ValueError(f"the resident rows hold budget={cols.budget} entries per layer, this window keeps "
-                             f"window={self.window}: check the rows in at the window")
-        return cols.key.masked_fill(cols.key < self.sinks, torch.iinfo(cols.key.dtype).max).argmin(-1)
+        """Over a resident bank's columns, the entries :meth:`keep` drops: each layer's oldest slots after its first
+        ``sinks`` (the lowest keys), down to ``window`` entries (``(L, B)`` long columns when every layer drops one,
+        else an ``(L, B, C)`` bool mask)."""
+        key = cols.key
+        first = torch.where(cols.live, key, torch.iinfo(key.dtype).max).amin(-1, keepdim=True)      # (L, B, 1)
+        protected = ~cols.live | (key < first + self.sinks)
+        return drop_lowest(key.float(), protected, key, (cols.counts() - self.window).clamp_min(0))

@@ -166,7 +166,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     the caches' edit (the batched decode loop's own evict phase, all rows at once:
     :func:`kvlab.decode.evict_phase.apply_keep_rows`). The first step (the bulk cut to the budget) is left out.
     ``resident`` (default): a policy asked at every step that decides over columns (``decides_columns``: sliding, H2O,
-    Scissorhands) runs its later steps as resident rows (:class:`kvlab.cache.resident.Resident`: checked in after
+    Scissorhands, Conf-KV) runs its later steps as resident rows (:class:`kvlab.cache.resident.Resident`: checked in after
     the first step's cut, inside that untimed step; each step one forward into the freed columns, the policy's
     ``column_drop`` and the edit; closed after the last step, untimed); its row says ``resident``.
     ``step_ms`` is the median over periods of the mean step time of each whole period of ``e`` steps starting at an
@@ -255,9 +255,10 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     res = held["res"]
                     if res is not None:                                 # resident rows: the step, the drop, the edit
                         with record_function("evict_bench.resident"):
-                            res.step(model, [tok] * B, writer="teacher", steps=[step] * B)
-                            read.append(res.C)
-                            res.evict(p.column_drop(res.view(step)))
+                            logits = res.step(model, [tok] * B, writer="teacher", steps=[step] * B)
+                            read.append(float(res.live.sum()) / (B * res.L))
+                            signals = _Signals(logits)                  # read by Conf-KV only (its confidence)
+                            res.evict(p.column_drop(res.view(step, [signals.row(step, b) for b in range(B)], vocab)))
                         _sync()
                         times.append(time.perf_counter() - t0)
                         return
@@ -279,7 +280,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                         with record_function("evict_bench.apply"):
                             apply_keep_rows(caches, decisions, model)      # every row's edit at once
                     if held["ok"] and step == 1:                        # in the untimed first step: check in
-                        held["res"] = Resident(bk, caches)
+                        cap = evict_attr(p, "column_capacity")
+                        held["res"] = Resident(bk, caches, cap(bk.num_layers) if callable(cap) else None)
                     _sync()
                     times.append(time.perf_counter() - t0)
 
