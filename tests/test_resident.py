@@ -12,6 +12,7 @@ from kvlab.cache.batch import Bank, forward_rows
 from kvlab.cache.resident import Resident
 from kvlab.decode.evict_phase import apply_keep_rows, evict_view
 from kvlab.decode.protocols import evict_attr, keep_rows, measures_at
+from kvlab.eviction.block import BlockEvict
 from kvlab.eviction.confkv import ConfKV, pyramid_budgets
 from kvlab.eviction.every import Every
 from kvlab.eviction.h2o import H2O
@@ -27,6 +28,7 @@ POLICIES = {
     "h2o_sinks": H2O(budget=12, recent=3, sinks=2),
     "scissorhands": Scissorhands(budget=12, recent=4),
     "sliding": SlidingWindow(window=12, sinks=2),
+    "block": BlockEvict(block_size=2, start_blocks=1, evictable_blocks=3, recent_blocks=1),      # max 10, pool 7
 }
 
 
@@ -84,14 +86,16 @@ def test_resident_decodes_as_the_batched_loop(tiny_teacher, name):
     assert evict_attr(pol, "decides_columns")
     (bank_a, bank_b), (loop, rows), toks, _ = two_banks(tiny_teacher, pol)
     n = len(rows[0])
-    res = Resident(bank_b, rows)
+    cap = evict_attr(pol, "column_capacity")
+    res = Resident(bank_b, rows, cap(bank_b.num_layers) if callable(cap) else None,
+                   slots=evict_attr(pol, "column_slots"))
     for j, tok in enumerate(toks[:10], start=2):
         want = loop_step(tiny_teacher, bank_a, loop, pol, tok, j)
         got = res.step(tiny_teacher.model, [tok] * B, writer="teacher", steps=[j] * B)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         res.evict(pol.column_drop(res.view(j)))
     closed = res.close()
-    assert closed == rows and all(len(c) == n for c in rows)
+    assert closed == rows and [len(c) for c in rows] == [len(c) for c in loop]
     for a, b in zip(loop, rows):
         same(a, b)
         assert a.next_position == b.next_position
@@ -195,7 +199,7 @@ def test_which_policies_decide_columns():
     assert evict_attr(ConfKV.from_budget(64), "decides_columns")              # its budgets from each row's record
     assert not ConfKV.from_budget(64, int8_window=16).decides_columns         # INT8 entries
     assert not ConfKV(tight=32, loose=64, protect=8, confidence_from="drawn").decides_columns    # the sampler's nucleus
-    assert not evict_attr(__import__("kvlab").eviction.EVICTION_POLICIES.entry("block").at_budget(64),
-                          "decides_columns")
+    assert evict_attr(BlockEvict(), "decides_columns") and evict_attr(BlockEvict(), "column_slots")
+    assert not BlockEvict(kvcrush=1).decides_columns and not BlockEvict(rerotate=True).decides_columns
     with pytest.raises(ValueError, match="does not decide over"):
         H2O(budget=12, recent=4, per_layer=False).column_drop(None)

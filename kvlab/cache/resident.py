@@ -48,7 +48,8 @@ class ColumnView:
     position, slot order, ledger row); ``live``: ``(L, B, C)`` bool, the columns holding an entry (the others are
     free: read nothing there); ``newest_key``: the key of the step's new entry (a layer's newest ``w`` slots are the
     keys above ``newest_key - w``); ``budget``: the entries each layer held when checked in; ``records``: each row's
-    step record (entropy, top-1, margin: Conf-KV's confidence) or None; ``vocab_size``; ``step``."""
+    step record (entropy, top-1, margin: Conf-KV's confidence) or None; ``vocab_size``; ``step``; ``order``: each
+    layer's columns in slot order, its live ones first (a resident bank made with ``slots``), else None."""
 
     stats: dict
     positions: torch.Tensor
@@ -60,6 +61,7 @@ class ColumnView:
     step: int
     records: tuple | None = None
     vocab_size: int | None = None
+    order: torch.Tensor | None = None       # (L, B, C) long: slot j's column (live slots first); kept when ``slots``
 
     def counts(self) -> torch.Tensor:
         """``(L, B)`` long: the entries each layer of each row holds (the step's new one included)."""
@@ -88,11 +90,12 @@ PACK_AT = 0.75      # a bulk drop that leaves fewer live entries than this share
 class Resident:
     """Rows ``caches`` (rows ``0 .. B-1`` of ``bank``, ``B`` = its width) held as bank-wide tensors (module
     docstring). Every layer's live map must hold its entries in position order, full precision, with statistics (if
-    tracked) unpooled. ``capacity``: columns per layer and row, the most entries a layer holds in a step (its budget
-    plus the step's new entry; default: the longest layer + 1). ValueError naming what does not fit, nothing
-    changed."""
+    tracked) in one setting. ``capacity``: columns per layer and row, the most entries a layer holds in a step (its
+    budget plus the step's new entry; default: the longest layer + 1). ``slots``: keep each layer's slot order
+    (:attr:`ColumnView.order`: a policy that reads entries by slot, block eviction; statistics pooled over
+    neighbouring slots keep it whatever ``slots`` says). ValueError naming what does not fit, nothing changed."""
 
-    def __init__(self, bank, caches, capacity: int | None = None):
+    def __init__(self, bank, caches, capacity: int | None = None, slots: bool = False):
         caches = list(caches)
         B = bank.width
         if len(caches) != B:
@@ -108,9 +111,8 @@ class Resident:
         sts = [c._stats for c in caches]
         if len({st is None for st in sts}) != 1:
             raise ValueError("caches: some rows track attention statistics and some do not")
-        if sts[0] is not None and (len({(st.ema_decay, st.below, st.pool, st.window) for st in sts}) != 1
-                                   or sts[0].pool != 1):
-            raise ValueError("caches: resident rows need one statistics setting, unpooled (pool=1)")
+        if sts[0] is not None and len({(st.ema_decay, st.below, st.pool, st.window) for st in sts}) != 1:
+            raise ValueError("caches: resident rows need one statistics setting")
         lens = [[len(live) for live in c._mirror.lives] for c in caches]                       # (B, L)
         top = max(max(x) for x in lens)
         if min(min(x) for x in lens) < 1:
@@ -153,6 +155,9 @@ class Resident:
         self.width = top                                        # columns [0, width) hold every live entry
         self.stats: dict[str, torch.Tensor] = {}
         self.setting = None
+        self.pool = sts[0].pool if sts[0] is not None else 1
+        # slot j's column, live slots first then the free columns (a permutation): kept for slot readers and pooling
+        self.order = torch.arange(C, device=dev).expand(L, B, C).contiguous() if (slots or self.pool > 1) else None
         if sts[0] is not None:
             st = sts[0]
             self.setting = (st.window, st.below, st.ema_decay)
@@ -164,9 +169,11 @@ class Resident:
                 self.stats[name] = t.to(dev)
             self._block = torch.zeros(L, B, C, dtype=torch.float32, device=dev)
         self.next_pos = [c.next_position for c in caches]
-        # uniform rows (every layer the same rows) log one event per eviction when every layer drops the same rows
-        self.uniform = [c._mirror.uniform for c in caches]
-        self.log: list[tuple] = []                              # per eviction: (L, B, k) rows, (L, B) counts, uniform
+        # the events close() writes: per step the rows appended, then the step's drops: (L, B, k) rows (slot order),
+        # (L, B) counts (None: one each), or None when nothing went; replayed from the rows each layer held
+        self._held = [[list(live) for live in c._mirror.lives] for c in caches]
+        self.appended: list[list[int]] = []
+        self.log: list[tuple | None] = []
         self.stepped = False                                    # a step not yet followed by its evict()
         self._loans = [(c._store, c._mirror, c._stats) for c in caches]
         for c in caches:
@@ -194,7 +201,11 @@ class Resident:
             raise ValueError(f"tokens and steps need one entry per row ({B})")
         ids = [int(t) for t in tokens]
         dev = self.bank.device
-        free = (~self.live).to(torch.uint8).argmax(-1)                                        # (L, B) first free
+        if self.order is None:
+            free = (~self.live).to(torch.uint8).argmax(-1)                                    # (L, B) first free
+        else:                                                   # the first column past the live slots: slot order
+            count = self.live.sum(-1)                                                          # (L, B) kept
+            free = self.order.gather(2, count.clamp_max(C - 1)[..., None])[..., 0]
         if not bool(self.live.gather(2, free[..., None]).logical_not().all()):
             raise ValueError(f"a layer holds {C} entries, the resident capacity: evict before the next step")
         W = max(self.width, int(free.max()) + 1)                                             # columns read
@@ -223,12 +234,15 @@ class Resident:
         at = free[..., None]                                                                   # (L, B, 1)
         new_rows = [c_m.ledger.append([t], [p], writer, int(s))[0]
                     for (_, c_m, _), t, p, s in zip(self._loans, ids, self.next_pos, steps)]
+        self.appended.append(new_rows)
         self.live.scatter_(2, at, True)
         self.key.scatter_(2, at, self.next_key)
         self.positions.scatter_(2, at, pos_t.view(1, B, 1).expand(L, B, 1))
         self.rows.scatter_(2, at, torch.tensor(new_rows, dtype=torch.long, device=dev).view(1, B, 1).expand(L, B, 1))
         if sink is not None:
-            m = self._block[..., :W]                                                           # (L, B, W) mass
+            m = raw = self._block[..., :W]                                                     # (L, B, W) mass
+            if self.pool > 1:                                   # max-pooled over the next pool - 1 slots
+                m = self._pooled(count + 1)[..., :W]
             st = self.stats
             for name in st:
                 st[name].scatter_(2, at, 0.0)                   # the new entry's statistics start at zero
@@ -238,12 +252,23 @@ class Resident:
             st["count"][..., :W] += 1.0
             if "low" in st:                                     # below the uniform share of the entries it saw
                 n = seen.sum(-1, keepdim=True).to(m.dtype)                                     # (L, B, 1)
-                st["low"][..., :W] += ((m < 1.0 / n) & seen).float()
+                st["low"][..., :W] += ((raw < 1.0 / n) & seen).float()
         self.width = W
         self.next_key += 1
         self.next_pos = [p + 1 for p in self.next_pos]
         self.stepped = True
         return logits[:, -1, :]                                                                # (B, V)
+
+    def _pooled(self, count: torch.Tensor) -> torch.Tensor:
+        """The step's mass ``(L, B, C)`` max-pooled in slot order over each entry and the next ``pool - 1``
+        (:func:`~kvlab.cache.stats.max_pool_next`, the window cut at the layer's last slot), back in column order
+        (free columns 0)."""
+        L, B, C = self.L, self.B, self.C
+        valid = torch.arange(C, device=count.device) < count[..., None]                       # (L, B, C) slots
+        ms = self._block.gather(2, self.order).masked_fill(~valid, float("-inf"))              # slot order
+        padded = torch.nn.functional.pad(ms.view(L * B, 1, C), (0, self.pool - 1), value=float("-inf"))
+        pooled = torch.nn.functional.max_pool1d(padded, self.pool, stride=1).view(L, B, C).masked_fill(~valid, 0.0)
+        return torch.empty_like(pooled).scatter_(2, self.order, pooled)
 
     def view(self, step: int, records=None, vocab_size: int | None = None) -> ColumnView:
         """The columns a policy decides from after a step (:class:`ColumnView`); ``records``: each row's step record
@@ -251,7 +276,8 @@ class Resident:
         self._live()
         return ColumnView(stats=dict(self.stats), positions=self.positions, key=self.key, rows=self.rows,
                           live=self.live, newest_key=self.next_key - 1, budget=self.budget, step=step,
-                          records=None if records is None else tuple(records), vocab_size=vocab_size)
+                          records=None if records is None else tuple(records), vocab_size=vocab_size,
+                          order=self.order)
 
     @torch.inference_mode()
     def evict(self, drop: torch.Tensor) -> None:
@@ -269,11 +295,9 @@ class Resident:
             at = d[..., None]                                                                  # (L, B, 1)
             if not bool(self.live.gather(2, at).all()):
                 raise ValueError("drop names a free column (no entry there)")
-            gone = self.rows.gather(2, at)                                                     # (L, B, 1)
-            same = (gone[..., 0] == gone[:1, :, 0]).all(0)                                     # (B,)
-            self.log.append((gone, None, list(self.uniform)))
-            self.uniform = [u and x for u, x in zip(self.uniform, same.tolist())]
+            self.log.append((self.rows.gather(2, at), None))                                   # (L, B, 1) rows
             self.live.scatter_(2, at, False)
+            self._reorder()
             self.stepped = False
             return
         if tuple(d.shape) != (L, B, C) or d.dtype != torch.bool:
@@ -284,17 +308,23 @@ class Resident:
             raise ValueError("drop names a free column (no entry there)")
         k = mask.sum(-1)                                                                       # (L, B)
         kmax = int(k.max())
+        self.log.append(None)
         if kmax:
             order = torch.where(mask, self.key, _BIG).argsort(-1)[..., :kmax]                  # slot order
-            gone = self.rows.gather(2, order)                                                  # (L, B, kmax)
-            same = ((gone == gone[:1]) | (torch.arange(kmax, device=d.device) >= k[..., None])).all(-1).all(0)
-            same &= (k == k[:1]).all(0)
-            self.log.append((gone, k, list(self.uniform)))
-            self.uniform = [u and s for u, s in zip(self.uniform, same.tolist())]
+            self.log[-1] = (self.rows.gather(2, order), k)                                     # (L, B, kmax) rows
             self.live &= ~mask
             if kmax > 1 and float(self.live[..., :self.width].sum()) < PACK_AT * L * B * self.width:
                 self._pack()                                    # a bulk drop's free columns: packed
+            else:
+                self._reorder()
         self.stepped = False
+
+    def _reorder(self) -> None:
+        """After a drop: the slot order without the dropped slots (live slots first, in their order; a stable
+        partition of :attr:`order`)."""
+        if self.order is not None:
+            gone = ~self.live.gather(2, self.order)                                            # (L, B, C) by slot
+            self.order = self.order.gather(2, gone.to(torch.uint8).argsort(dim=-1, stable=True))
 
     def _pack(self) -> None:
         """Every layer's live entries moved to its first columns in slot order (one gather per buffer and per-column
@@ -311,6 +341,8 @@ class Resident:
             setattr(self, name, getattr(self, name).gather(2, perm))
         for name, t in self.stats.items():
             self.stats[name] = t.gather(2, perm)
+        if self.order is not None:
+            self.order = torch.arange(self.C, device=perm.device).expand(L, B, self.C).contiguous()
         self.width = top
 
     # ------------------------------------------------------------------ handing the caches back
@@ -333,8 +365,8 @@ class Resident:
         rows = self.rows.gather(2, perm).cpu().tolist()                                        # L x B x top
         stats = {name: t.gather(2, perm).cpu() for name, t in self.stats.items()}
         counts = n_lb.cpu().tolist()
-        events = [(gone.cpu().tolist(), [[1] * B] * L if k is None else k.cpu().tolist(), uni)
-                  for gone, k, uni in self.log]
+        events = [None if e is None else (e[0].cpu().tolist(), [[1] * B] * L if e[1] is None else e[1].cpu().tolist())
+                  for e in self.log]
         for b, (c, (store, mirror, st)) in enumerate(zip(self.caches, self._loans)):
             c._store, c._mirror, c._stats = store, mirror, st
             ns = [counts[i][b] for i in range(L)]
@@ -343,17 +375,7 @@ class Resident:
                 lay._order_row = None
                 lay._views()
             bank.clear_cols(b)
-            for gone, k, uni in events:
-                per = [gone[i][b][:k[i][b]] for i in range(L)]
-                if not any(per):
-                    continue
-                tick = mirror.next_tick()
-                if uni[b] and all(x == per[0] for x in per):
-                    mirror.events.extend(tick, per[0], "evicted", -1)
-                else:
-                    for i, x in enumerate(per):
-                        if x:
-                            mirror.events.extend(tick, x, "evicted", i)
+            self._events(mirror, b, events)
             mirror.lives = [IntList(rows[i][b][:n]) for i, n in enumerate(ns)]
             if st is not None:
                 for name, t in stats.items():
@@ -366,6 +388,39 @@ class Resident:
             c.check()
         self.closed = True
         return self.caches
+
+    def _events(self, mirror, b: int, events: list) -> None:
+        """Row ``b``'s ``evicted`` events, as the batched loop logs them: one tick per step that dropped anything, one
+        event per layer and row, or one per row for all layers (layer -1) when every layer dropped the same rows
+        while all held the same rows (:attr:`Mirror.uniform`, followed here through each layer's row set and its
+        difference from layer 0's)."""
+        L = self.L
+        held = [set(x) for x in self._held[b]]
+        diff = [held[i] ^ held[0] for i in range(L)]                     # rows where layer i and layer 0 differ
+        for new, e in zip(self.appended, events):
+            for x in held:                                              # the step's entry joins every layer
+                x.add(new[b])
+            if e is None:
+                continue
+            gone, k = e
+            per = [gone[i][b][:k[i][b]] for i in range(L)]
+            if not any(per):
+                continue
+            tick = mirror.next_tick()
+            if not any(diff) and all(x == per[0] for x in per):
+                mirror.events.extend(tick, per[0], "evicted", -1)
+            else:
+                for i, x in enumerate(per):
+                    if x:
+                        mirror.events.extend(tick, x, "evicted", i)
+            for x, d in zip(held, per):
+                x.difference_update(d)
+            for i in range(1, L):
+                for r in set(per[0]).union(per[i]):
+                    if (r in held[0]) != (r in held[i]):
+                        diff[i].add(r)
+                    else:
+                        diff[i].discard(r)
 
     def __enter__(self) -> "Resident":
         return self

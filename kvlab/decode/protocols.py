@@ -60,6 +60,8 @@ EVICT_ATTRS: dict[str, Attr] = {
     "column_capacity": Attr(None, "with decides_columns: column_capacity(num_layers) -> int, the columns a resident "
                                   "bank holds per layer: the most entries a layer holds after a step's append (None: "
                                   "its length when checked in + 1)"),
+    "column_slots": Attr(False, "with decides_columns: column_drop reads the entries in slot order (ColumnView.order; "
+                                "a resident bank keeps it: block eviction's areas)"),
     "column_drop": Attr(None, "column_drop(cols) -> (L, B) long: with decides_columns, the column each layer of each "
                               "row drops (kvlab.cache.resident.ColumnView), the entry keep would drop"),
 }

@@ -243,6 +243,43 @@ class BlockEvict:
         evicted = any(len(k) < n for k, n in zip(kept, lengths))
         return per_layer(kept, budget=budget, rerotate=self.rerotate and evicted)
 
+    # ------------------------------------------------------------------ over a resident bank's columns
+
+    column_slots = True         # its areas are slot ranges: a resident bank keeps the slot order (ColumnView.order)
+
+    @property
+    def decides_columns(self) -> bool:
+        """Block eviction decides over a resident bank's columns (:meth:`column_drop`) without KVCrush's
+        representatives and without re-rotation."""
+        return not self.kvcrush and not self.rerotate
+
+    def column_capacity(self, num_layers: int) -> int:
+        """A resident bank's columns per layer: ``max + bs`` (the most a layer holds after a step's append)."""
+        return self.max_cache_size + self.block_size
+
+    def column_drop(self, cols) -> torch.Tensor:
+        """What :meth:`keep_rows` drops at this step, over a resident bank's columns (``cols.order``: slot order):
+        the ``d`` lowest-scoring evictable blocks of every layer of every row (one stable sort over ``(L, B, nb)``),
+        as an ``(L, B, C)`` bool mask. Every layer of every row holds the same number of entries."""
+        if not self.decides_columns or cols.order is None:
+            raise ValueError("block eviction decides over a resident bank's columns without kvcrush or rerotate, and "
+                             "reads them in slot order: Resident(..., slots=True)")
+        counts = cols.counts()
+        n = int(counts[0, 0])
+        if not bool((counts == n).all()):
+            raise ValueError("block eviction over columns needs every layer of every row at one length")
+        mask = torch.zeros(cols.live.shape, dtype=torch.bool, device=cols.live.device)
+        d = self.n_evict(n)
+        if d <= 0:
+            return mask
+        order = cols.order[..., :n]                                                      # (L, B, n) slot -> column
+        acc = cols.stats["acc"].gather(2, order)
+        count = cols.stats["count"].gather(2, order) if self.score == "norm_sum" else None
+        low = torch.sort(self.block_scores(acc, count, self.n_blocks(n)), dim=-1, stable=True).indices[..., :d]
+        s, bs = self.start_blocks * self.block_size, self.block_size
+        slots = (s + low[..., None] * bs + torch.arange(bs, device=low.device)).flatten(2)  # (L, B, d·bs)
+        return mask.scatter_(2, order.gather(2, slots), True)
+
     def keep_rows(self, views) -> list[Keep]:
         """:meth:`keep` of each of ``views`` (the rows of a batch), the same decisions: when every row and layer
         holds ``n`` entries and blocks go, every layer's block scores of every row are one ``(R, L, nb)`` tensor

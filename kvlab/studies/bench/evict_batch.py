@@ -281,7 +281,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                             apply_keep_rows(caches, decisions, model)      # every row's edit at once
                     if held["ok"] and step == 1:                        # in the untimed first step: check in
                         cap = evict_attr(p, "column_capacity")
-                        held["res"] = Resident(bk, caches, cap(bk.num_layers) if callable(cap) else None)
+                        held["res"] = Resident(bk, caches, cap(bk.num_layers) if callable(cap) else None,
+                                               slots=bool(evict_attr(p, "column_slots")))
                     _sync()
                     times.append(time.perf_counter() - t0)
 
