@@ -130,7 +130,7 @@ def test_bench_rows_name_the_interval(tiny_teacher):
     got = {(r["policy"], r["every"]) for r in rows}
     assert ("h2o", 1) in got and ("h2o", 4) in got and ("full", 1) in got and ("full", 4) not in got
     assert {(r["policy"], r["every"]) for r in rows if r["resident"]} == {(p, 1) for p in ("sliding", "h2o",
-                                                                                         "scissorhands", "confkv")}
+                                                                                         "scissorhands", "block", "confkv")}
     for r in rows:
         assert r["plain_ms"] > 0 and r["step_ms"] > 0 and r["asked_ms"] > 0 and r["final_len"] >= 1
     with pytest.raises(ValueError, match=r"--tokens.*at least 8"):

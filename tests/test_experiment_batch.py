@@ -77,7 +77,7 @@ def test_bench_evict_batch_rows(tiny_teacher):
         assert r["frac_of_bound"] == pytest.approx(r["speedup_vs_full"] / r["bound"], abs=2e-3)
         assert r["plain_frac_of_bound"] > 0           # the plain step's own fraction: this machine's ceiling
     # asked at every step, the policies that decide over columns run resident (kvlab.cache.resident)
-    assert {r["policy"] for r in rows if r["resident"]} == {"sliding", "h2o", "scissorhands", "confkv"}
+    assert {r["policy"] for r in rows if r["resident"]} == {"sliding", "h2o", "scissorhands", "block", "confkv"}
     full = [r for r in rows if r["policy"] == "full"]
     assert all(r["bound"] == 1.0 for r in full)
     assert all(r["speedup_vs_full"] == 1.0 and r["full_ms"] == r["step_ms"] for r in full)

@@ -36,7 +36,7 @@ def register(sub, bench_sweep) -> None:
                    help="evict --batch: only these policies, e.g. full,h2o,confkv (default: all seven)")
     p.add_argument("--no-resident", dest="resident", action="store_false",
                    help="evict --batch: run every policy through the batched loop's evict phase, none as resident "
-                        "rows (kvlab.cache.resident: sliding, H2O, Scissorhands, Conf-KV asked at every step, by default)")
+                        "rows (kvlab.cache.resident: sliding, H2O, Scissorhands, block, Conf-KV asked at every step, by default)")
     p.add_argument("--shapes", nargs="+", default=None,
                    help="students: prune shapes to compare, e.g. i0.30 h0.20,i0.50 h0.45,i0.45 (default: the default shape)")
     p.add_argument("--pairs", type=positive_int("--pairs"), default=16, help="surgery: replace_pairs in the tick")

@@ -166,7 +166,7 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
     the caches' edit (the batched decode loop's own evict phase, all rows at once:
     :func:`kvlab.decode.evict_phase.apply_keep_rows`). The first step (the bulk cut to the budget) is left out.
     ``resident`` (default): a policy asked at every step that decides over columns (``decides_columns``: sliding, H2O,
-    Scissorhands, Conf-KV) runs its later steps as resident rows (:class:`kvlab.cache.resident.Resident`: checked in after
+    Scissorhands, block eviction, Conf-KV) runs its later steps as resident rows (:class:`kvlab.cache.resident.Resident`: checked in after
     the first step's cut, inside that untimed step; each step one forward into the freed columns, the policy's
     ``column_drop`` and the edit; closed after the last step, untimed); its row says ``resident``.
     ``step_ms`` is the median over periods of the mean step time of each whole period of ``e`` steps starting at an
