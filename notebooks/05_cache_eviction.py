@@ -283,7 +283,9 @@ display(Markdown(read_needle_long(pd.read_csv(FIGURES / "evict_needle_long.csv")
 # run it) and asked only every 16th step (`kvlab.Every`, kvpress's compression interval: the cache grows by up to
 # 15 entries between cuts, and the attention probabilities of the steps in between are summed per cache column and
 # folded in when the policy reads them; such a policy is timed over whole 16-step periods, so its asked step
-# counts). The kept run of
+# counts). Asked at every step, the window, H2O, Scissorhands, block eviction and Conf-KV run as resident rows
+# (`kvlab.cache.resident`: the batch's eviction state as bank-wide tensors, each new entry written into the column
+# the last eviction freed; the rows marked "resident"). The kept run of
 # `python -m kvlab bench evict --batch 8 --cache-len 4096 --tokens 64 --every 1,16`
 # (`docs/measured/evict_bench_batch.jsonl`; rerun it on your machine: timings are the machine's):
 

@@ -248,7 +248,7 @@ class Resident:
                 st[name].scatter_(2, at, 0.0)                   # the new entry's statistics start at zero
             beta = self.setting[2]
             st["acc"][..., :W] += m
-            st["ema"][..., :W] = beta * st["ema"][..., :W] + (1.0 - beta) * m
+            st["ema"][..., :W].mul_(beta).add_((1.0 - beta) * m)           # beta·ema + (1 - beta)·m, in place
             st["count"][..., :W] += 1.0
             if "low" in st:                                     # below the uniform share of the entries it saw
                 n = seen.sum(-1, keepdim=True).to(m.dtype)                                     # (L, B, 1)

@@ -249,12 +249,13 @@ class ConfKV(RankedEviction):
         per = [self._budgets(self.tight if self.confidence(r, cols.vocab_size) >= self.gamma else self.loose, L)
                for r in cols.records]
         budgets = torch.tensor(per, dtype=torch.long, device=cols.key.device).T                 # (L, B)
-        cand = cols.live & (cols.key <= cols.newest_key - self.protect) & (cols.positions >= self.sinks)
+        protected = self.column_protected(cols)
+        cand = ~protected
         s = masked_minmax(cols.positions.to(torch.float32), cand)                               # recency
         if self.attn_weight > 0:
             a = masked_minmax(cols.stats["ema"].float(), cand)
             s = self.attn_weight * a + (1.0 - self.attn_weight) * s
-        return self.column_select(cols, s, budgets)
+        return self.column_select(cols, s, budgets, protected)
 
     def score(self, view: EvictView, layer: int) -> torch.Tensor:
         """``s_lj = λ·minmax(ema_l) + (1-λ)·minmax(pos_l)`` over the layer's candidates (0 elsewhere)."""

@@ -257,9 +257,16 @@ class RankedEviction:
                              "(decides_columns is False): run it through keep / keep_rows")
         return self.column_select(cols, self.column_score(cols), torch.full_like(cols.key[..., 0], self.budget))
 
-    def column_select(self, cols, score: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """:meth:`column_drop` under ``budgets`` ``(L, B)`` (entries each layer of each row keeps) by ``score``."""
-        protected = ~cols.live | (cols.key > cols.newest_key - self.newest) | (cols.positions < self.sinks)
+    def column_protected(self, cols) -> torch.Tensor:
+        """``(L, B, C)`` bool: the columns no ranking may drop: free ones, the newest window, the sinks."""
+        protected = ~cols.live | (cols.key > cols.newest_key - self.newest)
+        return protected | (cols.positions < self.sinks) if self.sinks else protected
+
+    def column_select(self, cols, score: torch.Tensor, budgets: torch.Tensor,
+                      protected: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`column_drop` under ``budgets`` ``(L, B)`` (entries each layer of each row keeps) by ``score``
+        (``protected``: :meth:`column_protected`, computed when None)."""
+        protected = self.column_protected(cols) if protected is None else protected
         return drop_lowest(score, protected, cols.key, (cols.counts() - budgets).clamp_min(0))
 
     def rank_layer(self, scores: torch.Tensor, n: int, budget: int, sinks: int = 0) -> tuple[int, ...]:

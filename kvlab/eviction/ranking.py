@@ -80,8 +80,11 @@ def drop_lowest(score: torch.Tensor, protected: torch.Tensor, key: torch.Tensor,
 def masked_minmax(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """:func:`minmax` along the last dim over the entries ``keep`` (bool, same shape) only: the same numbers there
     (0 where they are all equal); elsewhere undefined."""
-    lo = x.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
-    span = x.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True) - lo
+    out = ~keep
+    lo = x.masked_fill(out, float("inf")).amin(-1, keepdim=True)
+    span = x.masked_fill(out, float("-inf")).amax(-1, keepdim=True) - lo
+    if bool((span > 0).all()):                     # (L, B, 1): no row all equal, no where over the whole tensor
+        return (x - lo) / span.clamp_min(1e-30)
     return torch.where(span > 0, (x - lo) / span.clamp_min(1e-30), torch.zeros_like(x))
 
 

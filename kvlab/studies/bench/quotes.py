@@ -61,9 +61,10 @@ def evict_table(figures: Path) -> str:
 
 
 def _every(r: dict) -> str:
-    """How often a row's policy was asked: ``step`` or ``N steps``."""
+    """How often a row's policy was asked: ``step`` or ``N steps``, and ``(resident)`` when its rows ran resident
+    (:mod:`kvlab.cache.resident`)."""
     every = r.get("every", 1)
-    return "step" if every == 1 else f"{every} steps"
+    return ("step" if every == 1 else f"{every} steps") + (" (resident)" if r.get("resident") else "")
 
 
 def _asked(r: dict) -> str:
@@ -92,6 +93,8 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_zen5_ee5425f.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 25's run, asked every 16 steps, before resident rows)",
     "docs/measured/evict_vs_plain_ci_zen5_7d936d8_run2.jsonl":
         "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 24's second run, the plain step's attention eager; "
         "before the views stopped copying the live maps)",
