@@ -93,6 +93,9 @@ MEASURED_EVICT_CI = "docs/measured/evict_vs_plain_ci.jsonl"
 # bench rows recorded theirs (the bench's ratios differ between CPU models and libraries: the per-step eager attention
 # costs more than SDPA on one CPU and less on the other; oneDNN's products made the EPYC's plain step a third shorter)
 EARLIER_EVICT_CI = {
+    "docs/measured/evict_vs_plain_ci_zen5_63848bf.jsonl":
+        "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 26's first run, asked at every step, before resident "
+        "Conf-KV's decision took fewer passes; its +dirty: docs)",
     "docs/measured/evict_vs_plain_ci_zen5_ee5425f.jsonl":
         "cpu AMD EPYC (family 26 model 2) ×2 · onednn (session 25's run, asked every 16 steps, before resident rows)",
     "docs/measured/evict_vs_plain_ci_zen5_7d936d8_run2.jsonl":
