@@ -177,6 +177,22 @@ def test_resident_rows_refuse_use_and_bad_input(tiny_teacher):
         res.step(model, [toks[1]] * B, writer="teacher", steps=[3] * B)
 
 
+def test_unmeasured_steps_append_zeros_as_the_loop(tiny_teacher):
+    """Rows that track statistics under a policy that reads none (the sliding window here): ``measure=False`` steps
+    append the new entries' zeros and nothing else, as the batched loop's unmeasured step."""
+    pol = SlidingWindow(window=12, sinks=2)
+    h2o = POLICIES["h2o"]                                           # its prefill: the rows track statistics
+    (bank_a, bank_b), (loop, rows), toks, _ = two_banks(tiny_teacher, h2o)
+    with Resident(bank_b, rows) as res:
+        for j, tok in enumerate(toks[:6], start=2):
+            want = loop_step(tiny_teacher, bank_a, loop, pol, tok, j)
+            got = res.step(tiny_teacher.model, [tok] * B, writer="teacher", steps=[j] * B, measure=False)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            res.evict(pol.column_drop(res.view(j)))
+    for a, b in zip(loop, rows):
+        same(a, b)
+
+
 def test_a_step_without_its_eviction_closes_one_longer(tiny_teacher):
     pol = POLICIES["h2o"]
     (_, bank), (_, rows), toks, _ = two_banks(tiny_teacher, pol)

@@ -187,10 +187,11 @@ class Resident:
             raise ValueError("this Resident is closed: its rows are caches again")
 
     @torch.inference_mode()
-    def step(self, model, tokens, *, writer: str, steps) -> torch.Tensor:
+    def step(self, model, tokens, *, writer: str, steps, measure: bool = True) -> torch.Tensor:
         """One batched forward: row ``b`` appends ``tokens[b]`` (an int) at its next position, written into each
-        layer's first free column; the statistics take the step's attention mass. Returns logits ``(B, V)``. Needs
-        the last step's :meth:`evict` first. On error nothing changes."""
+        layer's first free column; the statistics (if tracked) take the step's attention mass, or with ``measure``
+        False only the new entry's zeros (the batched loop's unmeasured step). Returns logits ``(B, V)``. Needs the
+        last step's :meth:`evict` first. On error nothing changes."""
         self._live()
         B, L, C = self.B, self.L, self.C
         if self.stepped:
@@ -215,7 +216,7 @@ class Resident:
             add = torch.zeros(L, B, W, dtype=torch.float32, device=dev).masked_fill_(~seen, float("-inf"))
             kwargs[MASKS_KWARG] = [add[i, :, None, None, :] for i in range(L)]              # (B, 1, 1, W) additive
         sink = None
-        if self.setting is not None:
+        if self.setting is not None and measure:
             window, below, _ = self.setting
             sink = MassSink(window, below, None, low_later=True)
             sink.block = self._block
@@ -239,13 +240,13 @@ class Resident:
         self.key.scatter_(2, at, self.next_key)
         self.positions.scatter_(2, at, pos_t.view(1, B, 1).expand(L, B, 1))
         self.rows.scatter_(2, at, torch.tensor(new_rows, dtype=torch.long, device=dev).view(1, B, 1).expand(L, B, 1))
+        for t in self.stats.values():
+            t.scatter_(2, at, 0.0)                              # the new entry's statistics start at zero
         if sink is not None:
             m = raw = self._block[..., :W]                                                     # (L, B, W) mass
             if self.pool > 1:                                   # max-pooled over the next pool - 1 slots
                 m = self._pooled(count + 1)[..., :W]
             st = self.stats
-            for name in st:
-                st[name].scatter_(2, at, 0.0)                   # the new entry's statistics start at zero
             beta = self.setting[2]
             st["acc"][..., :W] += m
             st["ema"][..., :W].mul_(beta).add_((1.0 - beta) * m)           # beta·ema + (1 - beta)·m, in place

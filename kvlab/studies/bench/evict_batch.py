@@ -255,7 +255,8 @@ def bench_evict_batch(lm, batches=(1, 8, 16), cache_len=2048, steps: int = 16, r
                     res = held["res"]
                     if res is not None:                                 # resident rows: the step, the drop, the edit
                         with record_function("evict_bench.resident"):
-                            logits = res.step(model, [tok] * B, writer="teacher", steps=[step] * B)
+                            logits = res.step(model, [tok] * B, writer="teacher", steps=[step] * B,
+                                              measure=measures_at(p, step))
                             read.append(float(res.live.sum()) / (B * res.L))
                             signals = _Signals(logits)                  # read by Conf-KV only (its confidence)
                             res.evict(p.column_drop(res.view(step, [signals.row(step, b) for b in range(B)], vocab)))
