@@ -4,6 +4,7 @@ live maps and attention statistics in the same call, or nothing; no other packag
 from kvlab.cache.kvcache import EvictReport, KVCache
 from kvlab.cache.ledger import EventLog, Ledger, Row
 from kvlab.cache.plan import ACTIONS, SPLICE_MODES, Block, SurgeryError, TickPlan, TickReport, plan_actions
+from kvlab.cache.resident import ColumnView, Resident
 
-__all__ = ["ACTIONS", "EvictReport", "SPLICE_MODES", "Block", "EventLog", "KVCache", "Ledger", "Row", "SurgeryError",
-           "TickPlan", "TickReport", "plan_actions"]
+__all__ = ["ACTIONS", "EvictReport", "SPLICE_MODES", "Block", "ColumnView", "EventLog", "KVCache", "Ledger", "Resident",
+           "Row", "SurgeryError", "TickPlan", "TickReport", "plan_actions"]

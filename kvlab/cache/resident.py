@@ -1,30 +1,35 @@
-"""Resident eviction: the rows of a batch evicting one entry per layer at every step, their eviction state held as
-bank-wide tensors while they decode. Part of the cache module: it alone edits the rows' tensors while they are
-resident, and hands the caches back whole.
+"""Resident eviction: the rows of a batch evicting at every step, their eviction state held as bank-wide tensors
+while they decode. Part of the cache module: it alone edits the rows' tensors while they are resident, and hands the
+caches back whole.
 
 The batched loop (:mod:`.batch`, :mod:`.evict_rows`) keeps every row's state in Python per row and layer: live maps,
 holes, statistics matrices, events. At batch 8 and 30 layers that is 240 row layers to walk at every step, a few
 milliseconds on top of a 40-ms forward whatever the policy decides. A :class:`Resident` takes the rows of a bank
-whose every layer holds ``n`` entries (the policy's budget) and keeps, per layer, row and bank column::
+and keeps, per layer, row and bank column::
 
-    key[l, b, c]        the entry's slot order (its slot when checked in; each new entry the next number)
-    positions[l, b, c]  its absolute position
-    rows[l, b, c]       its ledger row
+    live[l, b, c]        whether the column holds an entry (the others are free)
+    key[l, b, c]         the entry's slot order (its slot when checked in, aligned on the newest; each new entry
+                         the next number)
+    positions[l, b, c]   its absolute position
+    rows[l, b, c]        its ledger row
     stats[name][l, b, c] its attention statistics (acc, ema, count, low: those the cache tracks)
+    order[l, b, j]       slot j's column, live slots first (with ``slots``, or statistics pooled over neighbours)
 
-each ``(L, B, n + 1)``: ``n`` live entries and one free column, the one the last eviction freed. A step writes each
-row's new entry into that free column of every layer (nothing moves, no holes, no mask: every column is live),
-measures its attention in the same pass (the ``"kvlab"`` attention function's mass, one ``(L, B, n + 1)`` block) and
-folds it into the statistics with one op each. The policy then names, per layer and row, the column to drop
-(:class:`ColumnView`, ``column_drop``: one masked ``argmin``); :meth:`Resident.evict` frees those columns for the next
-step. Keys are post-RoPE and a one-query step attends over a set, so the column order does not matter.
+each ``(L, B, C)``, ``C`` the most entries a layer holds in a step (a budget of ``n`` and the step's new entry:
+``n + 1``). A step writes each row's new entry into a free column of every layer (nothing moves; no mask while every
+column read is live), measures its attention in the same pass (the ``"kvlab"`` attention function's mass, one
+``(L, B, C)`` block) and folds it into the statistics with one op each. The policy then names what goes
+(:class:`ColumnView`, ``column_drop``: one column per layer and row, one masked ``argmin``, or a mask for more: a
+cut to a tighter budget, a block); :meth:`Resident.evict` frees those columns for the next steps, and packs the live
+entries back to the front when a bulk drop frees a quarter of the columns read. Keys are post-RoPE and a one-query
+step attends over a set, so the column order does not matter.
 
 :meth:`Resident.close` hands the caches back as the batched loop would have left them: each layer's entries in slot
-order in the row's first ``n`` columns, its live map, statistics, events (one ``evicted`` event per layer, or one for
-all layers when they dropped the same row) and next position. The ledger is appended at every step. While resident,
-a row's cache refuses every use (its storage, mirror and statistics are out on loan); ``with Resident(...)`` closes
-on exit. The statistics are the batched loop's numbers computed over another column order (equal within fp32
-tolerance; the decisions and logits match it: tests/test_resident.py).
+order in the row's first columns, its live map, statistics, events (one ``evicted`` event per layer, or one for all
+layers when they dropped the same rows while holding the same rows) and next position. The ledger is appended at
+every step. While resident, a row's cache refuses every use (its storage, mirror and statistics are out on loan);
+``with Resident(...)`` closes on exit. The statistics are the batched loop's numbers computed over another column
+order (equal within fp32 tolerance; the decisions and logits match it: tests/test_resident.py).
 """
 from __future__ import annotations
 
