@@ -52,7 +52,7 @@ class ColumnView:
     float32 (the statistics the cache tracks); ``positions`` / ``key`` / ``rows``: ``(L, B, C)`` long (absolute
     position, slot order, ledger row); ``live``: ``(L, B, C)`` bool, the columns holding an entry (the others are
     free: read nothing there); ``newest_key``: the key of the step's new entry (a layer's newest ``w`` slots are the
-    keys above ``newest_key - w``); ``budget``: the entries each layer held when checked in; ``records``: each row's
+    keys above ``newest_key - w``); ``records``: each row's
     step record (entropy, top-1, margin: Conf-KV's confidence) or None; ``vocab_size``; ``step``; ``order``: each
     layer's columns in slot order, its live ones first (a resident bank made with ``slots``), else None."""
 
@@ -62,7 +62,6 @@ class ColumnView:
     rows: torch.Tensor
     live: torch.Tensor
     newest_key: int
-    budget: int
     step: int
     records: tuple | None = None
     vocab_size: int | None = None
@@ -140,7 +139,7 @@ class Resident:
                 rows[i, b, :n] = torch.tensor(list(live))
                 key[i, b, :n] = torch.arange(top - n, top)      # every layer's newest entry: key top - 1
         self.bank, self.caches, self.L, self.B, self.C = bank, caches, L, B, C
-        self.budget = top
+        self.budget = top                                       # the longest layer when checked in
         dev = bank.device
         for i in range(L):                                      # every row layer dense at the front, room for C
             if bank.capacity(i) < C:
@@ -281,7 +280,7 @@ class Resident:
         (a policy that reads its confidence needs them)."""
         self._live()
         return ColumnView(stats=dict(self.stats), positions=self.positions, key=self.key, rows=self.rows,
-                          live=self.live, newest_key=self.next_key - 1, budget=self.budget, step=step,
+                          live=self.live, newest_key=self.next_key - 1, step=step,
                           records=None if records is None else tuple(records), vocab_size=vocab_size,
                           order=self.order)
 
@@ -332,17 +331,27 @@ class Resident:
             gone = ~self.live.gather(2, self.order)                                            # (L, B, C) by slot
             self.order = self.order.gather(2, gone.to(torch.uint8).argsort(dim=-1, stable=True))
 
+    def _slot_perm(self) -> torch.Tensor:
+        """``(L, B, C)``: each layer's live columns in slot order, then its free ones."""
+        return torch.where(self.live, self.key, _BIG).argsort(-1)
+
+    def _to_front(self, perm: torch.Tensor) -> None:
+        """Every layer's K/V columns ``perm[l, b]`` (``(L, B, m)``) moved, in that order, to its first ``m`` columns
+        (one gather per buffer)."""
+        B, m = self.B, perm.shape[-1]
+        for i in range(self.L):
+            idx = perm[i][:, None, :, None]                                                   # (B, 1, m, 1)
+            for buf in (self.bank.k[i], self.bank.v[i]):
+                part = buf[:B]                                                                 # (B, H_kv, cap, D)
+                part[:, :, :m] = part.gather(2, idx.expand(B, part.shape[1], m, part.shape[3]))
+
     def _pack(self) -> None:
         """Every layer's live entries moved to its first columns in slot order (one gather per buffer and per-column
         tensor), so a step reads no more columns than the longest layer holds."""
         L, B = self.L, self.B
-        perm = torch.where(self.live, self.key, _BIG).argsort(-1)                             # (L, B, C) live first
+        perm = self._slot_perm()                                                               # (L, B, C) live first
         top = int(self.live.sum(-1).max())
-        for i in range(L):
-            idx = perm[i, :, :top][:, None, :, None]                                          # (B, 1, top, 1)
-            for buf in (self.bank.k[i], self.bank.v[i]):
-                part = buf[:B]                                                                 # (B, H_kv, cap, D)
-                part[:, :, :top] = part.gather(2, idx.expand(B, part.shape[1], top, part.shape[3]))
+        self._to_front(perm[..., :top])
         for name in ("positions", "rows", "key", "live"):
             setattr(self, name, getattr(self, name).gather(2, perm))
         for name, t in self.stats.items():
@@ -361,13 +370,9 @@ class Resident:
         L, B = self.L, self.B
         n_lb = self.live.sum(-1)                                                               # (L, B)
         top = int(n_lb.max())
-        perm = torch.where(self.live, self.key, _BIG).argsort(-1)[..., :top]                   # (L, B, top) slot order
+        perm = self._slot_perm()[..., :top]                                                    # (L, B, top) slot order
         bank = self.bank
-        for i in range(L):
-            idx = perm[i][:, None, :, None]                                                   # (B, 1, top, 1)
-            for buf in (bank.k[i], bank.v[i]):
-                part = buf[:B]                                                                 # (B, H_kv, cap, D)
-                part[:, :, :top] = part.gather(2, idx.expand(B, part.shape[1], top, part.shape[3]))
+        self._to_front(perm)
         rows = self.rows.gather(2, perm).cpu().tolist()                                        # L x B x top
         stats = {name: t.gather(2, perm).cpu() for name, t in self.stats.items()}
         counts = n_lb.cpu().tolist()
@@ -388,8 +393,7 @@ class Resident:
                     if len(set(ns)) == 1:
                         st._set(name, t[:, b, :ns[0]].to(st.device).clone())
                     else:
-                        st._data[name] = [t[i, b, :n].to(st.device).clone() for i, n in enumerate(ns)]
-                        st._mats.pop(name, None)
+                        st._set_layers(name, [t[i, b, :n].to(st.device).clone() for i, n in enumerate(ns)])
             c.next_position = self.next_pos[b]
             c.check()
         self.closed = True

@@ -96,6 +96,11 @@ class AttnStats:
         self._data[name] = None
         self._mats[name] = (mat, None)
 
+    def _set_layers(self, name: str, ts: list[torch.Tensor]) -> None:
+        """``data[name]`` := ``ts`` (one ``(T_l,)`` tensor per layer; layers of different lengths)."""
+        self._data[name] = list(ts)
+        self._mats.pop(name, None)
+
     @property
     def query_decay(self) -> float | None:
         """β when the EMA takes per-query updates (the query capture then weights each query), else None."""

@@ -62,8 +62,9 @@ EVICT_ATTRS: dict[str, Attr] = {
                                   "its length when checked in + 1)"),
     "column_slots": Attr(False, "with decides_columns: column_drop reads the entries in slot order (ColumnView.order; "
                                 "a resident bank keeps it: block eviction's areas)"),
-    "column_drop": Attr(None, "column_drop(cols) -> (L, B) long: with decides_columns, the column each layer of each "
-                              "row drops (kvlab.cache.resident.ColumnView), the entry keep would drop"),
+    "column_drop": Attr(None, "column_drop(cols) -> (L, B) long or (L, B, C) bool: with decides_columns, the column "
+                              "each layer of each row drops, or a mask of the columns (kvlab.cache.resident.ColumnView): "
+                              "the entries keep would drop"),
 }
 
 REFRESH_ATTRS: dict[str, Attr] = {

@@ -215,9 +215,7 @@ class ConfKV(RankedEviction):
         batch's rows together (:meth:`~kvlab.eviction.ranked.RankedEviction.keep_rows`)."""
         c = self.step_confidence(view)
         budget = self.tight if c >= self.gamma else self.loose
-        budgets = (pyramid_budgets(budget, view.num_layers, self.pyramid_ratio) if self.pyramidal
-                   else [budget] * view.num_layers)
-        return self.plan_select(view, budgets, budget=budget, confidence=c, int8_window=self.int8_window,
+        return self.plan_select(view, self._budgets(budget, view.num_layers), budget=budget, confidence=c, int8_window=self.int8_window,
                                 int8_group=self.int8_group)
 
     # ------------------------------------------------------------------ over a resident bank's columns
@@ -233,6 +231,7 @@ class ConfKV(RankedEviction):
         return max(self._budgets(self.loose, num_layers)) + 1
 
     def _budgets(self, budget: int, num_layers: int) -> list[int]:
+        """Per layer, the entries kept at step budget ``budget``: the pyramid around it, or ``budget`` everywhere."""
         return pyramid_budgets(budget, num_layers, self.pyramid_ratio) if self.pyramidal else [budget] * num_layers
 
     def column_drop(self, cols) -> torch.Tensor:

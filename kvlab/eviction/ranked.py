@@ -52,10 +52,9 @@ from typing import Sequence
 import torch
 
 from kvlab.decode.protocols import EvictView, Keep, keep_all
-from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, drop_lowest, masked_minmax,  # noqa: F401
-                                    minmax,
-                                    per_layer, rank_items, rank_plans, top_and_recent_layers, top_slots,
-                                    top_slots_layers)
+from kvlab.eviction.ranking import (Plan, _bottom_rows, _stack_scores, _top_rows, drop_lowest,  # noqa: F401
+                                    masked_minmax, minmax, per_layer, rank_items, rank_plans,
+                                    top_and_recent_layers, top_slots, top_slots_layers)
 
 # --------------------------------------------------------------------------- reading the view
 

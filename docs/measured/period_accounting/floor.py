@@ -108,7 +108,7 @@ with torch.inference_mode():
     for step in range(1, N + 1):
         if step == 1 or step % 16 == 0:
             p = src.copy(); p.crop(budget); pc = [pbank.adopt(b, p) for b in range(B)]; fresh = True
-        order = ["evict", "ring", "lib"]; k = step % 3; order = order[k:] + order[k:] if False else order[k:] + order[:k]
+        order = ["evict", "ring", "lib"]; k = step % 3; order = order[k:] + order[:k]
         for who in order:
             if who == "evict":
                 a, b = ev.step(7)
